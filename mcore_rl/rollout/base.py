@@ -27,7 +27,9 @@ class RolloutSample:
     response_ids: list[int]
     logprobs: torch.Tensor  # [len(response_ids)] float32, log-prob of each sampled token under the sampling distribution
     finish_reason: str  # "stop" (hit a stop token) | "length" (max_new_tokens)
-    # [len(response_ids), num_moe_layers, top_k] int16 expert ids chosen by the router per token, when captured
+    # [len(prompt_ids) + len(response_ids), num_moe_layers, top_k] int16 expert ids the router chose for every
+    # token of the sequence (prompt too: replaying routes in training needs them for every position), or None
+    # where the engine cannot capture them.
     routed_experts: Optional[torch.Tensor] = None
 
 
@@ -45,6 +47,20 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Take new weights as (Hugging Face name, full tensor) pairs; may be called with a stream of buckets."""
+
+    def weight_names(self) -> Optional[set[str]]:
+        """The Hugging Face names a complete sync must deliver, or None if the engine cannot tell."""
+        return None
+
+    def weight_diffs(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Optional[dict[str, float]]:
+        """Max abs difference between the engine's copy of each given tensor and the given value, or None
+        where the engine cannot read its weights back (used to name the tensors a failed sync got wrong)."""
+        return None
+
+    def rebuild_from(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Recreate the model from complete weights by a path known to be exact (the fallback after a sync
+        fails verification)."""
+        raise NotImplementedError(f"{type(self).__name__} has no exact rebuild path; use rollout.verify_fallback=error")
 
     def sleep(self) -> None:
         """Release memory while the actor trains (colocated). Default: no-op."""
