@@ -1,0 +1,290 @@
+"""Parallel layout validation: pure Python, no Megatron import, no process group.
+
+`validate_layout` checks a `ParallelConfig` against a world size and the model's dimensions before any
+process starts, and returns the derived sizes (DP, expert DP, layers per stage, ...). Each violated rule
+raises `LayoutError` with one line naming the constraint, the numbers and a fix, so that a wrong layout
+fails in a second instead of after minutes of model loading on 32 devices.
+
+The rules mirror what Megatron-Core asserts later (parallel_state, TransformerConfig, the embedding):
+  world = tp * pp * cp * dp                          (parallel_state: world divisible by model size)
+  tp | attention heads, tp | query groups            (attention splits heads and KV groups over TP)
+  pp | layers, or explicit uneven first/last stages  (TransformerConfig pipeline split)
+  ep | experts; etp | expert FFN size                (experts and their FFN split over EP x ETP)
+  ep * etp | tp * cp * dp                            (MoE parallel folding: EP x ETP x EDP = TP x CP x DP)
+  tp | vocabulary                                    (VocabParallelEmbedding; see `_check_vocab`)
+  MoE with tp > 1 needs sequence parallel            (Megatron raises in training; turned on with a warning)
+  cp > 1 needs Transformer Engine / MindSpeed attention (the local attention asserts cp == 1)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from mcore_rl.config import ParallelConfig
+
+# Megatron-LM's default `--make-vocab-size-divisible-by`; its vocabulary padding multiple is this x TP.
+MEGATRON_VOCAB_DIVISIBLE_BY = 128
+
+
+class LayoutError(ValueError):
+    """An impossible parallel layout; the message names the rule, the numbers and a fix."""
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The model dimensions that constrain a parallel layout."""
+
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    num_experts: int  # routed experts; 0 for a dense model
+    vocab_size: int
+    hidden: int
+    moe_ffn_hidden_size: int = 0  # per-expert FFN size (0: unknown / dense)
+    moe_top_k: int = 0
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> "ModelDims":
+        """From a Hugging Face config object, a dict, a config.json path or a checkpoint folder."""
+        if isinstance(hf_config, ModelDims):
+            return hf_config
+        if isinstance(hf_config, (str, os.PathLike)):
+            path = os.fspath(hf_config)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            if not os.path.isfile(path):
+                raise LayoutError(f"model config {path} does not exist: point model.path at a Hugging Face checkpoint folder with a config.json")
+            with open(path) as f:
+                hf_config = json.load(f)
+        get = hf_config.get if isinstance(hf_config, dict) else (lambda k, d=None: getattr(hf_config, k, d))
+        heads = get("num_attention_heads")
+        num_experts = get("num_experts") or get("num_local_experts") or get("n_routed_experts") or 0
+        return cls(
+            num_layers=int(get("num_hidden_layers")),
+            num_attention_heads=int(heads),
+            num_query_groups=int(get("num_key_value_heads") or heads),
+            num_experts=int(num_experts),
+            vocab_size=int(get("vocab_size")),
+            hidden=int(get("hidden_size")),
+            moe_ffn_hidden_size=int(get("moe_intermediate_size") or 0) if num_experts else 0,
+            moe_top_k=int(get("num_experts_per_tok") or 0) if num_experts else 0,
+        )
+
+
+@dataclass(frozen=True)
+class DerivedLayout:
+    """Sizes that follow from a valid layout; `warnings` lists what was adjusted and why."""
+
+    world_size: int
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    ep: int
+    etp: int
+    edp: int  # expert data parallel: tp * cp * dp / (ep * etp)
+    vpp: Optional[int]
+    sequence_parallel: bool  # effective value (auto-on for MoE with tp > 1, off for tp == 1)
+    micro_batch_size: int
+    layers_per_stage: tuple[int, ...]
+    padded_vocab_size: int
+    seq_len_multiple: int  # every packed/padded sequence length must be a multiple of this
+    warnings: tuple[str, ...] = ()
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_sizes(p: ParallelConfig, world_size: int) -> None:
+    sizes = {"world_size": world_size, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "etp": p.expert_tp,
+             "micro_batch_size": p.micro_batch_size}
+    if p.virtual_pp is not None:
+        sizes["virtual_pp"] = p.virtual_pp
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            key = name if name == "world_size" else f"actor.parallel.{name}"
+            raise LayoutError(f"{key} = {value!r} must be an integer >= 1: set it to 1 or more")
+
+
+def _check_world(p: ParallelConfig, world_size: int) -> int:
+    model = p.tp * p.pp * p.cp
+    if world_size % model:
+        raise LayoutError(
+            f"world size {world_size} is not divisible by tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {model}: "
+            f"use a world size that is a multiple of {model}, or lower tp/pp/cp to divide {world_size}"
+        )
+    return world_size // model
+
+
+def _check_heads(p: ParallelConfig, dims: ModelDims) -> None:
+    for what, n in (("attention heads", dims.num_attention_heads), ("query groups (KV heads)", dims.num_query_groups)):
+        if n % p.tp:
+            ok = [d for d in _divisors(math.gcd(dims.num_attention_heads, dims.num_query_groups))]
+            raise LayoutError(f"tp = {p.tp} must divide the model's {n} {what}: use tp in {ok}")
+
+
+def _stage_layers(p: ParallelConfig, dims: ModelDims) -> tuple[int, ...]:
+    first, last = p.num_layers_in_first_stage, p.num_layers_in_last_stage
+    n = dims.num_layers
+    if first is None and last is None:
+        if n % p.pp:
+            raise LayoutError(
+                f"pp = {p.pp} must divide the model's {n} layers: use pp in {_divisors(n)}, or set "
+                f"actor.parallel.num_layers_in_first_stage / num_layers_in_last_stage for uneven stages"
+            )
+        stages = (n // p.pp,) * p.pp
+    else:
+        if p.pp < 2:
+            raise LayoutError(f"uneven pipeline stages (first={first}, last={last}) need pp >= 2, got pp = {p.pp}: remove them or raise pp")
+        for name, v in (("num_layers_in_first_stage", first), ("num_layers_in_last_stage", last)):
+            if v is not None and v < 1:
+                raise LayoutError(f"actor.parallel.{name} = {v} must be >= 1: give every stage at least one layer")
+        middle_stages = p.pp - (first is not None) - (last is not None)
+        middle_layers = n - (first or 0) - (last or 0)
+        if middle_layers < 0 or (middle_stages == 0) != (middle_layers == 0) or (middle_stages and middle_layers % middle_stages):
+            raise LayoutError(
+                f"uneven stages: {n} layers minus first={first} and last={last} leaves {middle_layers} layers for "
+                f"{middle_stages} middle stages, which must split evenly: adjust the first/last stage sizes"
+            )
+        mid = (middle_layers // middle_stages,) * middle_stages if middle_stages else ()
+        stages = ((first,) if first is not None else ()) + mid + ((last,) if last is not None else ())
+    if p.virtual_pp is not None:
+        if p.pp < 2:
+            raise LayoutError(f"virtual_pp = {p.virtual_pp} needs pp >= 2 (got pp = {p.pp}): remove virtual_pp or raise pp")
+        bad = [s for s in stages if s % p.virtual_pp]
+        if bad:
+            raise LayoutError(
+                f"virtual_pp = {p.virtual_pp} must divide the layers of every pipeline stage {list(stages)}: "
+                f"use virtual_pp in {_divisors(math.gcd(*stages))}"
+            )
+    return stages
+
+
+def _check_experts(p: ParallelConfig, dims: ModelDims) -> None:
+    etp = p.expert_tp
+    if dims.num_experts == 0:
+        if p.ep > 1:
+            raise LayoutError(f"ep = {p.ep} needs a Mixture-of-Experts model, but this model is dense: set actor.parallel.ep = 1")
+        return
+    if dims.num_experts % p.ep:
+        raise LayoutError(f"ep = {p.ep} must divide the model's {dims.num_experts} experts: use ep in {_divisors(dims.num_experts)}")
+    if dims.moe_ffn_hidden_size and dims.moe_ffn_hidden_size % etp:
+        raise LayoutError(
+            f"expert tensor parallel etp = {etp} must divide the expert FFN size {dims.moe_ffn_hidden_size}: "
+            f"use etp in {[d for d in _divisors(dims.moe_ffn_hidden_size) if d <= 8]} (etp defaults to tp; set actor.parallel.etp)"
+        )
+
+
+def _check_expert_folding(p: ParallelConfig, dp: int, world_size: int) -> int:
+    etp = p.expert_tp
+    dense = p.tp * p.cp * dp
+    expert = p.ep * etp
+    if dense % expert:
+        need = p.pp * math.lcm(p.tp * p.cp, expert)
+        fits = [e for e in _divisors(dense) if dense % (e * etp) == 0]
+        raise LayoutError(
+            f"ep*etp = {p.ep}*{etp} = {expert} must divide tp*cp*dp = {p.tp}*{p.cp}*{dp} = {dense} "
+            f"(world {world_size} = tp{p.tp} x pp{p.pp} x cp{p.cp} x dp{dp}; MoE folding EP x ETP x EDP = TP x CP x DP): "
+            f"use ep in {fits} at etp={etp}, or a world size that is a multiple of {need}"
+        )
+    return dense // expert
+
+
+def _check_vocab(p: ParallelConfig, dims: ModelDims) -> int:
+    # Megatron-LM pads the vocabulary to a multiple of make_vocab_size_divisible_by (128) x TP; our bridge
+    # builds the embedding with the checkpoint's own vocabulary, so it must split evenly over TP.
+    if dims.vocab_size % p.tp:
+        multiple = MEGATRON_VOCAB_DIVISIBLE_BY * p.tp
+        padded = -(-dims.vocab_size // multiple) * multiple
+        raise LayoutError(
+            f"tp = {p.tp} must divide the vocabulary size {dims.vocab_size} (the embedding and output layer are split over TP): "
+            f"use tp in {[d for d in _divisors(dims.vocab_size) if d <= 64]}, or pad the checkpoint's embedding/lm_head rows "
+            f"to {padded} (Megatron-LM's padding: a multiple of make_vocab_size_divisible_by {MEGATRON_VOCAB_DIVISIBLE_BY} x tp {p.tp})"
+        )
+    return dims.vocab_size
+
+
+def _sequence_parallel(p: ParallelConfig, dims: ModelDims, warnings: list[str]) -> bool:
+    if p.tp == 1:
+        if p.sequence_parallel:
+            warnings.append("sequence_parallel turned off: it needs tp > 1 (Megatron raises otherwise)")
+        return False
+    if dims.num_experts and not p.sequence_parallel:
+        warnings.append(f"sequence_parallel turned on: Megatron requires it for MoE training with tp = {p.tp} > 1")
+        return True
+    return p.sequence_parallel
+
+
+def _check_context_parallel(p: ParallelConfig, platform: Optional[str]) -> None:
+    if p.cp > 1 and platform == "cpu":
+        raise LayoutError(
+            f"cp = {p.cp} needs Transformer Engine (CUDA) or MindSpeed (NPU) attention; Megatron's local attention "
+            f"used on CPU asserts cp == 1: set actor.parallel.cp = 1 on CPU"
+        )
+
+
+def validate_layout(parallel: ParallelConfig, world_size: int, dims: Any, platform: Optional[str] = None) -> DerivedLayout:
+    """Check `parallel` for `world_size` processes and this model; raise LayoutError on the first violation.
+
+    `dims` is a ModelDims or anything `ModelDims.from_hf` accepts (HF config object, dict, config.json path,
+    checkpoint folder). `platform` ("cpu" | "cuda" | "npu" | None) enables platform-specific rules.
+    """
+    dims = ModelDims.from_hf(dims)
+    p = parallel
+    _check_sizes(p, world_size)
+    dp = _check_world(p, world_size)
+    _check_heads(p, dims)
+    stages = _stage_layers(p, dims)
+    _check_experts(p, dims)
+    edp = _check_expert_folding(p, dp, world_size)
+    padded_vocab = _check_vocab(p, dims)
+    _check_context_parallel(p, platform)
+    warnings: list[str] = []
+    sp = _sequence_parallel(p, dims, warnings)
+    if platform == "cpu" and p.expert_tp > 1 and p.ep > 1:
+        warnings.append(f"etp = {p.expert_tp} with ep > 1 on CPU: gloo rejects the uneven all-gather of the alltoall dispatcher; etp = 1 avoids it")
+    # Sequence parallel splits the sequence over TP; context parallel splits it into 2*cp load-balanced chunks.
+    seq_multiple = (p.tp if sp else 1) * (2 * p.cp if p.cp > 1 else 1)
+    return DerivedLayout(
+        world_size=world_size, tp=p.tp, pp=p.pp, cp=p.cp, dp=dp, ep=p.ep, etp=p.expert_tp, edp=edp,
+        vpp=p.virtual_pp, sequence_parallel=sp, micro_batch_size=p.micro_batch_size,
+        layers_per_stage=stages, padded_vocab_size=padded_vocab, seq_len_multiple=seq_multiple,
+        warnings=tuple(warnings),
+    )
+
+
+@dataclass(frozen=True)
+class RolloutLayout:
+    tp: int
+    dp: int  # engine replicas: world / tp
+    warnings: tuple[str, ...] = ()
+
+
+def validate_rollout_tp(rollout_tp: int, world_size: int, dims: Any) -> RolloutLayout:
+    """Check the inference engine's tensor-parallel size against the world size and attention heads."""
+    dims = ModelDims.from_hf(dims)
+    if rollout_tp < 1 or world_size % rollout_tp:
+        raise LayoutError(
+            f"rollout.tp = {rollout_tp} must be >= 1 and divide the world size {world_size}: use rollout.tp in {_divisors(world_size)}"
+        )
+    if dims.num_attention_heads % rollout_tp:
+        raise LayoutError(
+            f"rollout.tp = {rollout_tp} must divide the model's {dims.num_attention_heads} attention heads: "
+            f"use rollout.tp in {_divisors(dims.num_attention_heads)}"
+        )
+    kv = dims.num_query_groups
+    warnings: tuple[str, ...] = ()
+    if rollout_tp > kv:
+        if rollout_tp % kv:
+            raise LayoutError(
+                f"rollout.tp = {rollout_tp} above the {kv} KV heads must be a multiple of them: use rollout.tp in {_divisors(kv)} or a multiple of {kv}"
+            )
+        warnings = (f"rollout.tp = {rollout_tp} > {kv} KV heads: the engine replicates each KV head {rollout_tp // kv}x (memory and sync cost)",)
+    elif kv % rollout_tp:
+        raise LayoutError(f"rollout.tp = {rollout_tp} must divide the model's {kv} KV heads: use rollout.tp in {_divisors(kv)}")
+    return RolloutLayout(tp=rollout_tp, dp=world_size // rollout_tp, warnings=warnings)

@@ -1,0 +1,140 @@
+"""Layout rules: one test per rule, all without any process group (pure Python)."""
+
+import json
+
+import pytest
+import torch.distributed as dist
+
+from mcore_rl.config import ParallelConfig
+from mcore_rl.megatron.layout import LayoutError, ModelDims, validate_layout, validate_rollout_tp
+
+# Qwen3-30B-A3B
+QWEN = ModelDims(num_layers=48, num_attention_heads=32, num_query_groups=4, num_experts=128,
+                 vocab_size=151936, hidden=2048, moe_ffn_hidden_size=768, moe_top_k=8)
+DENSE = ModelDims(num_layers=4, num_attention_heads=8, num_query_groups=8, num_experts=0, vocab_size=1000, hidden=64)
+
+
+@pytest.fixture(autouse=True)
+def no_process_group():
+    assert not dist.is_initialized()
+    yield
+    assert not dist.is_initialized()
+
+
+def err(parallel: ParallelConfig, world: int, dims=QWEN, platform=None) -> str:
+    with pytest.raises(LayoutError) as e:
+        validate_layout(parallel, world, dims, platform=platform)
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_valid_layout_derives_sizes():
+    lay = validate_layout(ParallelConfig(tp=4, pp=4, ep=8, etp=1), 32, QWEN)
+    assert (lay.dp, lay.edp, lay.etp) == (2, 1, 1)
+    assert lay.layers_per_stage == (12, 12, 12, 12)
+    assert lay.sequence_parallel and any("sequence_parallel turned on" in w for w in lay.warnings)
+    assert lay.seq_len_multiple == 4 and lay.padded_vocab_size == 151936
+    lay = validate_layout(ParallelConfig(tp=2, ep=8, etp=1), 8, QWEN)
+    assert (lay.dp, lay.edp) == (4, 1)
+    lay = validate_layout(ParallelConfig(tp=4, pp=2, cp=2, ep=4, etp=1), 64, QWEN)
+    assert (lay.dp, lay.edp, lay.seq_len_multiple) == (4, 8, 4 * 4)
+
+
+def test_sizes_must_be_positive():
+    assert "actor.parallel.micro_batch_size = 0" in err(ParallelConfig(micro_batch_size=0), 8)
+    assert "actor.parallel.tp = 0" in err(ParallelConfig(tp=0), 8)
+    assert "world_size = 0" in err(ParallelConfig(), 0)
+
+
+def test_world_divisible_by_model_parallel():
+    msg = err(ParallelConfig(tp=4, pp=4), 24)
+    assert "world size 24 is not divisible by tp*pp*cp = 4*4*1 = 16" in msg and "multiple of 16" in msg
+
+
+def test_tp_divides_query_groups():
+    msg = err(ParallelConfig(tp=8), 8)
+    assert "tp = 8 must divide the model's 4 query groups" in msg and "[1, 2, 4]" in msg
+
+
+def test_tp_divides_heads():
+    dims = ModelDims(num_layers=2, num_attention_heads=6, num_query_groups=2, num_experts=0, vocab_size=96, hidden=48)
+    assert "tp = 4 must divide the model's 6 attention heads" in err(ParallelConfig(tp=4), 4, dims)
+
+
+def test_pp_divides_layers():
+    msg = err(ParallelConfig(pp=5), 5)
+    assert "pp = 5 must divide the model's 48 layers" in msg and "num_layers_in_first_stage" in msg
+
+
+def test_uneven_stages_allow_pp_not_dividing_layers():
+    lay = validate_layout(ParallelConfig(pp=5, num_layers_in_first_stage=8, num_layers_in_last_stage=4), 5, QWEN)
+    assert lay.layers_per_stage == (8, 12, 12, 12, 4) and sum(lay.layers_per_stage) == 48
+    msg = err(ParallelConfig(pp=4, num_layers_in_first_stage=7), 4)
+    assert "leaves 41 layers for 3 middle stages" in msg
+
+
+def test_virtual_pp_divides_stage_layers():
+    assert validate_layout(ParallelConfig(pp=4, virtual_pp=3), 4, QWEN).vpp == 3
+    assert "virtual_pp = 5 must divide the layers of every pipeline stage [12, 12, 12, 12]" in err(ParallelConfig(pp=4, virtual_pp=5), 4)
+    assert "needs pp >= 2" in err(ParallelConfig(pp=1, virtual_pp=2), 1)
+
+
+def test_ep_divides_experts():
+    assert "ep = 3 must divide the model's 128 experts" in err(ParallelConfig(ep=3), 3)
+    assert "dense" in err(ParallelConfig(ep=2), 2, DENSE)
+
+
+def test_etp_must_divide_expert_ffn_size():
+    dims = ModelDims(num_layers=2, num_attention_heads=4, num_query_groups=4, num_experts=8, vocab_size=128,
+                     hidden=64, moe_ffn_hidden_size=90)
+    assert "etp = 4 must divide the expert FFN size 90" in err(ParallelConfig(tp=4, etp=4), 4, dims)
+
+
+def test_expert_parallel_folds_into_tp_cp_dp():
+    # The 32-device recipe (TP4 PP4 EP8 ETP1) on 2 nodes x 8: DP 1, EP8 cannot fold into TP4 x DP1.
+    msg = err(ParallelConfig(tp=4, pp=4, ep=8, etp=1), 16)
+    assert "ep*etp = 8*1 = 8 must divide tp*cp*dp = 4*1*1 = 4" in msg
+    assert "use ep in [1, 2, 4]" in msg and "multiple of 32" in msg
+
+
+def test_vocab_divisible_by_tp_names_megatron_padding():
+    dims = ModelDims(num_layers=2, num_attention_heads=4, num_query_groups=4, num_experts=0, vocab_size=130, hidden=64)
+    msg = err(ParallelConfig(tp=4), 4, dims)
+    assert "tp = 4 must divide the vocabulary size 130" in msg and "to 512" in msg and "128 x tp 4" in msg
+
+
+def test_sequence_parallel_auto_on_for_moe_and_off_for_tp1():
+    lay = validate_layout(ParallelConfig(tp=2, sequence_parallel=False), 2, QWEN)
+    assert lay.sequence_parallel and lay.seq_len_multiple == 2
+    lay = validate_layout(ParallelConfig(tp=1, sequence_parallel=True), 1, QWEN)
+    assert not lay.sequence_parallel and "needs tp > 1" in lay.warnings[0]
+    lay = validate_layout(ParallelConfig(tp=2, sequence_parallel=False), 2, DENSE)
+    assert not lay.sequence_parallel and lay.warnings == ()
+
+
+def test_context_parallel_rejected_on_cpu():
+    assert "cp = 2 needs Transformer Engine" in err(ParallelConfig(cp=2), 2, platform="cpu")
+    assert validate_layout(ParallelConfig(cp=2), 2, QWEN, platform="cuda").seq_len_multiple == 4
+
+
+def test_model_dims_from_hf_config_object_and_files(tmp_path, tiny_model_dir):
+    from transformers import AutoConfig
+
+    tiny = ModelDims.from_hf(AutoConfig.from_pretrained(tiny_model_dir))
+    assert tiny == ModelDims.from_hf(tiny_model_dir) == ModelDims.from_hf(f"{tiny_model_dir}/config.json")
+    assert (tiny.num_layers, tiny.num_attention_heads, tiny.num_query_groups, tiny.num_experts, tiny.vocab_size) == (2, 4, 2, 8, 128)
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 3, "num_attention_heads": 2, "vocab_size": 10, "hidden_size": 8}))
+    dense = ModelDims.from_hf(tmp_path)
+    assert dense.num_query_groups == 2 and dense.num_experts == 0
+    with pytest.raises(LayoutError, match="does not exist"):
+        ModelDims.from_hf(tmp_path / "missing")
+
+
+def test_rollout_tp():
+    assert validate_rollout_tp(4, 32, QWEN).dp == 8
+    assert validate_rollout_tp(8, 32, QWEN).warnings  # replicates KV heads
+    with pytest.raises(LayoutError, match="divide the world size 32"):
+        validate_rollout_tp(3, 32, QWEN)
+    with pytest.raises(LayoutError, match="above the 4 KV heads must be a multiple"):
+        validate_rollout_tp(6, 12, ModelDims(2, 12, 4, 0, 8, 8))
