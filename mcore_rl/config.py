@@ -23,6 +23,8 @@ class ParallelConfig:
     sequence_parallel: bool = False  # required by Megatron for MoE with tp > 1 (turned on automatically)
     micro_batch_size: int = 1  # sequences per micro-batch
     virtual_pp: Optional[int] = None  # interleaved pipeline chunks per stage
+    num_layers_in_first_stage: Optional[int] = None  # uneven pipeline: layers on the first stage
+    num_layers_in_last_stage: Optional[int] = None  # uneven pipeline: layers on the last stage
 
     @property
     def expert_tp(self) -> int:
