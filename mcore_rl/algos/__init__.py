@@ -1,0 +1,8 @@
+"""RL algorithms in plain torch (no Megatron): advantages, policy losses, aggregation, KL."""
+
+from mcore_rl.algos.advantages import group_advantages
+from mcore_rl.algos.aggregation import GlobalCounts, aggregate
+from mcore_rl.algos.kl import kl_estimate
+from mcore_rl.algos.losses import policy_loss, validate_algo
+
+__all__ = ["group_advantages", "GlobalCounts", "aggregate", "kl_estimate", "policy_loss", "validate_algo"]
