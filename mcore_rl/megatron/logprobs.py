@@ -1,0 +1,119 @@
+"""Log-probabilities of target tokens and the entropy, from vocabulary-sharded logits.
+
+Tensor parallelism shards the output layer over the vocabulary: each rank holds logits [.., V/tp]
+for its contiguous vocabulary slice (rank r owns ids [r * V/tp, (r+1) * V/tp)). We never gather the
+full vocabulary; per token the ranks all-reduce one max and three partial sums
+(sum exp, sum exp * z, target logit). Work runs in chunks of `chunk_tokens` tokens, so the only
+extra [tokens, V/tp] memory beyond the input logits and their gradient is one chunk of fp32
+temporaries, in forward and in backward (the backward recomputes softmax from the saved input
+logits instead of keeping it). The input is never modified in place.
+
+Temperature is applied here, once: z = logits / temperature.
+Plain torch.distributed (no Megatron import): pass the tensor-parallel group, or None for world 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_CHUNK_TOKENS = 1024
+
+
+def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def _vocab_start(local_vocab: int, group) -> int:
+    rank = dist.get_rank(group) if group is not None else 0
+    return rank * local_vocab
+
+
+def _chunk_stats(z: torch.Tensor, target: torch.Tensor, vocab_start: int, group):
+    """For one chunk of scaled logits z [c, V/tp]: global max m, log sum exp(z - m), target z, E_p[z - m]."""
+    m = z.max(dim=-1).values
+    _all_reduce(m, dist.ReduceOp.MAX, group)
+    shifted = z - m.unsqueeze(-1)
+    exp = shifted.exp()
+    local_ids = target - vocab_start
+    owned = (local_ids >= 0) & (local_ids < z.shape[-1])
+    picked = shifted.gather(-1, local_ids.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+    sums = torch.stack([exp.sum(-1), (exp * shifted).sum(-1), torch.where(owned, picked, torch.zeros_like(picked))])
+    _all_reduce(sums, dist.ReduceOp.SUM, group)  # one collective for the three partial sums
+    sum_exp, sum_exp_shifted, target_shifted = sums
+    log_z = sum_exp.log()
+    return m, log_z, target_shifted, sum_exp_shifted / sum_exp
+
+
+class _VocabParallelLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, temperature, group, chunk_tokens, with_entropy):
+        n, local_vocab = logits.shape
+        vocab_start = _vocab_start(local_vocab, group)
+        log_prob = torch.empty(n, dtype=torch.float32, device=logits.device)
+        entropy = torch.empty(n, dtype=torch.float32, device=logits.device)
+        maxes = torch.empty_like(log_prob)
+        log_zs = torch.empty_like(log_prob)
+        for s in range(0, n, chunk_tokens):
+            e = min(s + chunk_tokens, n)
+            z = logits[s:e].float() / temperature
+            m, log_z, tgt, mean_shifted = _chunk_stats(z, target[s:e], vocab_start, group)
+            log_prob[s:e] = tgt - log_z
+            entropy[s:e] = log_z - mean_shifted  # H = log Z - E_p[z - m] (Z taken after the shift)
+            maxes[s:e], log_zs[s:e] = m, log_z
+        ctx.save_for_backward(logits, target, maxes, log_zs, entropy)
+        ctx.temperature, ctx.chunk_tokens, ctx.vocab_start, ctx.with_entropy = temperature, chunk_tokens, vocab_start, with_entropy
+        ctx.mark_non_differentiable(target)
+        return log_prob, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_prob, grad_entropy):
+        logits, target, maxes, log_zs, entropy = ctx.saved_tensors
+        n, local_vocab = logits.shape
+        grad_logits = torch.empty_like(logits)
+        for s in range(0, n, ctx.chunk_tokens):
+            e = min(s + ctx.chunk_tokens, n)
+            # log p = z - m - log Z, recomputed per chunk instead of stored
+            log_p = logits[s:e].float() / ctx.temperature - (maxes[s:e] + log_zs[s:e]).unsqueeze(-1)
+            p = log_p.exp()
+            # d log p_y / d z = onehot(y) - p
+            g = p * (-grad_log_prob[s:e].unsqueeze(-1))
+            if ctx.with_entropy and grad_entropy is not None:
+                # d H / d z_j = -p_j (log p_j + H)
+                g -= grad_entropy[s:e].unsqueeze(-1) * p * (log_p + entropy[s:e].unsqueeze(-1))
+            local_ids = target[s:e] - ctx.vocab_start
+            owned = (local_ids >= 0) & (local_ids < local_vocab)
+            rows = torch.nonzero(owned).squeeze(-1)
+            g[rows, local_ids[rows]] += grad_log_prob[s:e][rows]
+            grad_logits[s:e] = g / ctx.temperature
+        return grad_logits, None, None, None, None, None
+
+
+def vocab_parallel_log_probs(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    temperature: float = 1.0,
+    group: dist.ProcessGroup | None = None,
+    with_entropy: bool = False,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of `target` under softmax(logits / temperature) over the full (sharded) vocabulary.
+
+    logits: [..., V/tp] this rank's vocabulary shard (any float dtype; math in fp32);
+    target: [...] global token ids; group: the tensor-parallel group (None: unsharded).
+    Returns (log_prob [...], entropy [...] or None), fp32, differentiable w.r.t. logits.
+    Every rank of `group` must call this with the same tokens (it runs collectives).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}; use the rollout's sampling temperature")
+    if target.shape != logits.shape[:-1]:
+        raise ValueError(f"target shape {tuple(target.shape)} must equal logits shape without the vocab dim {tuple(logits.shape[:-1])}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    lead = target.shape
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    log_prob, entropy = _VocabParallelLogProbs.apply(
+        flat_logits, target.reshape(-1).long(), float(temperature), group, int(chunk_tokens), with_entropy)
+    return log_prob.view(lead), (entropy.view(lead) if with_entropy else None)

@@ -1,0 +1,73 @@
+"""Vocab-parallel log-probs and entropy vs full-vocabulary log_softmax (values and gradients)."""
+
+import pytest
+import torch
+
+from mcore_rl.megatron.logprobs import vocab_parallel_log_probs
+from torchrun_util import REPO, run_torchrun
+
+
+def reference(logits, target, temperature):
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    lp = logp_all.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    return lp, -(logp_all.exp() * logp_all).sum(-1)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 1024])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_matches_log_softmax_values_and_gradients(chunk, temperature):
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(3, 7, 50, generator=g, dtype=torch.float64) * 5)
+    target = torch.randint(0, 50, (3, 7), generator=g)
+    g_lp, g_h = torch.randn(3, 7, generator=g, dtype=torch.float64), torch.randn(3, 7, generator=g, dtype=torch.float64)
+    a = logits.clone().requires_grad_(True)
+    lp, ent = vocab_parallel_log_probs(a, target, temperature, with_entropy=True, chunk_tokens=chunk)
+    ((lp * g_lp).sum() + (ent * g_h).sum()).backward()
+    b = logits.clone().requires_grad_(True)
+    want_lp, want_ent = reference(b, target, temperature)
+    ((want_lp * g_lp).sum() + (want_ent * g_h).sum()).backward()
+    assert lp.shape == (3, 7) and lp.dtype == torch.float32
+    torch.testing.assert_close(lp, want_lp.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, want_ent.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_without_entropy_and_input_untouched():
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(11, 40, generator=g).requires_grad_(True)
+    before = logits.detach().clone()
+    target = torch.randint(0, 40, (11,), generator=g)
+    lp, ent = vocab_parallel_log_probs(logits, target, chunk_tokens=4)
+    assert ent is None
+    lp.sum().backward()
+    want = reference(logits.detach(), target, 1.0)[0]
+    torch.testing.assert_close(lp, want)
+    assert torch.equal(logits.detach(), before)  # no in-place modification of the caller's logits
+    onehot = torch.nn.functional.one_hot(target, 40).float()
+    torch.testing.assert_close(logits.grad, onehot - torch.softmax(before, -1))
+
+
+def test_bf16_logits_computed_in_fp32():
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(9, 64, generator=g) * 8).bfloat16().requires_grad_(True)
+    target = torch.randint(0, 64, (9,), generator=g)
+    lp, ent = vocab_parallel_log_probs(logits, target, with_entropy=True)
+    (lp.sum() + ent.sum()).backward()
+    want_lp, want_ent = reference(logits.detach(), target, 1.0)
+    torch.testing.assert_close(lp, want_lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, want_ent, rtol=1e-5, atol=1e-5)
+    assert logits.grad.dtype == torch.bfloat16
+
+
+def test_bad_input_is_rejected():
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        vocab_parallel_log_probs(torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), temperature=0.0)
+    with pytest.raises(ValueError, match="target shape"):
+        vocab_parallel_log_probs(torch.zeros(2, 4), torch.zeros(3, dtype=torch.long))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2])
+def test_tp2_equals_full_vocab(nproc):
+    out = run_torchrun(REPO / "tests/workers/loss_logprobs_tp.py", nproc, timeout=120)
+    assert out.count("LOGPROB_TP_OK") == nproc, out
