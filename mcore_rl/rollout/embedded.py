@@ -1,0 +1,414 @@
+"""The embedded rollout engine: a transformers model in the trainer's own process (default on CPU and in tests).
+
+Sampling is our own loop over a KV cache on left-padded batches (each prompt repeated n times):
+
+- log-probs: the log-prob returned for a sampled token is ``log_softmax(logits / T)[token]``, the
+  temperature-scaled distribution *before* top-k / top-p filtering (no renormalisation over the kept set).
+  That is what the trainer recomputes in training (log softmax of the actor's logits divided by the same T),
+  so the two agree whenever the weights agree. Top-k / top-p only decide which token is drawn.
+  ``temperature == 0`` means greedy decoding; its log-probs are then those of T = 1.
+- determinism: every draw uses one ``torch.Generator`` seeded from ``SamplingParams.seed``; the same prompts,
+  n, params and weights give the same samples.
+- stopping: a response ends at the first token in ``stop_token_ids`` or the model's end-of-turn token (kept in
+  ``response_ids``, finish reason "stop") or after ``max_new_tokens`` (finish reason "length").
+- routed experts: forward hooks on every MoE router record the top-k expert ids of every token fed through
+  the model, prompt tokens included; each sample gets them as int16 ``[prompt + response, moe_layers, k]``.
+- weights: ``load_weights`` copies (Hugging Face checkpoint name, tensor) pairs into the live parameters in
+  place. transformers >= 5 stores the experts of a layer fused as 3-D ``gate_up_proj`` / ``down_proj``; the
+  checkpoint's per-expert names are mapped onto slices of those (see ``_weight_targets``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import logging
+import re
+from contextlib import contextmanager
+from typing import Iterable, Iterator, Optional
+
+import torch
+
+from mcore_rl.rollout.base import RolloutEngine, RolloutSample, SamplingParams
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_FUSED_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _weight_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Map every Hugging Face checkpoint name to the tensor (or slice view) that holds it in `model`.
+
+    Plain parameters map to themselves. Fused expert tensors (transformers >= 5: ``experts.gate_up_proj``
+    [E, 2I, H] with gate rows first, ``experts.down_proj`` [E, H, I]) are also reachable by the per-expert
+    checkpoint names ``experts.{e}.{gate,up,down}_proj.weight`` that checkpoints and exporters use.
+    """
+    targets: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
+    targets = {name: t for name, t in targets.items() if isinstance(t, torch.nn.Parameter)}
+    for name, module in model.named_modules():
+        gate_up = getattr(module, "gate_up_proj", None)
+        down = getattr(module, "down_proj", None)
+        if not isinstance(gate_up, torch.nn.Parameter) or gate_up.dim() != 3:
+            continue
+        if getattr(module, "is_transposed", False) or not getattr(module, "is_concatenated", True):
+            raise NotImplementedError(f"{name}: fused experts in a transposed or interleaved layout are not supported")
+        inter = gate_up.shape[1] // 2
+        for e in range(gate_up.shape[0]):
+            targets[f"{name}.{e}.gate_proj.weight"] = gate_up[e, :inter]
+            targets[f"{name}.{e}.up_proj.weight"] = gate_up[e, inter:]
+            targets[f"{name}.{e}.down_proj.weight"] = down[e]
+    return targets
+
+
+def _checkpoint_names(targets: dict[str, torch.Tensor]) -> set[str]:
+    """The names a complete sync delivers: per-expert names instead of the fused tensors they cover."""
+    fused = {m.group("prefix") for name in targets if (m := _FUSED_EXPERT.match(name))}
+    fused_params = {f"{p}.gate_up_proj" for p in fused} | {f"{p}.down_proj" for p in fused}
+    return {name for name in targets if name not in fused_params}
+
+
+def _moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The router of every MoE block, in layer order (a block has both `gate` and `experts`)."""
+    return [m.gate for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
+
+
+def _router_topk(output, top_k: int) -> torch.Tensor:
+    """Top-k expert ids from a router's forward output.
+
+    transformers >= 5: the router module returns (logits, weights, indices); 4.x: the gate is a Linear that
+    returns logits and the block takes top-k of their softmax (same order as top-k of the logits).
+    """
+    if isinstance(output, tuple):
+        return output[2]
+    return torch.topk(output, top_k, dim=-1).indices
+
+
+class _RouteRecorder:
+    """Forward hooks that collect [tokens, k] expert ids per MoE layer for each forward call."""
+
+    def __init__(self, model: torch.nn.Module, top_k: int):
+        self.routers = _moe_routers(model)
+        self.top_k = top_k
+        self.current: list[Optional[torch.Tensor]] = [None] * len(self.routers)
+        self.handles = []
+
+    def __enter__(self) -> "_RouteRecorder":
+        for i, router in enumerate(self.routers):
+            self.handles.append(router.register_forward_hook(self._hook(i)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def _hook(self, layer: int):
+        def hook(module, args, output):
+            self.current[layer] = _router_topk(output, self.top_k).to(torch.int16)
+
+        return hook
+
+    def take(self, batch: int, seq: int) -> torch.Tensor:
+        """Routes of the last forward as [batch, seq, layers, k]."""
+        routes = torch.stack([r.reshape(batch, seq, self.top_k) for r in self.current], dim=2)
+        self.current = [None] * len(self.routers)
+        return routes
+
+
+def _filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set logits outside the top-k / top-p (nucleus) set to -inf; the most likely token always survives."""
+    if top_k > 0 and top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass of the tokens before it already reaches top_p
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return scaled
+
+
+class EmbeddedEngine(RolloutEngine):
+    """A Hugging Face causal LM that samples, scores and takes weights in place."""
+
+    def __init__(self, model_path: str, dtype: str = "float32", device: str | torch.device = "cpu",
+                 max_batch_tokens: int = 65536):
+        from transformers import AutoConfig, AutoTokenizer
+
+        if dtype not in _DTYPES:
+            raise ValueError(f"unknown engine dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+        self.model_path = str(model_path)
+        self.dtype = _DTYPES[dtype]
+        self.device = torch.device(device)
+        self.max_batch_tokens = max_batch_tokens  # bounds the sequences run in one batch (memory)
+        self.config = AutoConfig.from_pretrained(self.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self._noop_logged = False
+        self._set_model(self._load_pretrained())
+
+    # ----- model lifecycle -----
+
+    def _load_pretrained(self) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        # eager attention: fully masked (left-padding) rows stay finite, which sdpa does not promise
+        return AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, attn_implementation="eager")
+
+    def _empty_model(self) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_config(self.config, dtype=self.dtype, attn_implementation="eager")
+
+    def _set_model(self, model: torch.nn.Module) -> None:
+        self.model = model.to(self.device).eval()
+        self.model.requires_grad_(False)
+        self._targets = _weight_targets(self.model)
+        self._names = _checkpoint_names(self._targets)
+        self.top_k_experts = getattr(self.config, "num_experts_per_tok", 0)
+        self.num_moe_layers = len(_moe_routers(self.model))
+        # transformers 5 renamed the forward's `past_key_values` argument to `cache`
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    @classmethod
+    def from_hf_config(cls, config, tokenizer_path: str, dtype: str = "bfloat16", device="cpu") -> "EmbeddedEngine":
+        """An engine with randomly initialised weights for `config` (benchmarks: weights come by sync)."""
+        engine = cls.__new__(cls)
+        from transformers import AutoTokenizer
+
+        engine.model_path = tokenizer_path
+        engine.dtype = _DTYPES[dtype]
+        engine.device = torch.device(device)
+        engine.max_batch_tokens = 65536
+        engine.config = config
+        engine.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        engine.eos_token_id = engine.tokenizer.eos_token_id
+        engine.pad_token_id = engine.tokenizer.pad_token_id or 0
+        engine._noop_logged = False
+        engine._set_model(engine._empty_model())
+        return engine
+
+    # ----- weights -----
+
+    def weight_names(self) -> set[str]:
+        return set(self._names)
+
+    def _target(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        target = self._targets.get(name)
+        if target is None:
+            close = difflib.get_close_matches(name, list(self._names), n=3)
+            raise KeyError(f"engine has no weight named {name!r} (closest: {close}); the exporter and the engine "
+                           f"disagree on Hugging Face names")
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(f"weight {name!r}: got shape {tuple(tensor.shape)}, engine expects {tuple(target.shape)}; "
+                             f"the exporter must gather full (unsharded) tensors of the same model")
+        return target
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in weights:
+            self._target(name, tensor).copy_(tensor)
+
+    @torch.no_grad()
+    def weight_diffs(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        return {name: (self._target(name, t).float() - t.to(self.device).float()).abs().max().item()
+                for name, t in weights}
+
+    def rebuild_from(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """A fresh model object filled from `weights`; every engine weight must be delivered."""
+        old_model = self.model
+        self._set_model(self._empty_model())
+        seen = set()
+        with torch.no_grad():
+            for name, tensor in weights:
+                self._target(name, tensor).copy_(tensor)
+                seen.add(name)
+        missing = self._names - seen
+        if missing:
+            self._set_model(old_model)
+            raise ValueError(f"rebuild got {len(seen)} of {len(self._names)} weights; missing e.g. {sorted(missing)[:3]}")
+        log.warning("rollout engine rebuilt from %d exported tensors", len(seen))
+
+    def sleep(self) -> None:
+        self._log_noop("sleep")
+
+    def wake_up(self) -> None:
+        self._log_noop("wake_up")
+
+    def _log_noop(self, what: str) -> None:
+        if not self._noop_logged:
+            log.info("embedded engine: sleep/wake_up are no-ops (%s); its memory stays allocated", what)
+            self._noop_logged = True
+
+    # ----- forward -----
+
+    def _forward(self, ids, mask, positions, cache=None, keep: int = 0) -> torch.Tensor:
+        kwargs = {self._cache_kwarg: cache} if cache is not None else {}
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                         use_cache=cache is not None, logits_to_keep=keep, **kwargs)
+        return out.logits
+
+    def _new_cache(self):
+        from transformers import DynamicCache
+
+        try:  # transformers >= 5 sizes the cache from the config; 4.x takes no arguments
+            return DynamicCache(config=self.config)
+        except TypeError:
+            return DynamicCache()
+
+    def _check_tokens(self, seqs: list[list[int]], what: str) -> None:
+        vocab = self.config.vocab_size
+        for i, s in enumerate(seqs):
+            if not s:
+                raise ValueError(f"{what} {i} is empty")
+            bad = [t for t in s if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{what} {i} has token ids {bad[:3]} outside the vocabulary [0, {vocab})")
+
+    # ----- generate -----
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[RolloutSample]]:
+        self._check_sampling(prompts, n, params)
+        expanded = [list(p) for p in prompts for _ in range(n)]
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        stop = set(params.stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None else set())
+        longest = max(len(p) for p in expanded) + params.max_new_tokens
+        per_batch = max(1, self.max_batch_tokens // longest)
+        samples: list[RolloutSample] = []
+        for start in range(0, len(expanded), per_batch):
+            samples += self._sample_batch(expanded[start:start + per_batch], params, stop, gen)
+        return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def _check_sampling(self, prompts: list[list[int]], n: int, params: SamplingParams) -> None:
+        if not prompts:
+            raise ValueError("generate() got no prompts")
+        if n < 1:
+            raise ValueError(f"n={n} samples per prompt; use n >= 1")
+        if params.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={params.max_new_tokens}; use >= 1")
+        if params.temperature < 0 or not 0 < params.top_p <= 1:
+            raise ValueError(f"temperature={params.temperature} (>= 0) / top_p={params.top_p} (in (0, 1]) out of range")
+        self._check_tokens(prompts, "prompt")
+        limit = getattr(self.config, "max_position_embeddings", None)
+        longest = max(len(p) for p in prompts)
+        if limit is not None and longest + params.max_new_tokens > limit:
+            raise ValueError(f"prompt length {longest} + max_new_tokens {params.max_new_tokens} exceeds the model's "
+                             f"max_position_embeddings {limit}; shorten prompts (data.max_prompt_len) or max_new_tokens")
+
+    def _pick(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator):
+        """Next token per row and its log-prob under the temperature-scaled, unfiltered distribution."""
+        logits = logits.float()
+        if params.temperature == 0:
+            token = logits.argmax(-1)
+            logp = torch.log_softmax(logits, -1)
+        else:
+            scaled = logits / params.temperature
+            logp = torch.log_softmax(scaled, -1)
+            probs = torch.softmax(_filter_logits(scaled, params.top_k, params.top_p), -1)
+            token = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+        return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+    def _sample_batch(self, prompts: list[list[int]], params: SamplingParams, stop: set[int],
+                      gen: torch.Generator) -> list[RolloutSample]:
+        batch, width = len(prompts), max(len(p) for p in prompts)
+        ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((batch, width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding: every prompt ends at the same column
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        stop_ids = torch.tensor(sorted(stop), dtype=torch.long, device=self.device)
+        capture = self.num_moe_layers > 0
+        cache = self._new_cache()
+        tokens, logps, step_routes = [], [], []
+        finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
+        with _RouteRecorder(self.model, self.top_k_experts) if capture else _null() as rec:
+            logits = self._forward(ids, mask, positions, cache, keep=1)[:, -1]
+            prompt_routes = rec.take(batch, width) if capture else None
+            for step in range(params.max_new_tokens):
+                token, logp = self._pick(logits, params, gen)
+                tokens.append(token)
+                logps.append(logp)
+                lengths += (~finished).long()
+                finished |= torch.isin(token, stop_ids)
+                last = bool(finished.all()) or step == params.max_new_tokens - 1
+                if last and not capture:
+                    break
+                # feed the token: its logits give the next draw, and its routes are the token's routes
+                mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=self.device)], dim=1)
+                positions = positions[:, -1:] + 1
+                logits = self._forward(token[:, None], mask, positions, cache, keep=1)[:, -1]
+                if capture:
+                    step_routes.append(rec.take(batch, 1))
+                if last:
+                    break
+        return self._collect(prompts, width, tokens, logps, lengths, stop_ids, prompt_routes, step_routes)
+
+    def _collect(self, prompts, width, tokens, logps, lengths, stop_ids, prompt_routes, step_routes):
+        tokens = torch.stack(tokens, 1).cpu()
+        logps = torch.stack(logps, 1).cpu()
+        lengths = lengths.cpu()
+        stop_ids = stop_ids.cpu()
+        response_routes = torch.cat(step_routes, 1).cpu() if step_routes else None
+        out = []
+        for i, p in enumerate(prompts):
+            n = int(lengths[i])
+            resp = tokens[i, :n]
+            routes = None
+            if prompt_routes is not None:
+                routes = torch.cat([prompt_routes[i, width - len(p):].cpu(), response_routes[i, :n]], 0)
+            out.append(RolloutSample(
+                prompt_ids=list(p),
+                response_ids=resp.tolist(),
+                logprobs=logps[i, :n].float().clone(),
+                finish_reason="stop" if bool(torch.isin(resp[-1:], stop_ids).any()) else "length",
+                routed_experts=routes,
+            ))
+        return out
+
+    # ----- score -----
+
+    @torch.no_grad()
+    def score(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float = 1.0) -> list[torch.Tensor]:
+        if len(sequences) != len(prompt_lens):
+            raise ValueError(f"score(): {len(sequences)} sequences but {len(prompt_lens)} prompt lengths")
+        if temperature <= 0:
+            raise ValueError(f"score(): temperature={temperature}; log-probs need temperature > 0")
+        self._check_tokens(sequences, "sequence")
+        for i, (s, p) in enumerate(zip(sequences, prompt_lens)):
+            if not 1 <= p < len(s):
+                raise ValueError(f"sequence {i}: prompt_len {p} must be in [1, {len(s) - 1}] for length {len(s)}")
+        longest = max(len(s) for s in sequences)
+        # bound the [rows, seq, vocab] fp32 logits of one chunk to ~256 MB
+        rows = max(1, min(self.max_batch_tokens // longest, (64 << 20) // max(1, longest * self.config.vocab_size)))
+        out: list[torch.Tensor] = []
+        for start in range(0, len(sequences), rows):
+            out += self._score_batch(sequences[start:start + rows], prompt_lens[start:start + rows], temperature)
+        return out
+
+    def _score_batch(self, sequences, prompt_lens, temperature):
+        batch, width = len(sequences), max(len(s) for s in sequences)
+        ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((batch, width), dtype=torch.long)
+        for i, s in enumerate(sequences):  # right padding: positions start at 0 for every row
+            ids[i, :len(s)] = torch.tensor(s)
+            mask[i, :len(s)] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = torch.arange(width, device=self.device).expand(batch, width)
+        logits = self._forward(ids, mask, positions).float()
+        logp = torch.log_softmax(logits[:, :-1] / temperature, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        return [logp[i, p - 1:len(s) - 1].cpu().clone() for i, (s, p) in enumerate(zip(sequences, prompt_lens))]
+
+
+@contextmanager
+def _null() -> Iterator[None]:
+    yield None
