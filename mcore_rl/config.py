@@ -7,8 +7,13 @@ Loading from YAML, dotted overrides and validation live in `load_config` below.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional
+import difflib
+import logging
+import os
+import re
+import types
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from typing import Any, Optional, Sequence, Union, get_args, get_origin, get_type_hints
 
 
 @dataclass
@@ -134,6 +139,7 @@ class TrainerConfig:
     seed: int = 1
     run_dir: str = "runs/default"
     nproc: int = 1  # processes started by `mcore-rl train` when not already under torchrun
+    nnodes: int = 1  # machines of `nproc` processes each (world size = nnodes * nproc); launch/ scripts
     log_every: int = 1
     tensorboard: bool = True
     wandb: bool = False
@@ -151,3 +157,310 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading, overrides, validation
+# ----------------------------------------------------------------------------------------------------
+
+log = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """A bad configuration; the message names the key, the problem and the fix."""
+
+
+# Allowed values of enum-like fields (dotted key -> choices). One table, checked in `validate_config`.
+CHOICES: dict[str, tuple] = {
+    "platform": ("auto", "cpu", "cuda", "npu"),
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.moe_token_dispatcher": ("alltoall", "allgather"),
+    "model.moe_router_dtype": ("fp32", "fp64"),
+    "actor.optim.decay_style": ("constant", "linear", "cosine"),
+    "algo.loss": ("grpo", "gspo", "gspo_token", "sapo"),
+    "algo.agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
+    "algo.adv_estimator": ("grpo", "drgrpo"),
+    "algo.kl_type": ("k1", "k2", "k3"),
+    "algo.rollout_is": (None, "token", "sequence", "icepop"),
+    "algo.routing_replay": (None, "r2", "r3"),
+    "rollout.engine": ("embedded", "vllm"),
+    "rollout.verify_fallback": ("rebuild", "error"),
+}
+
+_NONE_WORDS = ("null", "none", "~", "")
+
+
+def _is_optional(tp: Any) -> bool:
+    return get_origin(tp) in (Union, types.UnionType) and type(None) in get_args(tp)
+
+
+def _inner(tp: Any) -> Any:
+    """Optional[X] -> X."""
+    if _is_optional(tp):
+        rest = [a for a in get_args(tp) if a is not type(None)]
+        return rest[0] if len(rest) == 1 else Union[tuple(rest)]
+    return tp
+
+
+def _type_name(tp: Any) -> str:
+    base = _inner(tp)
+    name = getattr(base, "__name__", str(base))
+    return f"{name} or null" if _is_optional(tp) else name
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check/convert one YAML or override value to the field's declared type."""
+    if value is None:
+        if _is_optional(tp):
+            return None
+        raise ConfigError(f"{key}: null is not allowed, expected {_type_name(tp)}: give it a value or remove the key for its default")
+    base = _inner(tp)
+    origin = get_origin(base)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}: write e.g. {key}=[1,2]")
+        (item_tp, *_) = get_args(base) or (Any,)
+        return origin(_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value))
+    if base is Any:
+        return value
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+    elif base is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif base is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-6" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif base is str:
+        if isinstance(value, str):
+            return value
+    example = {bool: "true", int: "2", float: "0.5", str: "text"}.get(base, "...")
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__}): write e.g. {key}={example}")
+
+
+def _unknown_key(key: str, section_cls: type, prefix: str) -> ConfigError:
+    valid = [f.name for f in fields(section_cls)]
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f" Did you mean '{prefix}{close[0]}'?" if close else ""
+    where = prefix.rstrip(".") or "the top level"
+    return ConfigError(f"unknown key '{prefix}{key}' in {where}; valid keys: {', '.join(valid)}.{hint}")
+
+
+def _build(cls: type, data: Any, prefix: str = "") -> Any:
+    """A dataclass instance from a nested dict, rejecting unknown keys and wrong types."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, got {data!r}")
+    hints = get_type_hints(cls)
+    names = {f.name for f in fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            raise _unknown_key(str(key), cls, prefix)
+        tp = hints[key]
+        if is_dataclass(tp):
+            kwargs[key] = _build(tp, value, f"{prefix}{key}.")
+        else:
+            kwargs[key] = _coerce(value, tp, f"{prefix}{key}")
+    return cls(**kwargs)
+
+
+def _parse_override_value(raw: str, tp: Any) -> Any:
+    """Typed parse of the text after '=': the field's type decides how the text is read."""
+    if _is_optional(tp) and raw.strip().lower() in _NONE_WORDS:
+        return None
+    if _inner(tp) is str:
+        return raw  # strings stay verbatim: model.path=123 or trainer.run_dir=runs/1e3
+    import yaml
+
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def apply_override(data: dict, override: str) -> None:
+    """Set `a.b.c=value` into the nested dict `data`, checking the path against the dataclasses."""
+    if "=" not in override:
+        raise ConfigError(f"override '{override}' has no '=': write it as key=value, e.g. algo.loss=sapo")
+    dotted, raw = override.split("=", 1)
+    parts = dotted.strip().split(".")
+    cls: type = Config
+    node = data
+    for i, part in enumerate(parts):
+        prefix = ".".join(parts[:i]) + ("." if i else "")
+        hints = get_type_hints(cls)
+        if part not in hints or part not in {f.name for f in fields(cls)}:
+            raise _unknown_key(part, cls, prefix)
+        tp = hints[part]
+        last = i == len(parts) - 1
+        if is_dataclass(tp):
+            if last:
+                raise ConfigError(f"'{dotted}' is a section, not a value: set one of its keys, e.g. {dotted}.{fields(tp)[0].name}=...")
+            sub = node.get(part)
+            if sub is None:
+                sub = node[part] = {}
+            elif not isinstance(sub, dict):
+                raise ConfigError(f"{prefix}{part}: expected a mapping of keys, got {sub!r}")
+            node, cls = sub, tp
+        elif not last:
+            raise ConfigError(f"'{prefix}{part}' is a value, not a section: '{dotted}' does not exist")
+        else:
+            node[part] = _parse_override_value(raw, tp)
+
+
+def _read_yaml(path: str | os.PathLike) -> dict:
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path} does not exist: pass the path of a YAML file, e.g. configs/tiny/gspo_cpu.yaml")
+    with open(path) as f:
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections (platform, model, actor, algo, ...), got {type(data).__name__}")
+    return data
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = (), validate: bool = True) -> Config:
+    """YAML file (or defaults when `path` is None) + dotted overrides -> a validated Config."""
+    data = _read_yaml(path) if path is not None else {}
+    for override in overrides:
+        apply_override(data, override)
+    cfg = _build(Config, data)
+    if validate:
+        for warning in validate_config(cfg):
+            log.warning("config: %s", warning)
+    return cfg
+
+
+def config_to_dict(cfg: Config) -> dict:
+    return asdict(cfg)
+
+
+def save_config(cfg: Config, path: str | os.PathLike) -> None:
+    """Write the resolved config as YAML (atomically: a crash never leaves half a file)."""
+    import yaml
+
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False, default_flow_style=False)
+    os.replace(tmp, path)
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    obj: Any = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _check_choices(cfg: Config) -> None:
+    for key, choices in CHOICES.items():
+        value = _get(cfg, key)
+        if value not in choices:
+            shown = ", ".join("null" if c is None else str(c) for c in choices)
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices if c is not None], n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"{key} = {value!r} is not one of: {shown}.{hint}")
+
+
+def _check_ranges(cfg: Config) -> None:
+    a, r, o = cfg.algo, cfg.rollout, cfg.actor.optim
+    positive_ints = {
+        "algo.ppo_epochs": a.ppo_epochs, "algo.mini_batches": a.mini_batches, "rollout.n": r.n,
+        "rollout.max_new_tokens": r.max_new_tokens, "rollout.tp": r.tp, "data.max_prompt_len": cfg.data.max_prompt_len,
+        "data.prompts_per_step": cfg.data.prompts_per_step, "checkpoint.keep_last": cfg.checkpoint.keep_last,
+        "trainer.steps": cfg.trainer.steps, "trainer.nproc": cfg.trainer.nproc, "trainer.nnodes": cfg.trainer.nnodes,
+        "trainer.log_every": cfg.trainer.log_every, "trainer.val_prompts": cfg.trainer.val_prompts,
+    }
+    for key, v in positive_ints.items():
+        _require(v >= 1, f"{key} = {v} must be >= 1: set it to 1 or more")
+    non_negative = {
+        "algo.kl_coef": a.kl_coef, "actor.optim.weight_decay": o.weight_decay, "actor.optim.clip_grad": o.clip_grad,
+        "actor.optim.warmup_steps": o.warmup_steps, "actor.optim.min_lr": o.min_lr, "reward.overlong_buffer": cfg.reward.overlong_buffer,
+        "reward.overlong_penalty": cfg.reward.overlong_penalty, "rollout.verify_every": r.verify_every,
+        "checkpoint.save_every": cfg.checkpoint.save_every, "trainer.val_every": cfg.trainer.val_every,
+    }
+    for key, v in non_negative.items():
+        _require(v >= 0, f"{key} = {v} must be >= 0 (0 turns it off where that applies)")
+    positive = {"actor.optim.lr": o.lr, "actor.optim.adam_eps": o.adam_eps, "algo.temperature": a.temperature,
+                "rollout.temperature": r.temperature, "rollout.sync_bucket_mb": r.sync_bucket_mb,
+                "rollout.verify_tolerance": r.verify_tolerance, "algo.tau_pos": a.tau_pos, "algo.tau_neg": a.tau_neg,
+                "algo.rollout_is_cap": a.rollout_is_cap}
+    for key, v in positive.items():
+        _require(v > 0, f"{key} = {v} must be > 0")
+    for key, v in {"actor.optim.adam_beta1": o.adam_beta1, "actor.optim.adam_beta2": o.adam_beta2}.items():
+        _require(0 <= v < 1, f"{key} = {v} must lie in [0, 1)")
+    _require(0 < r.top_p <= 1, f"rollout.top_p = {r.top_p} must lie in (0, 1]; 1 disables nucleus sampling")
+    _require(r.top_k == -1 or r.top_k >= 1, f"rollout.top_k = {r.top_k} must be -1 (off) or >= 1")
+    _require(0 < r.gpu_memory_utilization <= 1, f"rollout.gpu_memory_utilization = {r.gpu_memory_utilization} must lie in (0, 1]")
+    _require(o.min_lr <= o.lr, f"actor.optim.min_lr = {o.min_lr} exceeds actor.optim.lr = {o.lr}: lower min_lr")
+
+
+def _check_combinations(cfg: Config) -> list[str]:
+    a, r = cfg.algo, cfg.rollout
+    warnings: list[str] = []
+    _require(a.temperature == r.temperature,
+             f"algo.temperature = {a.temperature} differs from rollout.temperature = {r.temperature}: the trainer's log-probs "
+             f"must use the sampling temperature; set both to the same value")
+    _require(0 <= a.clip_low < 1, f"algo.clip_low = {a.clip_low} must lie in [0, 1) (ratio lower bound is 1 - clip_low)")
+    _require(a.clip_high > 0, f"algo.clip_high = {a.clip_high} must be > 0 (ratio upper bound is 1 + clip_high)")
+    if a.dual_clip is not None:
+        _require(a.dual_clip > 1, f"algo.dual_clip = {a.dual_clip} must be > 1 (commonly 3) or null to disable it")
+        if a.loss != "grpo":
+            warnings.append(f"algo.dual_clip is only used by loss=grpo; ignored for loss={a.loss}")
+    _require(r.n >= 2, f"rollout.n = {r.n}: group advantages ({a.adv_estimator}) need at least 2 samples per prompt; set rollout.n >= 2")
+    if a.loss == "gspo" and a.clip_low > 0.01:
+        warnings.append(f"loss=gspo clips a length-normalised sequence ratio; clip_low={a.clip_low} is a token-level range "
+                        f"(the GSPO paper uses 3e-4 / 4e-4)")
+    if a.rollout_is == "icepop":
+        _require(0 <= a.rollout_is_low < 1 < a.rollout_is_high,
+                 f"algo.rollout_is=icepop needs rollout_is_low < 1 < rollout_is_high, got [{a.rollout_is_low}, {a.rollout_is_high}]")
+    if a.rollout_is is not None and a.use_rollout_logprobs_as_old:
+        raise ConfigError("algo.rollout_is corrects old-policy vs rollout log-probs, but algo.use_rollout_logprobs_as_old makes them "
+                          "identical (weight 1): set algo.rollout_is=null or algo.use_rollout_logprobs_as_old=false")
+    if a.loss == "sapo" and a.tau_neg < a.tau_pos:
+        warnings.append(f"sapo with tau_neg={a.tau_neg} < tau_pos={a.tau_pos}: the paper damps negative updates harder (tau_neg > tau_pos)")
+    _require(re.fullmatch(r"task|math|[\w.]+:\w+", cfg.reward.fn) is not None,
+             f"reward.fn = {cfg.reward.fn!r}: use 'task', 'math' or 'package.module:function'")
+    return warnings
+
+
+def validate_config(cfg: Config) -> list[str]:
+    """Raise ConfigError on a bad value or an impossible combination; return non-fatal warnings."""
+    _check_choices(cfg)
+    _check_ranges(cfg)
+    return _check_combinations(cfg)
+
+
+def check_paths(cfg: Config) -> None:
+    """Inputs that must exist before training starts (not needed for `mcore-rl check`)."""
+    path = cfg.model.path
+    _require(bool(path), "model.path is empty: set it to a Hugging Face checkpoint folder (mcore-rl make-tiny --out DIR makes one)")
+    _require(os.path.isfile(os.path.join(path, "config.json")),
+             f"model.path = {path} has no config.json: point it at a Hugging Face checkpoint folder")
+    _require(bool(cfg.data.train_path), "data.train_path is empty: set it to a parquet/jsonl prompt file (mcore-rl make-task --out DIR)")
+    _require(os.path.exists(cfg.data.train_path), f"data.train_path = {cfg.data.train_path} does not exist: fix the path or run mcore-rl make-task")
+    if cfg.trainer.val_every > 0:
+        _require(bool(cfg.data.val_path) and os.path.exists(cfg.data.val_path),
+                 f"trainer.val_every = {cfg.trainer.val_every} needs data.val_path, but {cfg.data.val_path!r} does not exist: "
+                 f"fix the path or set trainer.val_every=0")

@@ -1,0 +1,146 @@
+"""Config loading: YAML + typed dotted overrides, unknown keys, wrong types, choices, combinations, save/load."""
+
+import dataclasses
+
+import pytest
+import yaml
+
+from mcore_rl.config import (
+    CHOICES, Config, ConfigError, check_paths, load_config, save_config, validate_config,
+)
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    return path
+
+
+def error(*overrides: str, path=None) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(path, overrides)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_yaml_and_typed_overrides(tmp_path):
+    path = write(tmp_path, "algo:\n  loss: grpo\n  kl_coef: 1e-3\nactor:\n  parallel:\n    tp: 2\n    ep: 2\n")
+    cfg = load_config(path, ["algo.loss=sapo", "actor.parallel.tp=1", "actor.optim.lr=3e-6", "algo.dual_clip=3",
+                             "algo.rollout_is=null", "algo.routing_replay=r2", "trainer.tensorboard=false",
+                             "model.path=123", "trainer.run_dir=runs/1e3"])
+    assert cfg.algo.loss == "sapo" and cfg.actor.parallel.tp == 1 and cfg.actor.parallel.ep == 2
+    assert cfg.algo.kl_coef == pytest.approx(1e-3) and isinstance(cfg.algo.kl_coef, float)  # YAML 1.1 "1e-3" is a string
+    assert cfg.actor.optim.lr == pytest.approx(3e-6)
+    assert cfg.algo.dual_clip == 3.0 and isinstance(cfg.algo.dual_clip, float)
+    assert cfg.algo.rollout_is is None and cfg.algo.routing_replay == "r2"
+    assert cfg.trainer.tensorboard is False
+    assert cfg.model.path == "123" and cfg.trainer.run_dir == "runs/1e3"  # str fields stay verbatim
+    # untouched fields keep the dataclass defaults
+    assert cfg.rollout == Config().rollout
+
+
+def test_unknown_keys_list_valid_keys_and_hint(tmp_path):
+    msg = error("algo.los=sapo")
+    assert "unknown key 'algo.los'" in msg and "valid keys: loss, agg_mode" in msg and "Did you mean 'algo.loss'?" in msg
+    msg = error(path=write(tmp_path, "actor:\n  paralel:\n    tp: 2\n"))
+    assert "unknown key 'actor.paralel'" in msg and "Did you mean 'actor.parallel'?" in msg
+    assert "unknown key 'modell'" in error("modell.path=x") and "Did you mean 'model'?" in error("modell.path=x")
+    assert "is a section" in error("algo=3")
+    assert "is a value, not a section" in error("algo.loss.x=3")
+    assert "has no '='" in error("algo.loss")
+
+
+def test_wrong_types_rejected(tmp_path):
+    assert "actor.parallel.tp: expected int, got 'two'" in error("actor.parallel.tp=two")
+    assert "expected int, got 1.5" in error("rollout.n=1.5")
+    assert "expected bool" in error("trainer.tensorboard=maybe")
+    assert "expected int, got True" in error("rollout.n=true")
+    assert "rollout.n: null is not allowed" in error("rollout.n=null")
+    assert "model.path: expected str, got 5" in error(path=write(tmp_path, "model:\n  path: 5\n"))
+    assert "expected a mapping" in error(path=write(tmp_path, "algo: 3\n"))
+    assert "must hold a mapping" in error(path=write(tmp_path, "- 1\n- 2\n"))
+    assert "does not exist" in error(path=tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("key", sorted(CHOICES))
+def test_every_enum_field_checked(key):
+    msg = error(f"{key}=not_a_choice")
+    assert f"{key} = 'not_a_choice' is not one of" in msg
+    for choice in CHOICES[key]:
+        if choice is not None:
+            load_config(None, [f"{key}={choice}"] + (["algo.use_rollout_logprobs_as_old=false"] if key == "algo.rollout_is" else []))
+
+
+def test_close_choice_hint():
+    assert "Did you mean 'gspo'?" in error("algo.loss=gpso")
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["algo.temperature=0.7"], "algo.temperature = 0.7 differs from rollout.temperature = 1.0"),
+    (["algo.kl_coef=-0.1"], "algo.kl_coef = -0.1 must be >= 0"),
+    (["algo.clip_low=1.2"], "algo.clip_low = 1.2 must lie in [0, 1)"),
+    (["algo.clip_high=0"], "algo.clip_high = 0.0 must be > 0"),
+    (["algo.dual_clip=0.5"], "algo.dual_clip = 0.5 must be > 1"),
+    (["rollout.n=1"], "rollout.n = 1: group advantages (grpo) need at least 2 samples"),
+    (["algo.rollout_is=icepop", "algo.rollout_is_low=1.5"], "needs rollout_is_low < 1 < rollout_is_high"),
+    (["algo.rollout_is=token", "algo.use_rollout_logprobs_as_old=true"], "use_rollout_logprobs_as_old makes them identical"),
+    (["rollout.top_p=0"], "rollout.top_p = 0.0 must lie in (0, 1]"),
+    (["rollout.top_k=0"], "rollout.top_k = 0 must be -1 (off) or >= 1"),
+    (["actor.optim.lr=0"], "actor.optim.lr = 0.0 must be > 0"),
+    (["actor.optim.min_lr=1", "actor.optim.lr=0.1"], "min_lr = 1.0 exceeds actor.optim.lr = 0.1"),
+    (["actor.optim.adam_beta2=1"], "adam_beta2 = 1.0 must lie in [0, 1)"),
+    (["checkpoint.keep_last=0"], "checkpoint.keep_last = 0 must be >= 1"),
+    (["reward.fn=not a function"], "use 'task', 'math' or 'package.module:function'"),
+])
+def test_impossible_combinations_rejected(overrides, expected):
+    assert expected in error(*overrides)
+
+
+def test_kl_type_without_kl_coef_is_fine_and_warnings_returned():
+    cfg = load_config(None, ["algo.kl_type=k1", "algo.kl_coef=0"])
+    assert cfg.algo.kl_type == "k1"
+    warnings = validate_config(load_config(None, ["algo.loss=gspo", "algo.clip_low=0.2", "algo.dual_clip=3"]))
+    assert any("GSPO paper" in w for w in warnings) and any("dual_clip is only used by loss=grpo" in w for w in warnings)
+    assert validate_config(load_config(None, ["algo.loss=grpo"])) == []
+
+
+def test_save_then_load_round_trip(tmp_path):
+    cfg = load_config(None, ["algo.loss=sapo", "actor.parallel.tp=2", "algo.rollout_is=sequence", "trainer.steps=7"])
+    out = tmp_path / "run" / "config.yaml"
+    save_config(cfg, out)
+    assert yaml.safe_load(out.read_text())["algo"]["loss"] == "sapo"
+    assert load_config(out) == cfg
+    assert not list(out.parent.glob("*.tmp*"))
+
+
+def test_defaults_match_dataclasses_and_every_field_is_loadable():
+    assert load_config(None) == Config()
+    assert validate_config(Config()) is not None
+
+    def leaves(obj, prefix=""):
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                yield from leaves(value, f"{prefix}{f.name}.")
+            else:
+                yield f"{prefix}{f.name}", value
+
+    # Writing each default back through an override yields the same config (types parse back exactly).
+    overrides = [f"{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}" for k, v in leaves(Config())]
+    assert load_config(None, overrides) == Config()
+
+
+def test_check_paths(tmp_path, tiny_model_dir):
+    with pytest.raises(ConfigError, match="model.path is empty"):
+        check_paths(Config())
+    cfg = load_config(None, [f"model.path={tmp_path}"])
+    with pytest.raises(ConfigError, match="has no config.json"):
+        check_paths(cfg)
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", f"data.train_path={tmp_path}/none.parquet"])
+    with pytest.raises(ConfigError, match="data.train_path = .* does not exist"):
+        check_paths(cfg)
+    (tmp_path / "train.jsonl").write_text("{}\n")
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", f"data.train_path={tmp_path}/train.jsonl", "trainer.val_every=5"])
+    with pytest.raises(ConfigError, match="trainer.val_every = 5 needs data.val_path"):
+        check_paths(cfg)
+    check_paths(load_config(None, [f"model.path={tiny_model_dir}", f"data.train_path={tmp_path}/train.jsonl"]))
