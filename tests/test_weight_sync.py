@@ -1,0 +1,132 @@
+"""Bucketed weight sync and its verification, with a Hugging Face model standing in for the actor.
+
+The actor here is a second, independent HF model: its state is the export, and its teacher-forced log-probs
+are the reference. The multi-process Megatron actor versions are in tests/test_weight_sync_megatron.py.
+"""
+
+import re
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from mcore_rl.models.tiny import make_tiny_checkpoint
+from mcore_rl.rollout.embedded import EmbeddedEngine
+from mcore_rl.rollout.weight_sync import ProbeBatch, SyncVerificationError, sync_weights, verify_due, verify_sync
+
+
+@pytest.fixture(scope="module")
+def actor_dir(tmp_path_factory):
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("actor_seed1"), seed=1))
+
+
+def export_from(path):
+    """A fresh stream of (HF name, tensor) from a checkpoint folder, one tensor at a time."""
+    def stream():
+        with safe_open(f"{path}/model.safetensors", "pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+    return stream
+
+
+def reference_fn(model):
+    def logprobs(sequences, prompt_lens, temperature):
+        out = []
+        with torch.no_grad():
+            for s, p in zip(sequences, prompt_lens):
+                logits = model(torch.tensor([s])).logits[0].float() / temperature
+                out.append(torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(s[1:])[:, None])[p - 1:, 0])
+        return out
+    return logprobs
+
+
+def checkpoint_bytes(path):
+    with safe_open(f"{path}/model.safetensors", "pt") as f:
+        sizes = [f.get_tensor(k).numel() * 4 for k in f.keys()]
+    return sum(sizes), max(sizes), len(sizes)
+
+
+def test_sync_makes_engine_equal_actor_and_changes_outputs(tiny_model_dir, actor_dir):
+    engine = EmbeddedEngine(tiny_model_dir)
+    actor = AutoModelForCausalLM.from_pretrained(actor_dir, dtype=torch.float32).eval()
+    probe = ProbeBatch.random(engine.config.vocab_size, num_seqs=3, seed=5)
+    before = engine.score(probe.sequences, probe.prompt_lens)
+    stats = sync_weights(export_from(actor_dir)(), engine, bucket_mb=0.05)
+    total, largest, count = checkpoint_bytes(actor_dir)
+    assert (stats.total_bytes, stats.largest_tensor_bytes, stats.num_tensors) == (total, largest, count)
+    assert 1 < stats.num_buckets < count and stats.gb_per_s > 0
+    after = engine.score(probe.sequences, probe.prompt_lens)
+    ref = reference_fn(actor)(probe.sequences, probe.prompt_lens, 1.0)
+    assert max((a - r).abs().max().item() for a, r in zip(after, ref)) <= 1e-4
+    assert min((a - b).abs().max().item() for a, b in zip(after, before)) > 1e-2  # outputs really changed
+    report = verify_sync(engine, reference_fn(actor), probe, tol=1e-4)
+    assert report.passed and report.max_diff <= 1e-4 and report.num_tokens == 3 * 24 and not report.rebuilt
+
+
+def test_bucket_smaller_than_largest_tensor(tiny_model_dir, actor_dir):
+    engine = EmbeddedEngine(tiny_model_dir)
+    total, largest, count = checkpoint_bytes(actor_dir)
+    with safe_open(f"{actor_dir}/model.safetensors", "pt") as f:
+        big = sum(f.get_tensor(k).numel() * 4 >= largest / 4 for k in f.keys())
+    stats = sync_weights(export_from(actor_dir)(), engine, bucket_mb=largest / 4 / (1 << 20))
+    assert big > 1 and stats.num_buckets >= big  # each tensor of at least a bucket travels alone
+    assert stats.max_bucket_bytes == largest
+    # a mid-sized bucket holds several tensors but never more than the bucket (unless one tensor alone)
+    stats = sync_weights(export_from(actor_dir)(), engine, bucket_mb=2.5 * largest / (1 << 20))
+    assert stats.max_bucket_bytes <= 2.5 * largest and stats.num_buckets < count
+    actor = AutoModelForCausalLM.from_pretrained(actor_dir, dtype=torch.float32).eval()
+    assert verify_sync(engine, reference_fn(actor), ProbeBatch.random(128, seed=2), tol=1e-4).passed
+
+
+def test_incomplete_sync_and_bad_bucket_are_errors(tiny_model_dir, actor_dir):
+    engine = EmbeddedEngine(tiny_model_dir)
+    partial = ((n, t) for n, t in export_from(actor_dir)() if "layers.1.mlp.experts.3" not in n)
+    with pytest.raises(ValueError, match=r"did not receive 3 of its \d+ weights"):
+        sync_weights(partial, engine, bucket_mb=1)
+    with pytest.raises(ValueError, match="sync_bucket_mb=0"):
+        sync_weights(export_from(actor_dir)(), engine, bucket_mb=0)
+
+
+def corrupt_experts(engine, layer, scale):
+    """Perturb every expert of one layer slightly, in place (what an inexact MoE reload does)."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in engine.model.named_parameters():
+            if f"layers.{layer}.mlp.experts" in name:
+                p.add_(scale * torch.randn(p.shape, generator=gen))
+
+
+def test_verification_catches_inexact_expert_reload(tiny_model_dir, actor_dir):
+    engine = EmbeddedEngine(tiny_model_dir)
+    actor = AutoModelForCausalLM.from_pretrained(actor_dir, dtype=torch.float32).eval()
+    probe = ProbeBatch.random(engine.config.vocab_size, seed=3)
+    export = export_from(actor_dir)
+    sync_weights(export(), engine, bucket_mb=1)
+    corrupt_experts(engine, layer=1, scale=0.01)
+    with pytest.raises(SyncVerificationError) as err:
+        verify_sync(engine, reference_fn(actor), probe, tol=1e-3, fallback="error", export_fn=export)
+    msg = str(err.value)
+    assert "model.layers.1.mlp.experts." in msg and "layers [1]" in msg
+    assert not re.search(r"model\.layers\.0\.", msg)  # untouched layer not blamed
+    report = verify_sync(engine, reference_fn(actor), probe, tol=1e-3, fallback="rebuild", export_fn=export)
+    assert not report.passed and report.max_diff > 1e-3
+    assert report.rebuilt and report.max_diff_after_rebuild <= 1e-4
+    assert max(engine.weight_diffs(export()).values()) == 0.0
+
+
+def test_rebuild_that_cannot_fix_it_raises(tiny_model_dir, actor_dir):
+    engine = EmbeddedEngine(tiny_model_dir)
+    actor = AutoModelForCausalLM.from_pretrained(actor_dir, dtype=torch.float32).eval()
+    wrong_export = export_from(tiny_model_dir)  # rebuilding from the wrong weights cannot match the actor
+    with pytest.raises(SyncVerificationError, match="still above tolerance after the rebuild"):
+        verify_sync(engine, reference_fn(actor), ProbeBatch.random(128), tol=1e-3, fallback="rebuild",
+                    export_fn=wrong_export)
+    with pytest.raises(ValueError, match="needs export_fn"):
+        verify_sync(engine, reference_fn(actor), ProbeBatch.random(128), tol=1e-3, fallback="rebuild")
+
+
+def test_verify_due():
+    assert [verify_due(k, 2) for k in (1, 2, 3, 4)] == [False, True, False, True]
+    assert not any(verify_due(k, 0) for k in range(1, 5))
+    assert all(verify_due(k, 1) for k in range(1, 5))
