@@ -1,12 +1,13 @@
 """Layout rules: one test per rule, all without any process group (pure Python)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-from mcore_rl.config import ParallelConfig
-from mcore_rl.megatron.layout import LayoutError, ModelDims, validate_layout, validate_rollout_tp
+from mcore_rl.config import ParallelConfig, load_config
+from mcore_rl.megatron.layout import LayoutError, ModelDims, validate_layout, validate_rollout_tp, validate_run
 
 # Qwen3-30B-A3B
 QWEN = ModelDims(num_layers=48, num_attention_heads=32, num_query_groups=4, num_experts=128,
@@ -138,3 +139,41 @@ def test_rollout_tp():
         validate_rollout_tp(3, 32, QWEN)
     with pytest.raises(LayoutError, match="above the 4 KV heads must be a multiple"):
         validate_rollout_tp(6, 12, ModelDims(2, 12, 4, 0, 8, 8))
+
+
+PRESETS = sorted((Path(__file__).resolve().parents[1] / "configs" / "qwen3_30b_a3b").glob("*.yaml"))
+QWEN_JSON = Path(__file__).resolve().parents[1] / "configs" / "qwen3_30b_a3b" / "config.json"
+
+
+def test_qwen_config_json_matches_known_dims():
+    assert ModelDims.from_hf(QWEN_JSON) == QWEN
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
+def test_every_qwen_preset_valid_at_its_world_size(preset):
+    cfg = load_config(preset)
+    world = cfg.trainer.nnodes * cfg.trainer.nproc
+    lay = validate_run(cfg, world, QWEN_JSON)
+    assert lay.world_size == world and lay.tp * lay.pp * lay.cp * lay.dp == world
+    assert (lay.tp * lay.cp * lay.dp) % (lay.ep * lay.etp) == 0
+
+
+def test_32_device_recipe_rejected_on_16_devices():
+    cfg = load_config(QWEN_JSON.parent / "npu32_tp4_pp4_ep8.yaml")
+    with pytest.raises(LayoutError, match=r"ep\*etp = 8\*1 = 8 must divide tp\*cp\*dp = 4\*1\*1 = 4"):
+        validate_run(cfg, 2 * 8, QWEN_JSON)
+
+
+def test_run_batch_split_rules():
+    cfg = load_config(None, ["data.prompts_per_step=3", "rollout.n=2", "algo.mini_batches=1"])
+    with pytest.raises(LayoutError, match=r"6 samples .* must split evenly over dp 4 x algo.mini_batches 1 = 4"):
+        validate_run(cfg, 4, QWEN)
+    cfg = load_config(None, ["data.prompts_per_step=4", "rollout.n=3", "actor.parallel.micro_batch_size=4"])
+    with pytest.raises(LayoutError, match=r"mini-batch of 6 samples must split into micro-batches of .* = 4: use a micro_batch_size in \[1, 2, 3, 6\]"):
+        validate_run(cfg, 2, QWEN)
+    cfg = load_config(None, ["rollout.engine=vllm", "rollout.tp=3"])
+    with pytest.raises(LayoutError, match="rollout.tp = 3"):
+        validate_run(cfg, 6, QWEN)
+    cfg = load_config(None, ["platform=cpu", "actor.parallel.cp=2"])
+    with pytest.raises(LayoutError, match="cp = 2 needs Transformer Engine"):
+        validate_run(cfg, 2, QWEN)

@@ -18,13 +18,14 @@ The rules mirror what Megatron-Core asserts later (parallel_state, TransformerCo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from mcore_rl.config import ParallelConfig
+from mcore_rl.config import Config, ParallelConfig
 
 # Megatron-LM's default `--make-vocab-size-divisible-by`; its vocabulary padding multiple is this x TP.
 MEGATRON_VOCAB_DIVISIBLE_BY = 128
@@ -288,3 +289,32 @@ def validate_rollout_tp(rollout_tp: int, world_size: int, dims: Any) -> RolloutL
     elif kv % rollout_tp:
         raise LayoutError(f"rollout.tp = {rollout_tp} must divide the model's {kv} KV heads: use rollout.tp in {_divisors(kv)}")
     return RolloutLayout(tp=rollout_tp, dp=world_size // rollout_tp, warnings=warnings)
+
+
+def validate_run(cfg: Config, world_size: int, dims: Any, platform: Optional[str] = None) -> DerivedLayout:
+    """The whole pre-flight for a run: actor layout, rollout TP (vLLM) and how a step's samples split.
+
+    A step has prompts_per_step * n samples; they split evenly over the DP ranks and `algo.mini_batches`
+    optimizer steps, and each rank's share of a mini-batch splits into micro-batches of micro_batch_size.
+    """
+    if platform is None and cfg.platform != "auto":
+        platform = cfg.platform
+    layout = validate_layout(cfg.actor.parallel, world_size, dims, platform=platform)
+    warnings = list(layout.warnings)
+    if cfg.rollout.engine == "vllm":
+        warnings += validate_rollout_tp(cfg.rollout.tp, world_size, dims).warnings
+    samples = cfg.data.prompts_per_step * cfg.rollout.n
+    splits = layout.dp * cfg.algo.mini_batches
+    if samples % splits:
+        raise LayoutError(
+            f"a step's {samples} samples (data.prompts_per_step {cfg.data.prompts_per_step} x rollout.n {cfg.rollout.n}) must split "
+            f"evenly over dp {layout.dp} x algo.mini_batches {cfg.algo.mini_batches} = {splits}: make prompts_per_step * n a multiple of {splits}"
+        )
+    per_rank = samples // splits
+    mbs = layout.micro_batch_size
+    if per_rank % mbs:
+        raise LayoutError(
+            f"each DP rank's mini-batch of {per_rank} samples must split into micro-batches of actor.parallel.micro_batch_size = {mbs}: "
+            f"use a micro_batch_size in {_divisors(per_rank)}"
+        )
+    return dataclasses.replace(layout, warnings=tuple(warnings))

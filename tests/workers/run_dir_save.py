@@ -1,0 +1,35 @@
+"""torchrun worker: every rank writes its shard into one checkpoint; rank 0 publishes after all are done."""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from mcore_rl.run_dir import CheckpointManager
+
+
+def main(run_dir: str) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    manager = CheckpointManager(run_dir, keep_last=2)
+    for step in (1, 2, 3):
+        def write(tmp: Path, step=step) -> None:
+            if rank == world - 1:
+                time.sleep(0.5)  # the slowest rank: rank 0 must not publish before it is done
+            (tmp / f"shard_{rank}.txt").write_text(f"step {step} rank {rank}")
+
+        ckpt = manager.save(step, write, meta={"world_size": world})
+        # Right after save returns, every rank sees the same complete checkpoint with all shards.
+        assert manager.latest() == ckpt and ckpt.meta["world_size"] == world, (manager.latest(), ckpt)
+        for r in range(world):
+            assert (ckpt.path / f"shard_{r}.txt").read_text() == f"step {step} rank {r}"
+    assert [c.step for c in manager.complete()] == [2, 3]
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"rank {rank} ok", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
