@@ -423,11 +423,10 @@ def _check_combinations(cfg: Config) -> list[str]:
              f"algo.temperature = {a.temperature} differs from rollout.temperature = {r.temperature}: the trainer's log-probs "
              f"must use the sampling temperature; set both to the same value")
     _require(0 <= a.clip_low < 1, f"algo.clip_low = {a.clip_low} must lie in [0, 1) (ratio lower bound is 1 - clip_low)")
-    _require(a.clip_high > 0, f"algo.clip_high = {a.clip_high} must be > 0 (ratio upper bound is 1 + clip_high)")
+    _require(a.clip_high >= 0, f"algo.clip_high = {a.clip_high} must be >= 0 (ratio upper bound is 1 + clip_high)")
     if a.dual_clip is not None:
         _require(a.dual_clip > 1, f"algo.dual_clip = {a.dual_clip} must be > 1 (commonly 3) or null to disable it")
-        if a.loss != "grpo":
-            warnings.append(f"algo.dual_clip is only used by loss=grpo; ignored for loss={a.loss}")
+        _require(a.loss != "sapo", "algo.dual_clip is set but loss=sapo has no clipping (soft gate): set algo.dual_clip=null")
     _require(r.n >= 2, f"rollout.n = {r.n}: group advantages ({a.adv_estimator}) need at least 2 samples per prompt; set rollout.n >= 2")
     if a.loss == "gspo" and a.clip_low > 0.01:
         warnings.append(f"loss=gspo clips a length-normalised sequence ratio; clip_low={a.clip_low} is a token-level range "

@@ -25,10 +25,10 @@ def error(*overrides: str, path=None) -> str:
 
 def test_yaml_and_typed_overrides(tmp_path):
     path = write(tmp_path, "algo:\n  loss: grpo\n  kl_coef: 1e-3\nactor:\n  parallel:\n    tp: 2\n    ep: 2\n")
-    cfg = load_config(path, ["algo.loss=sapo", "actor.parallel.tp=1", "actor.optim.lr=3e-6", "algo.dual_clip=3",
+    cfg = load_config(path, ["algo.loss=gspo_token", "actor.parallel.tp=1", "actor.optim.lr=3e-6", "algo.dual_clip=3",
                              "algo.rollout_is=null", "algo.routing_replay=r2", "trainer.tensorboard=false",
                              "model.path=123", "trainer.run_dir=runs/1e3"])
-    assert cfg.algo.loss == "sapo" and cfg.actor.parallel.tp == 1 and cfg.actor.parallel.ep == 2
+    assert cfg.algo.loss == "gspo_token" and cfg.actor.parallel.tp == 1 and cfg.actor.parallel.ep == 2
     assert cfg.algo.kl_coef == pytest.approx(1e-3) and isinstance(cfg.algo.kl_coef, float)  # YAML 1.1 "1e-3" is a string
     assert cfg.actor.optim.lr == pytest.approx(3e-6)
     assert cfg.algo.dual_clip == 3.0 and isinstance(cfg.algo.dual_clip, float)
@@ -79,7 +79,8 @@ def test_close_choice_hint():
     (["algo.temperature=0.7"], "algo.temperature = 0.7 differs from rollout.temperature = 1.0"),
     (["algo.kl_coef=-0.1"], "algo.kl_coef = -0.1 must be >= 0"),
     (["algo.clip_low=1.2"], "algo.clip_low = 1.2 must lie in [0, 1)"),
-    (["algo.clip_high=0"], "algo.clip_high = 0.0 must be > 0"),
+    (["algo.clip_high=-0.1"], "algo.clip_high = -0.1 must be >= 0"),
+    (["algo.loss=sapo", "algo.dual_clip=3"], "loss=sapo has no clipping"),
     (["algo.dual_clip=0.5"], "algo.dual_clip = 0.5 must be > 1"),
     (["rollout.n=1"], "rollout.n = 1: group advantages (grpo) need at least 2 samples"),
     (["algo.rollout_is=icepop", "algo.rollout_is_low=1.5"], "needs rollout_is_low < 1 < rollout_is_high"),
@@ -99,8 +100,8 @@ def test_impossible_combinations_rejected(overrides, expected):
 def test_kl_type_without_kl_coef_is_fine_and_warnings_returned():
     cfg = load_config(None, ["algo.kl_type=k1", "algo.kl_coef=0"])
     assert cfg.algo.kl_type == "k1"
-    warnings = validate_config(load_config(None, ["algo.loss=gspo", "algo.clip_low=0.2", "algo.dual_clip=3"]))
-    assert any("GSPO paper" in w for w in warnings) and any("dual_clip is only used by loss=grpo" in w for w in warnings)
+    warnings = validate_config(load_config(None, ["algo.loss=gspo", "algo.clip_low=0.2"]))
+    assert any("GSPO paper" in w for w in warnings)
     assert validate_config(load_config(None, ["algo.loss=grpo"])) == []
 
 
