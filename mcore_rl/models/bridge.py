@@ -1,0 +1,361 @@
+"""Hugging Face checkpoint <-> Megatron-Core model chunks, behind a small interface of ours.
+
+`ModelBridge` builds the Megatron `GPTModel` chunks of this rank for a HF checkpoint folder, loads
+HF weights into any TP/PP/EP/ETP layout and exports full HF-named tensors back one at a time.
+mbridge supplies the model config mapping, the HF<->Megatron name mapping and the fused-tensor
+formats (qkv, gate/up); sharding, loading and gathering are ours so that they work with both the
+Transformer Engine layer spec (CUDA, NPU via MindSpeed) and the local pure-torch spec (CPU), whose
+parameter names differ:
+    local  decoder.layers.L.input_layernorm.weight                 (TE: ...self_attention.linear_qkv.layer_norm_weight)
+    local  decoder.layers.L.mlp.experts.local_experts.E.linear_fcN.weight  (TE: ...mlp.experts.linear_fcN.weightE)
+Names are translated to the TE form ("canonical") before mbridge maps them to HF names.
+Swapping mbridge for Megatron-Bridge means re-implementing `_MbridgeBackend` only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import re
+from typing import Iterator, Optional
+
+import torch
+
+from mcore_rl.config import ModelConfig, ParallelConfig
+from mcore_rl.platform import Platform
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Fused kernels that need Transformer Engine / Apex; the local spec must run without them.
+_NO_FUSION = dict(
+    bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+    apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+    moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False,
+)
+
+
+def load_hf_config(path: str):
+    """AutoConfig, with `rope_theta` restored where transformers >= 5 moved it into rope_parameters."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(path)
+    if getattr(cfg, "rope_theta", None) is None:
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        if "rope_theta" not in rope:
+            raise ValueError(f"{path}/config.json has neither rope_theta nor rope_parameters.rope_theta")
+        cfg.rope_theta = rope["rope_theta"]  # mbridge reads hf_config.rope_theta
+    return cfg
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm as Qwen3 computes it (fp32 statistics), usable under sequence parallelism.
+
+    Megatron's torch norm wrapper asserts `not sequence_parallel`; like TE's norm we instead mark the
+    weight so Megatron all-reduces its gradient over TP (each TP rank saw part of the sequence or,
+    for q/k norms, part of the heads)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **unused):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def _replace_torch_norm(spec, norm_cls) -> None:
+    """Swap Megatron's torch norm wrapper for `norm_cls` everywhere in a (nested) layer spec."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if isinstance(spec, (list, tuple)):
+        for s in spec:
+            _replace_torch_norm(s, norm_cls)
+        return
+    if isinstance(spec, ModuleSpec):
+        _replace_torch_norm(spec.submodules, norm_cls)
+        return
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        for f in dataclasses.fields(spec):
+            value = getattr(spec, f.name)
+            if value is WrappedTorchNorm:
+                setattr(spec, f.name, norm_cls)
+            else:
+                _replace_torch_norm(value, norm_cls)
+
+
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+@dataclasses.dataclass(frozen=True)
+class _ParamInfo:
+    """Where one local parameter sits in the full model."""
+
+    canonical: str  # TE-style name with global layer index and, for experts, the GLOBAL expert id
+    is_expert: bool
+    partition_dim: int  # -1 when not split over TP / ETP
+
+
+class _MbridgeBackend:
+    """The mbridge pieces we use: config building, name mapping, HF <-> fused Megatron formats."""
+
+    def __init__(self, hf_config, dtype: torch.dtype, extra_config: dict, use_te: bool):
+        from mbridge import AutoBridge
+
+        self.use_te = use_te
+        self.impl = AutoBridge.from_config(hf_config, dtype=dtype)
+        self.impl.set_extra_args(**extra_config)
+        if not use_te:
+            self.impl._get_transformer_layer_spec = self._local_layer_spec
+
+    @property
+    def config(self):
+        return self.impl.config
+
+    def _local_layer_spec(self, vp_stage: Optional[int] = None):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        kwargs = {"normalization": "RMSNorm"}
+        # vp_stage appeared in megatron-core 0.13; 0.12 (Ascend stacks) builds the current stage.
+        self.impl.has_vp_stage = "vp_stage" in inspect.signature(get_gpt_decoder_block_spec).parameters
+        if self.impl.has_vp_stage:
+            kwargs["vp_stage"] = vp_stage
+        spec = get_gpt_decoder_block_spec(self.impl.config, use_transformer_engine=False, **kwargs)
+        _replace_torch_norm(spec, RMSNorm)
+        spec.layer_norm = RMSNorm
+        return spec
+
+    def provider(self):
+        return self.impl._model_provider([])
+
+    def hf_names(self, canonical: str) -> list[str]:
+        return self.impl._weight_name_mapping_mcore_to_hf(canonical)
+
+    def to_mcore(self, canonical: str, hf_tensors: list[torch.Tensor]) -> torch.Tensor:
+        return self.impl._weight_to_mcore_format(canonical, hf_tensors)
+
+    def to_hf(self, canonical: str, full: torch.Tensor) -> tuple[list[str], list[torch.Tensor]]:
+        return self.impl._weight_to_hf_format(canonical, full)
+
+    def gated(self) -> bool:
+        return bool(self.impl.config.gated_linear_unit)
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(chunk, "module") and not hasattr(chunk, "decoder") and not hasattr(chunk, "embedding"):
+        chunk = chunk.module
+    return chunk
+
+
+def _split(canonical: str, full: torch.Tensor, parts: int, partition_dim: int, gated: bool) -> list[torch.Tensor]:
+    if parts == 1 or partition_dim < 0:
+        return [full] * parts
+    if gated and "linear_fc1.weight" in canonical:  # [gate; up] -> per rank [gate_r; up_r]
+        gate, up = full.chunk(2, dim=0)
+        return [torch.cat([g, u], dim=0) for g, u in zip(gate.chunk(parts), up.chunk(parts))]
+    return list(full.chunk(parts, dim=partition_dim))
+
+
+def _merge(canonical: str, shards: list[torch.Tensor], partition_dim: int, gated: bool) -> torch.Tensor:
+    if len(shards) == 1 or partition_dim < 0:
+        return shards[0]
+    if gated and "linear_fc1.weight" in canonical:
+        gates, ups = zip(*(s.chunk(2, dim=0) for s in shards))
+        return torch.cat([torch.cat(gates), torch.cat(ups)], dim=0)
+    return torch.cat(shards, dim=partition_dim)
+
+
+class ModelBridge:
+    """One HF checkpoint folder and the Megatron model built from it.
+
+    Requires Megatron's parallel state to be initialised (see mcore_rl.megatron.parallel) before
+    `build_model`. Model chunks are plain `GPTModel`s (one per virtual pipeline stage); wrappers
+    (DDP, Float16Module) are looked through by `load_hf_weights` / `export_hf_weights`.
+    """
+
+    def __init__(self, hf_path: str, platform: Platform):
+        self.hf_path = hf_path
+        self.platform = platform
+        self.hf_config = load_hf_config(hf_path)
+        self._backend: Optional[_MbridgeBackend] = None
+
+    # ---- build -------------------------------------------------------------------------------
+    def megatron_config_overrides(self, parallel: ParallelConfig, model_cfg: ModelConfig, sequence_parallel: bool) -> dict:
+        use_te = self.platform.name != "cpu"
+        extra = dict(
+            sequence_parallel=sequence_parallel,
+            moe_token_dispatcher_type=model_cfg.moe_token_dispatcher,
+            moe_router_dtype=model_cfg.moe_router_dtype,
+            attention_dropout=0.0,
+            hidden_dropout=0.0,
+            use_cpu_initialization=not use_te,
+        )
+        if model_cfg.recompute:
+            extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        if parallel.num_layers_in_first_stage is not None:
+            extra["num_layers_in_first_pipeline_stage"] = parallel.num_layers_in_first_stage
+        if parallel.num_layers_in_last_stage is not None:
+            extra["num_layers_in_last_pipeline_stage"] = parallel.num_layers_in_last_stage
+        if not use_te:
+            extra.update(_NO_FUSION)
+        return extra
+
+    def build_model(self, parallel: ParallelConfig, model_cfg: ModelConfig, sequence_parallel: Optional[bool] = None) -> list[torch.nn.Module]:
+        """This rank's model chunks (several with virtual pipeline stages), on the platform's device."""
+        from megatron.core import parallel_state as mpu
+        from megatron.core import tensor_parallel
+
+        if model_cfg.dtype not in _DTYPES:
+            raise ValueError(f"model.dtype {model_cfg.dtype!r} unknown; choose one of {sorted(_DTYPES)}")
+        if sequence_parallel is None:
+            sequence_parallel = parallel.sequence_parallel
+        extra = self.megatron_config_overrides(parallel, model_cfg, sequence_parallel)
+        self._backend = _MbridgeBackend(self.hf_config, _DTYPES[model_cfg.dtype], extra, use_te=self.platform.name != "cpu")
+        provider = self._backend.provider()
+        vpp = parallel.virtual_pp
+        chunks = []
+        for vp_stage in range(vpp or 1):
+            if vpp and "vp_stage" in inspect.signature(mpu.is_pipeline_first_stage).parameters:
+                pre = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+                post = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+                chunk = provider(pre_process=pre, post_process=post, vp_stage=vp_stage)
+            elif vpp:
+                raise ValueError("virtual_pp needs megatron-core >= 0.13 (vp_stage-aware model building); unset actor.parallel.virtual_pp")
+            else:
+                chunk = provider(pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage())
+            for p in chunk.parameters():
+                tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+            chunks.append(chunk.to(self.platform.device))
+        return chunks
+
+    @property
+    def transformer_config(self):
+        return self._require_backend().config
+
+    def _require_backend(self) -> _MbridgeBackend:
+        if self._backend is None:
+            raise RuntimeError("ModelBridge.build_model() must run before loading or exporting weights")
+        return self._backend
+
+    # ---- names -------------------------------------------------------------------------------
+    def _param_infos(self, chunk: torch.nn.Module) -> dict[str, _ParamInfo]:
+        """Local parameter name -> where it sits in the full model (global layer, global expert)."""
+        from megatron.core import parallel_state as mpu
+
+        model = _unwrap(chunk)
+        layer_map = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)} if hasattr(model, "decoder") else {}
+        num_experts = self.transformer_config.num_moe_experts or 0
+        ep_size, ep_rank = mpu.get_expert_model_parallel_world_size(), mpu.get_expert_model_parallel_rank()
+        infos = {}
+        for name, param in model.named_parameters():
+            canonical = name
+            m = _LAYER.match(name)
+            if m:
+                canonical = f"decoder.layers.{layer_map[int(m.group(1))]}." + name[m.end():]
+            canonical = canonical.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
+            is_expert = ".mlp.experts." in canonical
+            e = _LOCAL_EXPERT.search(canonical)
+            if e:  # local spec: experts.local_experts.E.linear_fcN.weight
+                local_id, fc = int(e.group(1)), e.group(2)
+                canonical = canonical[: e.start()] + f".mlp.experts.{fc}.weight{local_id}"
+            if is_expert:  # local expert id -> global id
+                prefix, local_id = canonical.rsplit(".weight", 1)
+                canonical = f"{prefix}.weight{int(local_id) + ep_rank * (num_experts // ep_size)}"
+            tp_split = getattr(param, "tensor_model_parallel", False)
+            infos[name] = _ParamInfo(canonical, is_expert, int(param.partition_dim) if tp_split else -1)
+        return infos
+
+    # ---- load --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_hf_weights(self, chunks: list[torch.nn.Module], path: Optional[str] = None) -> None:
+        """Fill this rank's shards from HF safetensors. Each rank reads only the tensors it holds;
+        no collectives, so any rank subset may call it."""
+        from mbridge.core.safetensor_io import SafeTensorIO
+        from megatron.core import parallel_state as mpu
+
+        backend = self._require_backend()
+        io = SafeTensorIO(path or self.hf_path)
+        tp = (mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank())
+        etp = (mpu.get_expert_tensor_parallel_world_size(), mpu.get_expert_tensor_parallel_rank())
+        for chunk in chunks:
+            params = dict(_unwrap(chunk).named_parameters())
+            infos = self._param_infos(chunk)
+            wanted = {n: backend.hf_names(i.canonical) for n, i in infos.items()}
+            hf = io.load_some_hf_weight(sorted({h for names in wanted.values() for h in names}))
+            for name, info in infos.items():
+                full = backend.to_mcore(info.canonical, [hf[h] for h in wanted[name]])
+                size, rank = etp if info.is_expert else tp
+                shard = _split(info.canonical, full, size, info.partition_dim, backend.gated())[rank]
+                param = params[name]
+                if shard.shape != param.shape:
+                    raise ValueError(f"{name}: checkpoint shard {tuple(shard.shape)} != model shard {tuple(param.shape)} "
+                                     f"(from {wanted[name]}); the checkpoint does not match config.json")
+                param.copy_(shard)
+
+    # ---- export ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def export_hf_weights(self, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (hf_name, full tensor) for the whole model, one parameter at a time.
+
+        Collective: EVERY rank of the job must iterate it to the end, in step. Every rank receives
+        every full tensor (pipeline stages broadcast theirs, TP/ETP/EP shards are all-gathered);
+        data-parallel replicas compute identical copies independently. Tensors stay on the device;
+        consumers that keep them should copy (`.cpu()`) since nothing here holds references.
+        """
+        from megatron.core import parallel_state as mpu
+
+        backend = self._require_backend()
+        pp_group = mpu.get_pipeline_model_parallel_group()
+        pp_ranks = torch.distributed.get_process_group_ranks(pp_group)
+        local = []  # (info, tensor) on this pipeline stage
+        for chunk in chunks:
+            params = dict(_unwrap(chunk).named_parameters())
+            local += [(info, params[name]) for name, info in self._param_infos(chunk).items()]
+        meta = [(i.canonical, i.is_expert, i.partition_dim, tuple(t.shape), t.dtype) for i, t in local]
+        per_stage = [None] * len(pp_ranks)
+        torch.distributed.all_gather_object(per_stage, meta, group=pp_group)
+        my_stage = mpu.get_pipeline_model_parallel_rank()
+        gated = backend.gated()
+        for stage, stage_meta in enumerate(per_stage):
+            for k, (canonical, is_expert, pdim, shape, dtype) in enumerate(stage_meta):
+                if stage == my_stage:
+                    tensor = local[k][1].detach()
+                else:
+                    tensor = torch.empty(shape, dtype=dtype, device=self.platform.device)
+                if len(pp_ranks) > 1:
+                    torch.distributed.broadcast(tensor, src=pp_ranks[stage], group=pp_group)
+                if is_expert:
+                    yield from self._export_expert(canonical, tensor, pdim, gated)
+                else:
+                    shards = _all_gather(tensor, mpu.get_tensor_model_parallel_group()) if pdim >= 0 else [tensor]
+                    yield from zip(*backend.to_hf(canonical, _merge(canonical, shards, pdim, gated)))
+
+    def _export_expert(self, canonical: str, shard: torch.Tensor, pdim: int, gated: bool):
+        from megatron.core import parallel_state as mpu
+
+        backend = self._backend
+        ep_shards = _all_gather(shard, mpu.get_expert_model_parallel_group())
+        num_local = self.transformer_config.num_moe_experts // len(ep_shards)
+        prefix, gid = canonical.rsplit(".weight", 1)
+        local_id = int(gid) % num_local
+        for ep_rank, ep_shard in enumerate(ep_shards):
+            name = f"{prefix}.weight{ep_rank * num_local + local_id}"
+            shards = _all_gather(ep_shard, mpu.get_expert_tensor_parallel_group()) if pdim >= 0 else [ep_shard]
+            yield from zip(*backend.to_hf(name, _merge(name, shards, pdim, gated)))
+
+
+def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    size = torch.distributed.get_world_size(group)
+    if size == 1:
+        return [tensor]
+    tensor = tensor.contiguous()
+    out = [torch.empty_like(tensor) for _ in range(size)]
+    torch.distributed.all_gather(out, tensor, group=group)
+    return out

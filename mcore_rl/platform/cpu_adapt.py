@@ -1,0 +1,223 @@
+"""Megatron-Core on a CPU-only torch build: every adaptation in one place.
+
+Megatron assumes CUDA in many call sites. On a CPU build of torch those calls raise ("Torch not
+compiled with CUDA"), so we route them to their CPU equivalents, the same idea as MindSpeed's
+adaptor for Ascend. `apply()` is idempotent (each patch marks what it replaced) and refuses to run
+when CUDA is available, so it can never change behaviour on a GPU machine.
+
+Patches and why (megatron-core 0.12-0.19; the notes in shared/notes/cpu-megatron.md list the sites):
+ 1. torch.cuda.current_device -> torch.device("cpu"): used as a `device=` argument by rotary
+    embedding, MoE router, tensor-parallel layers/mappings, grad buffers, p2p communication, mbridge.
+ 2. torch.cuda.synchronize -> no-op: p2p communication waits on the device; CPU ops are synchronous.
+ 3. torch.cuda.Stream / current_stream / default_stream / stream / Event -> inert stand-ins: the
+    alltoall token dispatcher overlaps device-to-host copies on a side stream.
+ 4. torch.cuda.get_rng_state / set_rng_state / manual_seed and Megatron's
+    `_get_cuda_rng_state` / `_set_cuda_rng_state` -> the CPU generator: Megatron's RNG tracker
+    (tensor/expert-parallel seeds, dropout forks) keeps per-region CUDA states. Megatron then logs a
+    benign "CPU RNG state changed within GPU RNG context" warning: both states are one generator.
+ 5. Tensor factories (tensor, zeros, ones, empty, full, arange, *_like, rand*) given device="cuda"
+    (or an int index) -> CPU, and pin_memory=True dropped: literal device='cuda' in the optimizer
+    loss scale, grad clipping, schedules, grad buffers, dist-checkpointing exchange; pinned memory
+    needs an accelerator allocator. Tensor.cuda / Module.cuda return the object unchanged.
+ 6. Asserts of `p.type() == 'torch.cuda.FloatTensor'` (grad clipping, fp16/bf16 optimizer,
+    distributed optimizer): those three functions run with Tensor.type() reporting the CUDA type name
+    of CPU tensors; nothing else sees that.
+ 7. Without Transformer Engine, megatron-core 0.16 references an undefined `te_general_gemm` in the
+    router gating (NameError): define it as None so the plain torch matmul path runs.
+ 8. The alltoall dispatcher converts split sizes to numpy only for CUDA tensors; on CPU they stay
+    tensors and all_to_all_single rejects them: convert CPU tensors too when numpy is asked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_MARK = "_mcore_rl_cpu_patch"  # set on every replacement: makes apply() idempotent
+
+_FACTORIES = (
+    "tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint",
+    "empty_strided", "empty_like", "zeros_like", "ones_like", "full_like",
+)
+
+
+def _is_patched(fn) -> bool:
+    return getattr(fn, _MARK, False)
+
+
+def _mark(fn):
+    setattr(fn, _MARK, True)
+    return fn
+
+
+def _set(owner, name: str, replacement) -> None:
+    """Replace owner.name once; a second apply() finds the mark and leaves it alone."""
+    current = getattr(owner, name, None)
+    if current is not None and _is_patched(current):
+        return
+    setattr(owner, name, _mark(replacement))
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):  # a bare index means a CUDA device in torch
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+def _cpu_factory(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+class _InertStream:
+    """Stands in for torch.cuda.Stream/Event: CPU work is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _InertStream()
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __eq__(self, other):
+        return isinstance(other, _InertStream)
+
+    def __hash__(self):
+        return 0
+
+
+def _patch_torch_cuda() -> None:
+    cuda = torch.cuda
+    _set(cuda, "current_device", lambda: torch.device("cpu"))
+    _set(cuda, "synchronize", lambda *args, **kwargs: None)
+    _set(cuda, "Stream", type("Stream", (_InertStream,), {}))
+    _set(cuda, "Event", type("Event", (_InertStream,), {}))
+    _set(cuda, "current_stream", lambda *args, **kwargs: _InertStream())
+    _set(cuda, "default_stream", lambda *args, **kwargs: _InertStream())
+    _set(cuda, "stream", lambda *args, **kwargs: contextlib.nullcontext())
+    _set(cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state())
+    _set(cuda, "set_rng_state", lambda new_state, device="cuda": torch.set_rng_state(new_state))
+    # The CPU generator directly: torch.manual_seed itself calls torch.cuda.manual_seed_all.
+    _set(cuda, "manual_seed", lambda seed: torch.default_generator.manual_seed(int(seed)) and None)
+    _set(cuda.random, "get_rng_state", cuda.get_rng_state)
+    _set(cuda.random, "set_rng_state", cuda.set_rng_state)
+
+
+def _patch_factories() -> None:
+    for name in _FACTORIES:
+        fn = getattr(torch, name)
+        if not _is_patched(fn):
+            _set(torch, name, _cpu_factory(fn))
+    _set(torch.Tensor, "cuda", lambda self, *args, **kwargs: self)
+    _set(torch.nn.Module, "cuda", lambda self, *args, **kwargs: self)
+
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
+
+
+@contextlib.contextmanager
+def _cuda_type_names():
+    """Within the block, `t.type()` (no arguments) names CPU float tensors like CUDA ones."""
+    original = torch.Tensor.type
+
+    def type_(self, *args, **kwargs):
+        if not args and not kwargs and self.device.type == "cpu" and self.dtype in _CUDA_TYPE_NAMES:
+            return _CUDA_TYPE_NAMES[self.dtype]
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _with_cuda_type_names(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _cuda_type_names():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _patch_megatron() -> None:
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.optimizer import optimizer as mc_optimizer
+    from megatron.core.tensor_parallel import random as mc_random
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    _set(mc_random, "_get_cuda_rng_state", lambda *args, **kwargs: torch.get_rng_state())
+    _set(mc_random, "_set_cuda_rng_state", lambda new_state, *args, **kwargs: torch.set_rng_state(new_state))
+
+    clip = clip_grads.clip_grad_by_total_norm_fp32
+    if not _is_patched(clip):
+        clip = _with_cuda_type_names(clip)
+        _set(clip_grads, "clip_grad_by_total_norm_fp32", clip)
+    if hasattr(mc_optimizer, "clip_grad_by_total_norm_fp32"):  # imported by name there
+        _set(mc_optimizer, "clip_grad_by_total_norm_fp32", clip)
+
+    f16 = mc_optimizer.Float16OptimizerWithFloat16Params
+    if not _is_patched(f16.__init__):
+        _set(f16, "__init__", _with_cuda_type_names(f16.__init__))
+    dist = distrib_optimizer.DistributedOptimizer
+    build = dist.__dict__["_build_model_and_main_param_groups"]
+    if not _is_patched(build):  # a staticmethod: wrap the function inside it
+        dist._build_model_and_main_param_groups = staticmethod(_mark(_with_cuda_type_names(build.__func__)))
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+    move = moe_utils.maybe_move_tensor_to_cpu
+    if not _is_patched(move):
+        def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+            if torch.is_tensor(tensor) and as_numpy:
+                return tensor.detach().cpu().numpy()
+            return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+        _set(moe_utils, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
+    if hasattr(token_dispatcher, "maybe_move_tensor_to_cpu"):
+        _set(token_dispatcher, "maybe_move_tensor_to_cpu", moe_utils.maybe_move_tensor_to_cpu)
+
+
+def apply() -> None:
+    """Adapt torch.cuda and Megatron-Core to run on CPU. Safe to call any number of times."""
+    if torch.cuda.is_available():
+        raise RuntimeError("cpu_adapt.apply() is for CPU-only runs but CUDA is available; use platform 'cuda'")
+    _patch_torch_cuda()
+    _patch_factories()
+    _patch_megatron()
