@@ -1,0 +1,176 @@
+"""Per-step metrics on rank 0: JSONL (crash-safe), TensorBoard, optional W&B, and a progress line.
+
+Metric names are flat strings; the plot groups them by name. Names the trainer is expected to use:
+  reward_mean, reward_std, val_reward_mean, response_len_mean, pg_loss, loss, kl_ref, approx_kl_old,
+  entropy, clipfrac_upper, clipfrac_lower, dual_clipfrac, grad_norm, rollout_mismatch_k3, is_weight_mean,
+  tokens_per_s, time_rollout_s, time_old_logprob_s, time_ref_logprob_s, time_update_s, time_sync_s, time_step_s.
+Any other numeric key is logged and plotted as well.
+
+JSONL lines are appended and flushed one step at a time, so a crash loses at most the step being written;
+on resume from step S, lines of steps > S (logged after the checkpoint, replayed now) are dropped first.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+REWARD_KEYS = ("reward_mean", "reward")
+THROUGHPUT_KEYS = ("tokens_per_s",)
+
+
+def to_python(value: Any) -> Any:
+    """Tensors / numpy scalars -> float or int; other values unchanged."""
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "numel", lambda: 1)() == 1:
+        value = value.item()
+    if isinstance(value, bool):
+        return int(value)
+    return value
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """Records of a metrics.jsonl (or of RUN_DIR/metrics.jsonl); a torn last line from a crash is skipped."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    records = []
+    if not path.exists():
+        return records
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # only a line cut by a crash can be torn; later lines are still good
+    return records
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """Keep records with step <= `step` (atomic rewrite)."""
+    kept = [r for r in read_metrics(path) if r.get("step", -1) <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        for r in kept:
+            f.write(json.dumps(r) + "\n")
+    os.replace(tmp, path)
+
+
+def _first(metrics: Mapping[str, Any], keys: tuple[str, ...]) -> Optional[float]:
+    for key in keys:
+        if key in metrics and _is_number(metrics[key]):
+            return float(metrics[key])
+    return None
+
+
+class MetricsLogger:
+    """Rank 0 writes; on other ranks every method is a no-op, so the trainer calls it unconditionally."""
+
+    def __init__(self, run_dir: str | os.PathLike, cfg=None, rank: Optional[int] = None, start_step: int = 0,
+                 progress: Optional[bool] = None):
+        if rank is None:
+            import torch.distributed as dist
+
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.enabled = rank == 0
+        self.run_dir = Path(run_dir)
+        self.total_steps = cfg.trainer.steps if cfg is not None else None
+        self.log_every = cfg.trainer.log_every if cfg is not None else 1
+        self._file = self._tb = self._wandb = self._bar = None
+        if not self.enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        path = self.run_dir / METRICS_FILE
+        if path.exists():
+            _truncate_after(path, start_step)
+        self._file = open(path, "a")
+        if cfg is None or cfg.trainer.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=start_step + 1)
+        if cfg is not None and cfg.trainer.wandb:
+            self._wandb = self._init_wandb(cfg)
+        use_bar = sys.stderr.isatty() if progress is None else progress
+        if use_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self.total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+
+    def _init_wandb(self, cfg):
+        try:
+            import wandb
+        except ImportError:
+            log.warning("trainer.wandb=true but wandb is not installed (pip install 'mcore-rl[wandb]'): logging to JSONL/TensorBoard only")
+            return None
+        # A stable id in the run dir makes a resumed run continue the same W&B run.
+        id_file = self.run_dir / "wandb_id"
+        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        id_file.write_text(run_id)
+        return wandb.init(project=cfg.trainer.wandb_project, name=self.run_dir.name, id=run_id, resume="allow",
+                          dir=str(self.run_dir), config=asdict(cfg))
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> dict:
+        """Record one step; returns the JSON record written (empty on non-zero ranks)."""
+        if not self.enabled:
+            return {}
+        record = {"step": int(step), "time": time.time()}
+        record.update({k: to_python(v) for k, v in metrics.items()})
+        self._file.write(json.dumps(record, allow_nan=True) + "\n")
+        self._file.flush()
+        numbers = {k: float(v) for k, v in record.items() if k not in ("step", "time") and _is_number(v)}
+        if self._tb is not None:
+            for key, value in numbers.items():
+                self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(numbers, step=step)
+        self._show(step, numbers)
+        return record
+
+    def _show(self, step: int, numbers: Mapping[str, float]) -> None:
+        reward, speed = _first(numbers, REWARD_KEYS), _first(numbers, THROUGHPUT_KEYS)
+        parts = {}
+        if reward is not None:
+            parts["reward"] = f"{reward:.3f}"
+        if speed is not None and math.isfinite(speed):
+            parts["tok/s"] = f"{speed:.0f}"
+        if self._bar is not None:
+            self._bar.n = step
+            self._bar.set_postfix(parts, refresh=True)
+        elif step % self.log_every == 0 or step == self.total_steps:
+            total = f"/{self.total_steps}" if self.total_steps else ""
+            text = " ".join(f"{k} {v}" for k, v in parts.items())
+            print(f"step {step}{total} {text}".rstrip(), flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        if self._file is not None:
+            self._file.close()
+        self._file = self._tb = self._wandb = self._bar = None
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,106 @@
+"""PNG curves from a run's metrics.jsonl (matplotlib Agg: no display needed).
+
+`plot_run(run_dir)` writes RUN_DIR/plots/overview.png (one panel per metric group that exists in the run)
+and one PNG per numeric metric; it returns the paths written.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+
+from mcore_rl.metrics import read_metrics
+
+# (panel title, name pattern); a metric goes to the first group it matches, in this order.
+GROUPS: tuple[tuple[str, str], ...] = (
+    ("reward", r"reward|pass@|accuracy"),
+    ("response length", r"response_len|length"),
+    ("tokens / s", r"tokens_per_s|throughput"),
+    ("loss", r"loss"),
+    ("KL", r"kl"),
+    ("entropy", r"entropy"),
+    ("clip fractions", r"clipfrac"),
+    ("grad norm", r"grad_norm"),
+    ("train / rollout mismatch", r"mismatch|is_weight"),
+    ("seconds per phase", r"^time_|_seconds$|_s$"),
+)
+SKIP = {"step", "time"}
+
+
+def numeric_series(records: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
+    """key -> (steps, values) for every numeric metric (finite values only)."""
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    for r in records:
+        step = r.get("step")
+        for key, value in r.items():
+            if key in SKIP or isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                continue
+            xs, ys = series.setdefault(key, ([], []))
+            xs.append(step)
+            ys.append(float(value))
+    return series
+
+
+def group_metrics(keys) -> dict[str, list[str]]:
+    groups: dict[str, list[str]] = {}
+    for key in sorted(keys):
+        title = next((t for t, pattern in GROUPS if re.search(pattern, key)), key)
+        groups.setdefault(title, []).append(key)
+    order = [t for t, _ in GROUPS]
+    return dict(sorted(groups.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order else len(order), kv[0])))
+
+
+def _safe_name(key: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", key)
+
+
+def plot_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    series = numeric_series(read_metrics(run_dir))
+    if not series:
+        raise ValueError(f"no numeric metrics in {run_dir}/metrics.jsonl: is this a run directory of a started run?")
+    out = Path(out_dir) if out_dir is not None else run_dir / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    groups = group_metrics(series)
+    cols = min(3, len(groups))
+    rows = -(-len(groups) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.4 * rows), squeeze=False)
+    for ax, (title, keys) in zip(axes.flat, groups.items()):
+        for key in keys:
+            xs, ys = series[key]
+            ax.plot(xs, ys, label=key, marker="." if len(xs) < 30 else None)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if len(keys) > 1 or keys[0] != title:
+            ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(groups):]:
+        ax.axis("off")
+    fig.suptitle(run_dir.name)
+    fig.tight_layout()
+    path = out / "overview.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+
+    for key, (xs, ys) in sorted(series.items()):
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        ax.plot(xs, ys, marker="." if len(xs) < 30 else None)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out / f"{_safe_name(key)}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
