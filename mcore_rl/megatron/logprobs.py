@@ -3,7 +3,7 @@
 Tensor parallelism shards the output layer over the vocabulary: each rank holds logits [.., V/tp]
 for its contiguous vocabulary slice (rank r owns ids [r * V/tp, (r+1) * V/tp)). We never gather the
 full vocabulary; per token the ranks all-reduce one max and three partial sums
-(sum exp, sum exp * z, target logit). Work runs in chunks of `chunk_tokens` tokens, so the only
+(sum exp, sum exp * z, target logit). Work runs in chunks of `chunk_tokens` tokens (default: CHUNK_ELEMENTS / (V/tp)), so the only
 extra [tokens, V/tp] memory beyond the input logits and their gradient is one chunk of fp32
 temporaries, in forward and in backward (the backward recomputes softmax from the saved input
 logits instead of keeping it). The input is never modified in place.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-DEFAULT_CHUNK_TOKENS = 1024
+CHUNK_ELEMENTS = 1 << 25  # default chunk: ~32M fp32 values (128 MiB) per temporary
 
 
 def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
@@ -31,8 +31,13 @@ def _vocab_start(local_vocab: int, group) -> int:
     return rank * local_vocab
 
 
+def _scaled(logits_chunk: torch.Tensor, temperature: float) -> torch.Tensor:
+    z = logits_chunk.float()  # a view when already fp32: no copy
+    return z if temperature == 1.0 else z / temperature
+
+
 def _chunk_stats(z: torch.Tensor, target: torch.Tensor, vocab_start: int, group):
-    """For one chunk of scaled logits z [c, V/tp]: global max m, log sum exp(z - m), target z, E_p[z - m]."""
+    """For one chunk of scaled logits z [c, V/tp]: global max m, log sum exp(z - m), target z - m, E_p[z - m]."""
     m = z.max(dim=-1).values
     _all_reduce(m, dist.ReduceOp.MAX, group)
     shifted = z - m.unsqueeze(-1)
@@ -40,7 +45,8 @@ def _chunk_stats(z: torch.Tensor, target: torch.Tensor, vocab_start: int, group)
     local_ids = target - vocab_start
     owned = (local_ids >= 0) & (local_ids < z.shape[-1])
     picked = shifted.gather(-1, local_ids.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
-    sums = torch.stack([exp.sum(-1), (exp * shifted).sum(-1), torch.where(owned, picked, torch.zeros_like(picked))])
+    sum_exp_shifted = torch.bmm(exp.unsqueeze(1), shifted.unsqueeze(2)).view(-1)  # row dot products, no temp
+    sums = torch.stack([exp.sum(-1), sum_exp_shifted, torch.where(owned, picked, torch.zeros_like(picked))])
     _all_reduce(sums, dist.ReduceOp.SUM, group)  # one collective for the three partial sums
     sum_exp, sum_exp_shifted, target_shifted = sums
     log_z = sum_exp.log()
@@ -58,7 +64,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         log_zs = torch.empty_like(log_prob)
         for s in range(0, n, chunk_tokens):
             e = min(s + chunk_tokens, n)
-            z = logits[s:e].float() / temperature
+            z = _scaled(logits[s:e], temperature)
             m, log_z, tgt, mean_shifted = _chunk_stats(z, target[s:e], vocab_start, group)
             log_prob[s:e] = tgt - log_z
             entropy[s:e] = log_z - mean_shifted  # H = log Z - E_p[z - m] (Z taken after the shift)
@@ -73,21 +79,24 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         logits, target, maxes, log_zs, entropy = ctx.saved_tensors
         n, local_vocab = logits.shape
         grad_logits = torch.empty_like(logits)
+        g_lp = grad_log_prob.float()
+        g_h = grad_entropy.float() if ctx.with_entropy and grad_entropy is not None else torch.zeros_like(g_lp)
+        # d/dz_j [g_lp log p_y + g_h H] = g_lp (onehot_j - p_j) - g_h p_j (log p_j + H)
+        #                               = p_j (a + b log p_j) + g_lp onehot_j,  a = -g_lp - g_h H, b = -g_h
+        a = -g_lp - g_h * entropy
+        b = -g_h
         for s in range(0, n, ctx.chunk_tokens):
             e = min(s + ctx.chunk_tokens, n)
             # log p = z - m - log Z, recomputed per chunk instead of stored
-            log_p = logits[s:e].float() / ctx.temperature - (maxes[s:e] + log_zs[s:e]).unsqueeze(-1)
-            p = log_p.exp()
-            # d log p_y / d z = onehot(y) - p
-            g = p * (-grad_log_prob[s:e].unsqueeze(-1))
-            if ctx.with_entropy and grad_entropy is not None:
-                # d H / d z_j = -p_j (log p_j + H)
-                g -= grad_entropy[s:e].unsqueeze(-1) * p * (log_p + entropy[s:e].unsqueeze(-1))
+            log_p = _scaled(logits[s:e], ctx.temperature) - (maxes[s:e] + log_zs[s:e]).unsqueeze(-1)
+            g = torch.addcmul(a[s:e].unsqueeze(-1), b[s:e].unsqueeze(-1), log_p)
+            g.mul_(log_p.exp_())
             local_ids = target[s:e] - ctx.vocab_start
-            owned = (local_ids >= 0) & (local_ids < local_vocab)
-            rows = torch.nonzero(owned).squeeze(-1)
-            g[rows, local_ids[rows]] += grad_log_prob[s:e][rows]
-            grad_logits[s:e] = g / ctx.temperature
+            rows = torch.nonzero((local_ids >= 0) & (local_ids < local_vocab)).squeeze(-1)
+            g[rows, local_ids[rows]] += g_lp[s:e][rows]
+            if ctx.temperature != 1.0:
+                g.div_(ctx.temperature)  # z = logits / T
+            grad_logits[s:e] = g
         return grad_logits, None, None, None, None, None
 
 
@@ -97,19 +106,22 @@ def vocab_parallel_log_probs(
     temperature: float = 1.0,
     group: dist.ProcessGroup | None = None,
     with_entropy: bool = False,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of `target` under softmax(logits / temperature) over the full (sharded) vocabulary.
 
     logits: [..., V/tp] this rank's vocabulary shard (any float dtype; math in fp32);
     target: [...] global token ids; group: the tensor-parallel group (None: unsharded).
     Returns (log_prob [...], entropy [...] or None), fp32, differentiable w.r.t. logits.
+    chunk_tokens bounds the extra fp32 [chunk, V/tp] temporaries (a few live at once).
     Every rank of `group` must call this with the same tokens (it runs collectives).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}; use the rollout's sampling temperature")
     if target.shape != logits.shape[:-1]:
         raise ValueError(f"target shape {tuple(target.shape)} must equal logits shape without the vocab dim {tuple(logits.shape[:-1])}")
+    if chunk_tokens is None:
+        chunk_tokens = max(1, CHUNK_ELEMENTS // logits.shape[-1])
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     lead = target.shape
