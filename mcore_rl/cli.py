@@ -1,0 +1,222 @@
+"""`mcore-rl` command line: make-tiny, make-task, check, train, plot, convert.
+
+`train CONFIG [key=value ...]` validates the config and the parallel layout first (seconds, no process
+started), then re-executes itself under `torch.distributed.run` with trainer.nproc processes on this
+machine; inside torchrun (LOCAL_RANK / WORLD_SIZE set, also by launch/ scripts) it runs the trainer.
+Bad input exits with status 2 and one line `mcore-rl: error: ...` naming the problem and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from mcore_rl.config import Config, ConfigError, check_paths, load_config
+from mcore_rl.megatron.layout import DerivedLayout, LayoutError, ModelDims, validate_run
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+EXIT_BAD_INPUT = 2
+
+
+def inside_torchrun() -> bool:
+    return "LOCAL_RANK" in os.environ or "WORLD_SIZE" in os.environ
+
+
+def model_dims(cfg: Config, model_config: Optional[str] = None) -> ModelDims:
+    """Dimensions from --model-config (a config.json) or from model.path's config.json."""
+    source = model_config or cfg.model.path
+    if not source:
+        raise ConfigError("model.path is empty and no --model-config given: set model.path or pass --model-config CONFIG_JSON")
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        flag = "--model-config" if model_config else "model.path"
+        raise ConfigError(f"{flag} = {source} has no config.json: point it at a Hugging Face checkpoint folder or pass "
+                          f"--model-config with the model's config.json (e.g. configs/qwen3_30b_a3b/config.json)")
+    return ModelDims.from_hf(path)
+
+
+def preflight(cfg: Config, world_size: int, model_config: Optional[str] = None, platform: Optional[str] = None) -> DerivedLayout:
+    """Config is already validated by load_config; check the layout and batch split for `world_size`."""
+    return validate_run(cfg, world_size, model_dims(cfg, model_config), platform=platform)
+
+
+def describe(cfg: Config, layout: DerivedLayout, nnodes: int, nproc: int) -> str:
+    samples = cfg.data.prompts_per_step * cfg.rollout.n
+    per_rank = samples // (layout.dp * cfg.algo.mini_batches)
+    lines = [
+        f"world {layout.world_size} ({nnodes} node(s) x {nproc} processes)",
+        f"actor: tp{layout.tp} pp{layout.pp} cp{layout.cp} dp{layout.dp} | ep{layout.ep} etp{layout.etp} edp{layout.edp}"
+        f" | sequence_parallel {'on' if layout.sequence_parallel else 'off'} | layers per stage {list(layout.layers_per_stage)}"
+        + (f" x vpp{layout.vpp}" if layout.vpp else "") + f" | vocab {layout.padded_vocab_size}",
+        f"batch: {cfg.data.prompts_per_step} prompts x n {cfg.rollout.n} = {samples} samples/step -> {cfg.algo.mini_batches} "
+        f"mini-batch(es) of {per_rank} per DP rank, micro-batch {layout.micro_batch_size}",
+        f"rollout: {cfg.rollout.engine}" + (f" tp{cfg.rollout.tp} x {layout.world_size // cfg.rollout.tp} replicas" if cfg.rollout.engine == "vllm" else ""),
+        f"algo: {cfg.algo.loss} ({cfg.algo.agg_mode}), adv {cfg.algo.adv_estimator}, routing replay {cfg.algo.routing_replay or 'off'}",
+    ]
+    return "\n".join(lines + [f"warning: {w}" for w in layout.warnings])
+
+
+# ---------------------------------------------------------------------------------------------- commands
+
+def cmd_make_tiny(args) -> int:
+    from mcore_rl.models.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(args.out, seed=args.seed)
+    print(f"tiny Qwen3-MoE checkpoint written to {path}")
+    return 0
+
+
+def cmd_make_task(args) -> int:
+    from mcore_rl.data.task import make_task_dataset
+
+    train, val = make_task_dataset(args.out, train_size=args.train_size, val_size=args.val_size, seed=args.seed, fmt=args.format)
+    print(f"task data written: {train} {val}")
+    return 0
+
+
+def _world(args, cfg: Config) -> tuple[int, int, int]:
+    """(world, nnodes, nproc) from --world-size, --nnodes/--nproc-per-node, or the config's trainer section."""
+    nnodes = args.nnodes if args.nnodes is not None else cfg.trainer.nnodes
+    nproc = args.nproc_per_node if args.nproc_per_node is not None else cfg.trainer.nproc
+    if args.world_size is not None:
+        if args.nnodes is not None or args.nproc_per_node is not None:
+            raise ConfigError("give either --world-size or --nnodes/--nproc-per-node, not both")
+        return args.world_size, 1, args.world_size
+    return nnodes * nproc, nnodes, nproc
+
+
+def cmd_check(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    world, nnodes, nproc = _world(args, cfg)
+    layout = preflight(cfg, world, args.model_config)
+    print(f"OK: {args.config}")
+    print(describe(cfg, layout, nnodes, nproc))
+    return 0
+
+
+def _resolve_platform(cfg: Config) -> str:
+    from mcore_rl.platform import get_platform
+
+    try:
+        return get_platform(cfg.platform).name
+    except (RuntimeError, ValueError) as e:
+        raise ConfigError(f"platform = {cfg.platform}: {e}") from None
+
+
+def cmd_train(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    check_paths(cfg)
+    if inside_torchrun():
+        from mcore_rl.trainer import run
+
+        run(cfg)
+        return 0
+    if cfg.trainer.nnodes > 1:
+        raise ConfigError(f"trainer.nnodes = {cfg.trainer.nnodes}: `mcore-rl train` starts one machine; start every node with "
+                          f"launch/torchrun_multinode.sh (or launch/ray_launch.py), or set trainer.nnodes=1")
+    platform = _resolve_platform(cfg)
+    layout = preflight(cfg, cfg.trainer.nproc, platform=platform)
+    for warning in layout.warnings:
+        print(f"mcore-rl: warning: {warning}", file=sys.stderr)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.trainer.nproc}",
+           "-m", "mcore_rl.cli", "train", args.config, *args.overrides]
+    print(f"mcore-rl: {cfg.trainer.nproc} process(es) on {platform}: {' '.join(cmd[1:])}", flush=True)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # without it every rank spins all cores (0.5 s stalls on small CPUs)
+    os.execve(sys.executable, cmd, env)
+    return 0  # not reached
+
+
+def cmd_plot(args) -> int:
+    from mcore_rl.plot import plot_run
+
+    try:
+        paths = plot_run(args.run_dir, args.out)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    print(f"{len(paths)} plots written; overview: {paths[0]}")
+    return 0
+
+
+def cmd_convert(args) -> int:
+    script = REPO_ROOT / "tools" / "convert_checkpoint.py"
+    if not script.is_file():
+        raise ConfigError(f"{script} not found: `mcore-rl convert` needs the source checkout (pip install -e .)")
+    argv = args.args[1:] if args.args[:1] == ["--"] else args.args
+    saved = sys.argv
+    sys.argv = [str(script), *argv]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = saved
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mcore-rl", description="Megatron-Core RL post-training (GRPO / GSPO / SAPO) for MoE models")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-tiny", help="write the tiny Qwen3-MoE checkpoint + tokenizer")
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_make_tiny)
+
+    p = sub.add_parser("make-task", help="write the embedded task's train/val prompt sets")
+    p.add_argument("--out", required=True)
+    p.add_argument("--train-size", type=int, default=4096)
+    p.add_argument("--val-size", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--format", choices=("parquet", "jsonl"), default="parquet")
+    p.set_defaults(func=cmd_make_task)
+
+    for name, func, text in (("check", cmd_check, "validate a config and its layout without starting anything"),
+                             ("train", cmd_train, "train (starts torchrun with trainer.nproc processes, or runs inside one)")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("config")
+        p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.loss=sapo actor.parallel.tp=2")
+        if name == "check":
+            p.add_argument("--world-size", type=int)
+            p.add_argument("--nnodes", type=int)
+            p.add_argument("--nproc-per-node", type=int)
+            p.add_argument("--model-config", help="the model's config.json (default: model.path/config.json)")
+        p.set_defaults(func=func)
+
+    p = sub.add_parser("plot", help="write PNG curves of a run's metrics")
+    p.add_argument("run_dir")
+    p.add_argument("--out", help="output folder (default RUN_DIR/plots)")
+    p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser("convert", help="convert checkpoints (tools/convert_checkpoint.py; args passed through)")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_convert)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "convert":
+        args.args = list(args.args) + extra
+    elif extra:
+        # Overrides after an option (`check cfg.yaml --world-size 8 algo.loss=sapo`) land here.
+        bad = [e for e in extra if e.startswith("-") or "=" not in e or not hasattr(args, "overrides")]
+        if bad:
+            parser.error(f"unrecognized arguments: {' '.join(bad)}")
+        args.overrides = list(args.overrides) + extra
+    try:
+        return args.func(args)
+    except (ConfigError, LayoutError) as e:
+        print(f"mcore-rl: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())
