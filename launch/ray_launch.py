@@ -1,0 +1,193 @@
+"""Launch mcore-rl training on a Ray cluster: a placement group of one bundle per rank, one actor per rank.
+
+    python launch/ray_launch.py CONFIG [key=value ...] [--address auto] [--nnodes N --nproc-per-node M]
+        [--accelerator GPU|NPU|CPU] [--cpus-per-rank K] [--entry mcore_rl.trainer:run]
+
+Each actor gets the torchrun-style environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK,
+MASTER_ADDR, MASTER_PORT) and calls the entry (default `mcore_rl.trainer.run(cfg)`), so the trainer runs
+exactly as under torchrun. Ray gives each actor one device and hides the others (CUDA_VISIBLE_DEVICES /
+ASCEND_RT_VISIBLE_DEVICES); the actor re-exposes the devices that this job holds on its node, ordered by
+local rank, so that `LOCAL_RANK` indexes its own device as it does under torchrun.
+
+Ray is an optional extra (pip install 'mcore-rl[ray]'): it is imported only when this script runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+VISIBLE_DEVICES_ENV = {"GPU": "CUDA_VISIBLE_DEVICES", "NPU": "ASCEND_RT_VISIBLE_DEVICES"}
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    rank: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    node_ip: str
+    visible_devices: tuple[str, ...]  # this job's devices on the node, in local-rank order (empty on CPU)
+
+
+def bundles(world_size: int, accelerator: str, cpus_per_rank: float) -> list[dict]:
+    bundle = {"CPU": cpus_per_rank}
+    if accelerator != "CPU":
+        bundle[accelerator] = 1
+    return [dict(bundle) for _ in range(world_size)]
+
+
+def assign_ranks(infos: Sequence[tuple[str, Sequence[str]]]) -> list[RankPlacement]:
+    """Ranks for actors given (node ip, accelerator ids) per actor, in bundle order; returns one per actor.
+
+    Nodes are numbered in order of first appearance (the node of bundle 0 hosts rank 0 = MASTER_ADDR);
+    ranks are contiguous per node (as torchrun numbers them), ordered by device id within a node.
+    """
+    nodes: dict[str, list[int]] = {}
+    for i, (ip, _) in enumerate(infos):
+        nodes.setdefault(ip, []).append(i)
+
+    def device_key(i: int):
+        ids = infos[i][1]
+        return (0, int(ids[0]), i) if ids and str(ids[0]).isdigit() else (1, str(ids[0]) if ids else "", i)
+
+    placements: dict[int, RankPlacement] = {}
+    rank = 0
+    for node_rank, (ip, members) in enumerate(nodes.items()):
+        ordered = sorted(members, key=device_key)
+        devices = tuple(str(infos[i][1][0]) for i in ordered if infos[i][1])
+        for local_rank, i in enumerate(ordered):
+            placements[i] = RankPlacement(rank, local_rank, len(ordered), node_rank, ip, devices)
+            rank += 1
+    return [placements[i] for i in range(len(infos))]
+
+
+def rank_env(p: RankPlacement, world_size: int, master_addr: str, master_port: int, accelerator: str) -> dict[str, str]:
+    env = {
+        "RANK": str(p.rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(p.local_rank),
+        "LOCAL_WORLD_SIZE": str(p.local_world_size), "GROUP_RANK": str(p.node_rank), "NODE_RANK": str(p.node_rank),
+        "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+    }
+    if accelerator in VISIBLE_DEVICES_ENV and p.visible_devices:
+        env[VISIBLE_DEVICES_ENV[accelerator]] = ",".join(p.visible_devices)
+    env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+    return env
+
+
+def resolve_entry(entry: str):
+    module, _, function = entry.partition(":")
+    if not function:
+        raise ValueError(f"--entry {entry!r}: write it as package.module:function, e.g. mcore_rl.trainer:run")
+    return getattr(importlib.import_module(module), function)
+
+
+class RankWorker:
+    """One training rank (wrapped with ray.remote at launch time)."""
+
+    def node_info(self) -> tuple[str, list[str]]:
+        import ray
+
+        ids = ray.get_runtime_context().get_accelerator_ids()
+        devices = [str(d) for key in ("GPU", "NPU") for d in ids.get(key, [])]
+        return ray.util.get_node_ip_address(), devices
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def run(self, env: dict, cfg, entry: str):
+        os.environ.update(env)  # before anything initialises torch.distributed or the device
+        return resolve_entry(entry)(cfg)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--address", default=None, help="Ray cluster address (auto, HOST:PORT); default: start a local Ray")
+    parser.add_argument("--nnodes", type=int, default=None, help="default trainer.nnodes")
+    parser.add_argument("--nproc-per-node", type=int, default=None, help="default trainer.nproc")
+    parser.add_argument("--accelerator", choices=("GPU", "NPU", "CPU"), default=None, help="default from the config's platform")
+    parser.add_argument("--cpus-per-rank", type=float, default=1.0)
+    parser.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray (no --address)")
+    parser.add_argument("--model-config", default=None, help="config.json for the pre-flight check (default model.path)")
+    parser.add_argument("--entry", default="mcore_rl.trainer:run", help="function called with the Config on every rank")
+    args, extra = parser.parse_known_args(argv)
+    bad = [e for e in extra if e.startswith("-") or "=" not in e]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    args.overrides = list(args.overrides) + extra
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from mcore_rl.cli import preflight
+    from mcore_rl.config import ConfigError, load_config
+    from mcore_rl.megatron.layout import LayoutError
+
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        nnodes = args.nnodes or cfg.trainer.nnodes
+        nproc = args.nproc_per_node or cfg.trainer.nproc
+        cfg.trainer.nnodes, cfg.trainer.nproc = nnodes, nproc
+        world = nnodes * nproc
+        accelerator = args.accelerator or {"cuda": "GPU", "npu": "NPU", "cpu": "CPU"}.get(cfg.platform)
+        if accelerator is None:
+            raise ConfigError("platform = auto: pass --accelerator GPU|NPU|CPU (or set platform) so the bundles ask for the right device")
+        layout = preflight(cfg, world, args.model_config)
+    except (ConfigError, LayoutError) as e:
+        print(f"ray_launch: error: {e}", file=sys.stderr)
+        return 2
+    for warning in layout.warnings:
+        print(f"ray_launch: warning: {warning}", file=sys.stderr)
+
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    if args.address:
+        ray.init(address=args.address)
+    else:
+        ray.init(num_cpus=args.num_cpus, include_dashboard=False)
+    pg = placement_group(bundles(world, accelerator, args.cpus_per_rank), strategy="PACK")
+    ray.get(pg.ready())
+    options = {"num_cpus": args.cpus_per_rank}
+    if accelerator == "GPU":
+        options["num_gpus"] = 1
+    elif accelerator == "NPU":
+        options["resources"] = {"NPU": 1}
+    Worker = ray.remote(RankWorker)
+    workers = [
+        Worker.options(**options, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)).remote()
+        for i in range(world)
+    ]
+    try:
+        placements = assign_ranks(ray.get([w.node_info.remote() for w in workers]))
+        by_rank = sorted(zip(placements, workers), key=lambda pw: pw[0].rank)
+        master_addr = by_rank[0][0].node_ip
+        master_port = ray.get(by_rank[0][1].free_port.remote())
+        print(f"ray_launch: {world} ranks on {len({p.node_ip for p in placements})} node(s), master {master_addr}:{master_port}", flush=True)
+        pending = [w.run.remote(rank_env(p, world, master_addr, master_port, accelerator), cfg, args.entry) for p, w in by_rank]
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            ray.get(done[0])  # raises the rank's exception; the finally below stops the other ranks
+    except Exception as e:  # one rank failed: the rest would hang in collectives
+        print(f"ray_launch: a rank failed: {e}", file=sys.stderr)
+        return 1
+    finally:
+        for w in workers:
+            ray.kill(w)
+        remove_placement_group(pg)
+    print("ray_launch: all ranks finished", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
