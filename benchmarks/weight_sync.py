@@ -1,0 +1,144 @@
+"""Weight-sync throughput: a ~1B-parameter Qwen3-MoE-shaped model from a 2-process Megatron actor to the engine.
+
+    torchrun --nproc_per_node=2 benchmarks/weight_sync.py [--layout ep2|tp2] [--bucket-mb 256] [--check]
+
+The model has random weights (Megatron's initialisation from a config; no checkpoint), bf16 everywhere:
+hidden 1024, 13 layers, 16 heads x 64 (4 KV groups), 32 experts top-4 of FFN 512, vocabulary 151,936
+(Qwen3's) -> ~0.99B parameters, ~2.0 GB. The embedded engine (transformers, bf16) lives on rank 0 only;
+both ranks drive the exporter (collective gathers). Rank 0 also measures single-threaded memcpy of a
+512 MB buffer in the same run, the machine's ceiling for moving bytes from one tensor into another.
+Prints the sync's GB/s, memcpy GB/s and their ratio (target >= 0.3), and the gloo all_gather rate between
+the two processes (the transport the exporter's gathers use: on one CPU host it is the bottleneck). `--check` re-exports and compares
+every engine tensor with the actor's (bit-exact expected).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+SHAPE = dict(hidden_size=1024, num_hidden_layers=13, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+             num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512, vocab_size=151936)
+
+
+def write_config(out_dir: str) -> None:
+    """config.json of the benchmark model plus the tiny tokenizer (the engine only needs eos / pad ids)."""
+    from mcore_rl.models.tiny import build_hf_config, build_tokenizer
+
+    config = build_hf_config()
+    for key, value in SHAPE.items():
+        setattr(config, key, value)
+    config.intermediate_size = 2 * SHAPE["moe_intermediate_size"]
+    config.save_pretrained(out_dir)
+    build_tokenizer().save_pretrained(out_dir)
+
+
+def memcpy_gb_per_s(nbytes: int = 512 << 20, repeats: int = 5) -> float:
+    src = torch.ones(nbytes // 2, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / 1e9 / best
+
+
+def gloo_all_gather_gb_per_s(nbytes: int = 128 << 20, chunk: int = 4 << 20) -> float:
+    """Bytes per second arriving at one rank in all_gathers of `chunk`-sized shards (the exporter's transport)."""
+    shard = torch.ones(chunk // 2, dtype=torch.bfloat16)
+    out = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(nbytes // chunk):
+        dist.all_gather(out, shard)
+    return nbytes * dist.get_world_size() / 1e9 / (time.perf_counter() - start)
+
+
+def peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # ru_maxrss is in KB on Linux
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layout", choices=["ep2", "tp2"], default="ep2")
+    parser.add_argument("--bucket-mb", type=float, default=256.0)
+    parser.add_argument("--check", action="store_true", help="compare every synced tensor with the export")
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+    from mcore_rl.config import ModelConfig, ParallelConfig
+    from mcore_rl.megatron.parallel import destroy_parallel, init_parallel
+    from mcore_rl.models.bridge import ModelBridge
+    from mcore_rl.platform import get_platform
+    from mcore_rl.rollout.embedded import EmbeddedEngine
+    from mcore_rl.rollout.weight_sync import sync_weights
+
+    platform = get_platform("cpu")
+    platform.init_distributed()
+    rank = dist.get_rank()
+    box = [tempfile.mkdtemp(prefix="sync_bench_") if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    model_dir = box[0]
+    if rank == 0:
+        write_config(model_dir)
+    dist.barrier()
+
+    parallel = ParallelConfig(ep=2) if args.layout == "ep2" else ParallelConfig(tp=2, sequence_parallel=True)
+    bridge = ModelBridge(model_dir, platform)
+    info = init_parallel(parallel, platform, bridge.hf_config)
+    start = time.perf_counter()
+    chunks = bridge.build_model(info.effective_parallel(parallel), ModelConfig(path=model_dir, dtype="bfloat16"))
+    actor_params = sum(p.numel() for c in chunks for p in c.parameters())
+    build_s = time.perf_counter() - start
+    engine = None
+    if rank == 0:
+        start = time.perf_counter()
+        engine = EmbeddedEngine.from_hf_config(bridge.hf_config, model_dir, dtype="bfloat16")
+        engine_params = sum(p.numel() for p in engine.model.parameters())
+        print(f"actor ({args.layout}) built in {build_s:.1f} s, {actor_params / 1e9:.3f}B params on rank 0; "
+              f"engine {engine_params / 1e9:.3f}B params (bf16) in {time.perf_counter() - start:.1f} s", flush=True)
+    dist.barrier()
+
+    results = []
+    for trial in range(2):  # the first pass also pays page faults of fresh buffers
+        dist.barrier()
+        stats = sync_weights(bridge.export_hf_weights(chunks), engine, bucket_mb=args.bucket_mb)
+        results.append(stats)
+        if rank == 0:
+            print(f"trial {trial}: {stats.summary()}", flush=True)
+    dist.barrier()
+    check = None
+    if args.check:
+        diffs = engine.weight_diffs(bridge.export_hf_weights(chunks)) if engine else None
+        if engine is None:
+            for _ in bridge.export_hf_weights(chunks):
+                pass
+        check = max(diffs.values()) if diffs else None
+    gloo = gloo_all_gather_gb_per_s()
+    rss = [None] * dist.get_world_size()
+    dist.all_gather_object(rss, round(peak_rss_gb(), 2))
+    if rank == 0:
+        memcpy = memcpy_gb_per_s()
+        best = max(results, key=lambda s: s.gb_per_s)
+        summary = dict(layout=args.layout, bucket_mb=args.bucket_mb, params=engine_params,
+                       gigabytes=round(best.total_bytes / 1e9, 3), tensors=best.num_tensors,
+                       sync_s=round(best.seconds, 3), export_s=round(best.export_seconds, 3),
+                       load_s=round(best.load_seconds, 3), sync_gb_s=round(best.gb_per_s, 3),
+                       memcpy_gb_s=round(memcpy, 2), gloo_all_gather_gb_s=round(gloo, 2), ratio=round(best.gb_per_s / memcpy, 3),
+                       peak_rss_gb=rss, max_abs_diff=check)
+        print("RESULT " + json.dumps(summary), flush=True)
+        print(f"sync {best.gb_per_s:.2f} GB/s vs memcpy {memcpy:.2f} GB/s = {best.gb_per_s / memcpy:.2f}x "
+              f"(target >= 0.3x)", flush=True)
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    main()
