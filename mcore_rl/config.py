@@ -340,8 +340,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
         apply_override(data, override)
     cfg = _build(Config, data)
     if validate:
-        for warning in validate_config(cfg):
-            log.warning("config: %s", warning)
+        warnings = validate_config(cfg)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank loads the config: warn once
+            for warning in warnings:
+                log.warning("config: %s", warning)
     return cfg
 
 
