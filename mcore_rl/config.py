@@ -56,6 +56,7 @@ class OptimConfig:
     clip_grad: float = 1.0
     warmup_steps: int = 0
     decay_style: str = "constant"  # constant | linear | cosine
+    decay_steps: Optional[int] = None  # steps of the lr decay (after warmup); None -> trainer.steps
     use_distributed_optimizer: bool = False
 
 

@@ -232,6 +232,7 @@ class ModelBridge:
                 chunk = provider(pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage())
             for p in chunk.parameters():
                 tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+            _mark_replicated_experts(chunk, parallel)
             chunks.append(chunk.to(self.platform.device))
         return chunks
 
@@ -349,6 +350,18 @@ class ModelBridge:
             name = f"{prefix}.weight{ep_rank * num_local + local_id}"
             shards = _all_gather(ep_shard, mpu.get_expert_tensor_parallel_group()) if pdim >= 0 else [ep_shard]
             yield from zip(*backend.to_hf(name, _merge(name, shards, pdim, gated)))
+
+
+def _mark_replicated_experts(chunk: torch.nn.Module, parallel: ParallelConfig) -> None:
+    """Megatron marks experts as expert-parallel (reduced over the expert-DP group) only when ep > 1.
+    With ep == 1 and etp < tp the experts are replicated over TP ranks that route different tokens
+    (sequence parallel), so their gradients must be summed over the expert-DP group too; left as
+    dense params they are reduced over DP only and the TP replicas silently drift apart."""
+    if parallel.ep > 1 or parallel.expert_tp == parallel.tp:
+        return
+    for name, p in chunk.named_parameters():
+        if ".mlp.experts." in name:
+            setattr(p, "allreduce", False)
 
 
 def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:

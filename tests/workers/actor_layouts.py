@@ -1,0 +1,101 @@
+"""One layout of the actor against independent references (run under torchrun by test_actor_logits.py).
+
+argv: REF_DIR MODEL_DIR TP PP EP ETP N_MICRO MODE   (MODE: ref = write the train-step reference; check = compare)
+Checks: forward_only logits == HF logits and per-token log-probs == HF log_softmax (<= 1e-4);
+export == checkpoint bit-identical; train_step loss / grad norm / updated weights == the world-1 reference.
+"""
+
+import os
+import sys
+
+import torch
+
+
+def main():
+    ref_dir, model_dir = sys.argv[1], sys.argv[2]
+    tp, pp, ep, etp, n_micro = map(int, sys.argv[3:8])
+    mode = sys.argv[8]
+
+    from mcore_rl.config import Config, ModelConfig, OptimConfig, ParallelConfig
+    from mcore_rl.megatron.actor import Actor, MicroBatch
+    from mcore_rl.platform import get_platform
+
+    platform = get_platform("cpu")
+    platform.adapt_megatron()
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+
+    cfg = Config(platform="cpu", model=ModelConfig(path=model_dir))
+    cfg.actor.parallel = ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp)
+    # Huge eps makes Adam's first step ~ lr * grad / eps: the update is linear in the gradient, so a
+    # wrong gradient scale (micro-batches, DP averaging) shows up in the weights, not only in grad_norm.
+    cfg.actor.optim = OptimConfig(lr=10.0, adam_eps=10.0, clip_grad=0.0, weight_decay=0.0)
+    actor = Actor(cfg, platform)
+    rank = torch.distributed.get_rank()
+    ref = torch.load(os.path.join(ref_dir, "hf_ref.pt"))
+    tokens, hf_logits, loss_mask = ref["tokens"], ref["logits"], ref["loss_mask"]
+
+    # -- forward_only: full logits (gathered over TP) and vocab-parallel log-probs of the next token
+    def full_logits(logits, mb):
+        return tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+
+    def next_token_logprobs(logits, mb):
+        labels = torch.roll(mb.tokens, -1, dims=1)
+        return -tensor_parallel.vocab_parallel_cross_entropy(logits.clone().transpose(0, 1).contiguous(), labels.t().contiguous()).t()
+
+    mbs = [MicroBatch(tokens[i : i + 2]) for i in range(0, tokens.shape[0], 2)]
+    got = torch.cat(actor.forward_only(mbs, full_logits))
+    diff = (got - hf_logits).abs().max().item()
+    assert diff <= 1e-4, f"logits differ from HF by {diff}"
+    lp = torch.cat(actor.forward_only(mbs, next_token_logprobs))
+    ref_lp = torch.log_softmax(hf_logits, -1).gather(-1, torch.roll(tokens, -1, 1).unsqueeze(-1)).squeeze(-1)
+    lp_diff = (lp - ref_lp).abs().max().item()
+    assert lp_diff <= 1e-4, f"log-probs differ from HF by {lp_diff}"
+
+    # -- export: every HF tensor, bit-identical to the checkpoint
+    from safetensors.torch import load_file
+
+    ckpt = load_file(os.path.join(model_dir, "model.safetensors"))
+    exported = {name: t.clone() for name, t in actor.export_hf_weights()}
+    assert set(exported) == set(ckpt), f"export names differ: {sorted(set(exported) ^ set(ckpt))[:5]}"
+    for name, t in ckpt.items():
+        assert exported[name].shape == t.shape and torch.equal(exported[name], t), f"export of {name} differs"
+
+    # -- train_step: this DP rank's share of the global batch, split into n_micro micro-batches
+    dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+    global_tokens = loss_mask.sum()
+    per_rank = tokens.shape[0] // dp
+    rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+    my_tokens, my_mask = tokens[rows], loss_mask[rows]
+    size = per_rank // n_micro
+    assert size * n_micro == per_rank, (per_rank, n_micro)
+    train_mbs = [MicroBatch(my_tokens[i : i + size], extras={"mask": my_mask[i : i + size]}) for i in range(0, per_rank, size)]
+
+    def nll_over_global_tokens(logits, mb):
+        labels = torch.roll(mb.tokens, -1, dims=1)
+        nll = tensor_parallel.vocab_parallel_cross_entropy(logits.clone().transpose(0, 1).contiguous(), labels.t().contiguous()).t()
+        mask = mb.extras["mask"].float()
+        return (nll * mask).sum() / global_tokens, {"tokens": mask.sum()}
+
+    metrics = actor.train_step(train_mbs, nll_over_global_tokens)
+    after = {name: t.clone() for name, t in actor.export_hf_weights()}
+    result = {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "tokens": metrics["tokens"], "weights": after}
+    if mode == "ref":
+        if rank == 0:
+            torch.save(result, os.path.join(ref_dir, "train_ref.pt"))
+    else:
+        want = torch.load(os.path.join(ref_dir, "train_ref.pt"))
+        assert metrics["tokens"] == want["tokens"], (metrics["tokens"], want["tokens"])
+        assert abs(metrics["loss"] - want["loss"]) < 1e-5, (metrics["loss"], want["loss"])
+        assert abs(metrics["grad_norm"] - want["grad_norm"]) < 1e-5 * max(1.0, want["grad_norm"]), (metrics["grad_norm"], want["grad_norm"])
+        errs = {k: (after[k] - want["weights"][k]).abs().max().item() for k in after}
+        worst = max(errs.values())
+        moved = max((want["weights"][k] - ckpt[k]).abs().max().item() for k in after)
+        assert moved > 1e-3, f"reference step did not move the weights ({moved})"
+        assert worst < 1e-5, f"updated weights differ from the world-1 reference by {worst} (step size {moved})"
+    print(f"rank {rank} OK logits {diff:.2e} logprobs {lp_diff:.2e} loss {metrics['loss']:.6f} grad_norm {metrics['grad_norm']:.6f}", flush=True)
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()
