@@ -1,0 +1,93 @@
+"""Each CPU adaptation in mcore_rl.platform.cpu_adapt exercised at its Megatron call site (plain python,
+world 1). Run in a subprocess by tests/test_platform.py so the patches never leak into pytest."""
+
+import torch
+
+
+def check(name, fn):
+    fn()
+    print(f"ok {name}", flush=True)
+
+
+def main():
+    from mcore_rl.platform import cpu_adapt, get_platform
+
+    platform = get_platform("cpu")
+    platform.adapt_megatron()
+    snapshot = {n: getattr(torch, n) for n in cpu_adapt._FACTORIES}
+    snapshot.update(current_device=torch.cuda.current_device, tensor_cuda=torch.Tensor.cuda)
+    platform.adapt_megatron()  # twice: must change nothing
+    again = {n: getattr(torch, n) for n in cpu_adapt._FACTORIES}
+    again.update(current_device=torch.cuda.current_device, tensor_cuda=torch.Tensor.cuda)
+    assert all(snapshot[k] is again[k] for k in snapshot), "second apply() re-wrapped something"
+    print("ok idempotent", flush=True)
+
+    info = platform.init_distributed()
+    assert (info.rank, info.world_size) == (0, 1), info
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+
+    mpu.initialize_model_parallel()
+
+    def factories():
+        t = torch.zeros(3, device="cuda")
+        assert t.device.type == "cpu"
+        assert torch.tensor([1.0], device=torch.device("cuda", 0)).device.type == "cpu"
+        assert not torch.empty(4, pin_memory=True).is_pinned()
+        assert torch.ones(2).cuda().device.type == "cpu"
+
+    def seeding():
+        tensor_parallel.model_parallel_cuda_manual_seed(7)
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        with tracker.fork():
+            a = torch.rand(4)
+        tensor_parallel.model_parallel_cuda_manual_seed(7)
+        with tracker.fork():
+            b = torch.rand(4)
+        assert torch.equal(a, b), "model-parallel RNG region is not reproducible"
+
+    def rotary():
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+        emb = RotaryEmbedding(kv_channels=32, rotary_percent=1.0, rotary_base=10000)(8)
+        inv = 1.0 / (10000 ** (torch.arange(0, 32, 2).float() / 32))
+        want = torch.outer(torch.arange(8).float(), inv)
+        assert torch.allclose(emb[:, 0, 0, :16], want), "rotary frequencies differ from the formula"
+
+    def streams():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            pass
+        s.record_event().synchronize()
+        torch.cuda.synchronize()
+
+    def clip_grads():
+        from megatron.core.optimizer import clip_grads as cg
+
+        p = torch.nn.Parameter(torch.ones(4))
+        p.grad = torch.full((4,), 3.0)
+        cg.clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=6.0)
+        assert torch.allclose(p.grad, torch.full((4,), 3.0 / (6.0 + 1e-6))), p.grad
+        assert p.type() == "torch.FloatTensor", "Tensor.type() leaked the CUDA name outside the wrapped call"
+
+    def router_gemm():
+        from megatron.core.transformer.moe import moe_utils
+
+        inp, w = torch.randn(5, 8), torch.randn(3, 8)
+        out = moe_utils.router_gating_linear(inp, w, None, torch.float32)
+        assert torch.allclose(out, inp @ w.t(), atol=1e-6)
+
+    def split_sizes_to_numpy():
+        from megatron.core.transformer.moe import moe_utils
+
+        out = moe_utils.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True)
+        assert out.tolist() == [1, 2] and not torch.is_tensor(out)
+
+    for name, fn in [("factories", factories), ("seeding", seeding), ("rotary", rotary), ("streams", streams),
+                     ("clip_grads", clip_grads), ("router_gemm", router_gemm), ("split_sizes", split_sizes_to_numpy)]:
+        check(name, fn)
+
+
+if __name__ == "__main__":
+    main()
