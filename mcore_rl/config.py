@@ -417,6 +417,7 @@ def _check_ranges(cfg: Config) -> None:
     _require(r.top_k == -1 or r.top_k >= 1, f"rollout.top_k = {r.top_k} must be -1 (off) or >= 1")
     _require(0 < r.gpu_memory_utilization <= 1, f"rollout.gpu_memory_utilization = {r.gpu_memory_utilization} must lie in (0, 1]")
     _require(o.min_lr <= o.lr, f"actor.optim.min_lr = {o.min_lr} exceeds actor.optim.lr = {o.lr}: lower min_lr")
+    _require(o.decay_steps is None or o.decay_steps >= 1, f"actor.optim.decay_steps = {o.decay_steps} must be >= 1 or null (null: trainer.steps)")
 
 
 def _check_combinations(cfg: Config) -> list[str]:

@@ -90,6 +90,7 @@ def test_close_choice_hint():
     (["actor.optim.lr=0"], "actor.optim.lr = 0.0 must be > 0"),
     (["actor.optim.min_lr=1", "actor.optim.lr=0.1"], "min_lr = 1.0 exceeds actor.optim.lr = 0.1"),
     (["actor.optim.adam_beta2=1"], "adam_beta2 = 1.0 must lie in [0, 1)"),
+    (["actor.optim.decay_steps=0"], "actor.optim.decay_steps = 0 must be >= 1 or null"),
     (["checkpoint.keep_last=0"], "checkpoint.keep_last = 0 must be >= 1"),
     (["reward.fn=not a function"], "use 'task', 'math' or 'package.module:function'"),
 ])
