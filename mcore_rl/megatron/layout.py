@@ -125,7 +125,7 @@ def _check_world(p: ParallelConfig, world_size: int) -> int:
 def _check_heads(p: ParallelConfig, dims: ModelDims) -> None:
     for what, n in (("attention heads", dims.num_attention_heads), ("query groups (KV heads)", dims.num_query_groups)):
         if n % p.tp:
-            ok = [d for d in _divisors(math.gcd(dims.num_attention_heads, dims.num_query_groups))]
+            ok = _divisors(math.gcd(dims.num_attention_heads, dims.num_query_groups))
             raise LayoutError(f"tp = {p.tp} must divide the model's {n} {what}: use tp in {ok}")
 
 
