@@ -71,3 +71,51 @@ def test_bad_input_is_rejected():
 def test_tp2_equals_full_vocab(nproc):
     out = run_torchrun(REPO / "tests/workers/loss_logprobs_tp.py", nproc, timeout=120)
     assert out.count("LOGPROB_TP_OK") == nproc, out
+
+
+# ---------------------------------------------------------------- the actor's loss_fn (world 1)
+def test_policy_loss_fn_equals_log_softmax_path():
+    from mcore_rl.algos import GlobalCounts, policy_loss
+    from mcore_rl.config import AlgoConfig
+    from mcore_rl.megatron.actor import MicroBatch
+    from mcore_rl.megatron.policy_loss import make_log_prob_fn, make_policy_loss_fn, policy_extras
+
+    g = torch.Generator().manual_seed(4)
+    b, s, v = 3, 6, 32
+    tokens = torch.randint(0, v, (b, s), generator=g)
+    mask = torch.zeros(b, s)
+    mask[0, 1:5] = 1
+    mask[1, 2:3] = 1
+    mask[2, 0:5] = 1
+    old = -torch.rand(b, s, generator=g) * 3
+    adv = torch.randn(b, 1, generator=g).expand(b, s)
+    algo = AlgoConfig(loss="grpo", temperature=0.7, entropy_coef=0.05)
+    counts = GlobalCounts.from_mask(mask)
+    logits = torch.randn(b, s, v, generator=g, requires_grad=True)
+    mb = MicroBatch(tokens, extras=policy_extras(mask, old, adv))
+    loss, metrics = make_policy_loss_fn(algo, counts, tp_group=None)(logits, mb)
+    loss.backward()
+
+    ref_logits = logits.detach().clone().requires_grad_(True)
+    logp_all = torch.log_softmax(ref_logits / 0.7, -1)
+    next_tok = torch.roll(tokens, -1, 1)  # position t scores tokens[t + 1]; the wrapped last column is masked
+    lp = logp_all.gather(-1, next_tok.unsqueeze(-1)).squeeze(-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    want, want_metrics = policy_loss(lp, old, adv, mask, algo, counts, entropy=ent)
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits.grad, ref_logits.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(metrics["entropy"], want_metrics["entropy"], rtol=1e-5, atol=1e-6)
+    post = make_log_prob_fn(0.7, None)(logits.detach(), mb)
+    torch.testing.assert_close(post * mask, lp.detach() * mask, rtol=1e-5, atol=1e-5)
+
+
+def test_policy_extras_rejects_unshifted_mask():
+    from mcore_rl.megatron.policy_loss import policy_extras
+
+    mask = torch.ones(2, 4)
+    with pytest.raises(ValueError, match=r"loss_mask\[:, -1\] is set"):
+        policy_extras(mask, torch.zeros(2, 4), torch.zeros(2, 4))
+    mask[:, -1] = 0
+    with pytest.raises(ValueError, match="advantages has shape"):
+        policy_extras(mask, torch.zeros(2, 4), torch.zeros(2, 3))
