@@ -239,7 +239,7 @@ def test_tie_at_clip_boundary_takes_unclipped_gradient():
     lp = torch.tensor([[0.2]], requires_grad=True)
     loss, m = policy_loss(lp, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), cfg, GlobalCounts(1, 1, 1))
     loss.backward()
-    assert float(loss) == pytest.approx(-r, rel=1e-7)
+    assert float(loss.detach()) == pytest.approx(-r, rel=1e-7)
     assert float(lp.grad) == pytest.approx(-r, rel=1e-6)  # d(-A r)/d lp = -A r
     assert float(m["clipfrac_upper"]) == 0.0
     lp.grad = None
