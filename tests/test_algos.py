@@ -253,7 +253,7 @@ def test_zero_advantages_give_zero_loss_and_gradient():
         x = lp.clone().requires_grad_(True)
         loss, _ = policy_loss(x, old, torch.zeros_like(adv), mask, AlgoConfig(loss=loss_name), GlobalCounts.from_mask(mask))
         loss.backward()
-        assert float(loss) == 0.0 and torch.all(x.grad == 0)
+        assert float(loss.detach()) == 0.0 and torch.all(x.grad == 0)
 
 
 def test_all_masked_micro_batch_contributes_nothing():
@@ -261,7 +261,7 @@ def test_all_masked_micro_batch_contributes_nothing():
     x = lp.clone().requires_grad_(True)
     loss, metrics = policy_loss(x, old, adv, torch.zeros_like(mask), AlgoConfig(loss="gspo"), GlobalCounts(5, 2, 7))
     loss.backward()
-    assert float(loss) == 0.0 and torch.all(x.grad == 0) and torch.isfinite(x.grad).all()
+    assert float(loss.detach()) == 0.0 and torch.all(x.grad == 0) and torch.isfinite(x.grad).all()
     assert all(torch.isfinite(v) for v in metrics.values())
 
 
