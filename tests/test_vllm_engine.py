@@ -18,6 +18,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make setup-vllm creates .venv-vllm)")
 
+from mcore_rl.config import RolloutConfig  # noqa: E402
 from mcore_rl.rollout.base import SamplingParams  # noqa: E402
 from mcore_rl.rollout.vllm_engine import ReplicaLayout, VllmEngine  # noqa: E402
 from torchrun_util import run_torchrun  # noqa: E402
@@ -51,7 +52,7 @@ def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    eng = VllmEngine(tiny_model_dir, tp=1, dtype="float32", seed=0, max_model_len=256)
+    eng = VllmEngine(RolloutConfig(tp=1), tiny_model_dir, dtype="float32", max_model_len=256)
     yield eng
     eng.close()
 
@@ -65,7 +66,7 @@ def test_replica_layout_shares_cover_every_item_once():
 
 def test_bad_layout_is_rejected_before_start(tiny_model_dir):
     with pytest.raises(ValueError, match="rollout.tp=3 must divide the world size 1"):
-        VllmEngine(tiny_model_dir, tp=3)
+        VllmEngine(RolloutConfig(tp=3), tiny_model_dir)
 
 
 def test_generate_n_samples_stop_tokens_and_seed(engine):
@@ -200,6 +201,7 @@ def test_weight_sync_verified_with_exact_rebuild(engine, tiny_model_dir, tmp_pat
 def test_spmd_external_launcher(tiny_model_dir, nproc, tp):
     out = run_torchrun(WORKERS / "vllm_spmd.py", nproc, tiny_model_dir, str(tp), timeout=600,
                        env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    print("\n".join(line for line in out.splitlines() if line.startswith("rank ")))
     assert f"VLLM_SPMD_OK tp={tp} replicas={nproc // tp}" in out, out[-3000:]
 
 
@@ -222,6 +224,7 @@ def test_sync_from_megatron_actor(tiny_model_dir, actor_dir, layout, rollout_tp)
     print(r)
     assert r["unsynced_failed"] and r["num_buckets"] > 1
     assert r["replicas"] == 2 // rollout_tp
+    assert r["rebuilt"] == (r["in_place_max_diff"] > 0.01)  # the fallback runs exactly when the check fails
     final = r["after_rebuild"] if r["rebuilt"] else r["in_place_max_diff"]
     assert final <= 0.01
     assert r["sample_logprob_diff"] <= 0.01

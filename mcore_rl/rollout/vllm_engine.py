@@ -48,6 +48,7 @@ from typing import Any, Iterable, Optional, Union
 
 import torch
 
+from mcore_rl.config import RolloutConfig
 from mcore_rl.rollout.base import RolloutEngine, RolloutSample, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -145,31 +146,37 @@ def reload_weights_in_worker(worker: Any, weights: Iterable[tuple[str, torch.Ten
 class VllmEngine(RolloutEngine):
     """vLLM in every trainer process (external launcher), ``tp``-way tensor parallel, ``world / tp`` replicas."""
 
+    # generate()/score() take the full prompt list and split it over replicas themselves
+    # (mcore_rl.rollout.data_parallel.generate_global reads this flag)
+    handles_data_parallel = True
+
     def __init__(
         self,
+        cfg: RolloutConfig,
         model_path: str,
-        tp: int = 1,
+        platform: Any = None,
         dtype: str = "bfloat16",
         seed: int = 0,
-        gpu_memory_utilization: float = 0.5,
-        enforce_eager: bool = True,
         max_model_len: Optional[int] = None,
         return_routed_experts: bool = True,
         sleep_level: int = 1,
         llm_kwargs: Optional[dict] = None,
     ):
+        """`cfg` gives tp, gpu_memory_utilization and enforce_eager; `platform` is unused (vLLM picks its own
+        platform: CUDA, the vllm-ascend plugin, or CPU), accepted so every engine is built the same way."""
         self.model_path = str(model_path)
         self._original_path = self.model_path
         self.hf_config = _read_hf_config(self.model_path)
-        self.layout = self._check_layout(tp)
+        self.layout = self._check_layout(cfg.tp)
         if dtype not in _DTYPES:
             raise ValueError(f"unknown engine dtype {dtype!r}; use one of {list(_DTYPES)}")
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level={sleep_level}; vLLM offers 1 (offload weights) or 2 (discard them)")
         self.vocab_size = int(self.hf_config["vocab_size"])
         self.eos_token_id = self.hf_config.get("eos_token_id")
-        self._settings = dict(tp=tp, dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
-                              enforce_eager=enforce_eager, max_model_len=max_model_len, llm_kwargs=dict(llm_kwargs or {}))
+        self._settings = dict(tp=cfg.tp, dtype=dtype, seed=seed, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                              enforce_eager=cfg.enforce_eager, max_model_len=max_model_len,
+                              llm_kwargs=dict(llm_kwargs or {}))
         self.sleep_level = sleep_level
         self._want_routes = return_routed_experts
         self._asleep = False
@@ -183,13 +190,6 @@ class VllmEngine(RolloutEngine):
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
         self.llm = self._start(self.model_path)
         self._gather_group = self._make_gather_group()
-
-    @classmethod
-    def from_config(cls, cfg) -> "VllmEngine":
-        """An engine for a run `Config` (model.path, model.dtype, rollout.*, trainer.seed)."""
-        r = cfg.rollout
-        return cls(cfg.model.path, tp=r.tp, dtype=cfg.model.dtype, seed=cfg.trainer.seed,
-                   gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager)
 
     # ----- start-up -----
 

@@ -29,13 +29,20 @@ def main() -> None:
     model_dir, tp = sys.argv[1], int(sys.argv[2])
     # The actor initialises torch.distributed first (gloo on CPU); vLLM joins that world.
     dist.init_process_group("gloo")
+    from mcore_rl.config import RolloutConfig
+    from mcore_rl.rollout import make_engine
     from mcore_rl.rollout.base import SamplingParams
-    from mcore_rl.rollout.vllm_engine import VllmEngine
+    from mcore_rl.rollout.data_parallel import generate_global
 
-    engine = VllmEngine(model_dir, tp=tp, dtype="float32", seed=0, max_model_len=256)
     rank, world = dist.get_rank(), dist.get_world_size()
+    engine = make_engine(RolloutConfig(engine="vllm", tp=tp), model_dir, dtype="float32", max_model_len=256)
     prompts = [[1, 44, 45, 46], [1, 50, 51], [1, 20, 21, 22, 23], [1, 30, 31]]
-    out = engine.generate(prompts, n=2, params=SamplingParams(max_new_tokens=6, seed=7))
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
+
+    assert get_tensor_model_parallel_world_size() == tp, "vLLM did not form TP groups of rollout.tp ranks"
+    assert engine.layout.num_replicas == world // tp
+    # the trainer's path: generate_global hands the full list to an engine that splits it itself
+    out = generate_global(engine, prompts, 2, SamplingParams(max_new_tokens=6), seed=7)
     assert [len(g) for g in out] == [2] * len(prompts)
     assert [g[0].prompt_ids for g in out] == prompts
     samples = [s for g in out for s in g]

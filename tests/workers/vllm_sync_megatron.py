@@ -15,7 +15,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from mcore_rl.config import ModelConfig, ParallelConfig
+from mcore_rl.config import ModelConfig, ParallelConfig, RolloutConfig
 from mcore_rl.megatron.parallel import destroy_parallel, init_parallel
 from mcore_rl.models.bridge import ModelBridge
 from mcore_rl.platform import get_platform
@@ -61,7 +61,7 @@ def main(layout: str, rollout_tp: str, engine_ckpt: str, actor_ckpt: str) -> Non
     (model,) = bridge.build_model(parallel, ModelConfig(path=actor_ckpt, dtype="float32"))
     bridge.load_hf_weights([model], actor_ckpt)
     model.eval()
-    engine = VllmEngine(engine_ckpt, tp=int(rollout_tp), dtype="float32", seed=0, max_model_len=256)
+    engine = VllmEngine(RolloutConfig(tp=int(rollout_tp)), engine_ckpt, dtype="float32", max_model_len=256)
     reference = actor_logprobs(model, parallel.tp)
     export = lambda: bridge.export_hf_weights([model])  # noqa: E731
     probe = ProbeBatch.random(bridge.hf_config.vocab_size, num_seqs=3, prompt_len=6, response_len=18, seed=4)
