@@ -1,0 +1,302 @@
+"""The RL loop. SPMD: every rank runs `run(cfg)`; torchrun (or `mcore-rl train`) starts the ranks.
+
+One step:
+  prompts -> rollout (n samples each, spread over engine replicas, gathered on every rank)
+  -> rewards -> group advantages -> pack into a global batch
+  -> old log-probs (actor forward; or the rollout's own when configured)
+  -> mini-batch updates with the chosen loss (Megatron forward-backward, global normalisation)
+  -> weight sync actor -> engine (+ verification) -> metrics, validation, checkpoint.
+
+The global batch is identical on every rank; each data-parallel rank trains on its share. Groups
+never need a cross-rank gather for advantages because every rank holds every group.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from mcore_rl.config import Config, save_config
+
+log = logging.getLogger("mcore_rl.trainer")
+
+
+class PhaseTimer:
+    """Wall seconds per phase of a step (rollout, old_logprob, update, sync, ...)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+def _rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+class Trainer:
+    """Holds what lives across steps: actor, engine, data sampler, reward function, loggers."""
+
+    def __init__(self, cfg: Config):
+        from transformers import AutoTokenizer
+
+        from mcore_rl.data import EpochSampler, load_prompt_dataset
+        from mcore_rl.megatron.actor import Actor
+        from mcore_rl.metrics import MetricsLogger
+        from mcore_rl.platform import get_platform
+        from mcore_rl.rewards import RewardScorer
+        from mcore_rl.rollout import make_engine
+        from mcore_rl.rollout.weight_sync import ProbeBatch
+        from mcore_rl.run_dir import CheckpointManager, resolve_resume
+
+        self.cfg = cfg
+        self.platform = get_platform(cfg.platform)
+        self.platform.init_distributed()
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.run_dir = Path(cfg.trainer.run_dir)
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.run_dir / "config.yaml")
+        # Cheap, rank-local work first so bad data or reward functions fail before Megatron starts.
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.reward_fn = RewardScorer.from_config(cfg.reward, cfg.rollout.max_new_tokens)
+        load = lambda path: load_prompt_dataset(path, self.tokenizer, cfg.data.max_prompt_len, cfg.data.prompt_key)
+        self.train_set = load(cfg.data.train_path)
+        self.val_set = load(cfg.data.val_path) if cfg.data.val_path and cfg.trainer.val_every > 0 else None
+        self.sampler = EpochSampler(len(self.train_set), cfg.data.prompts_per_step, seed=cfg.data.seed,
+                                    shuffle=cfg.data.shuffle)
+
+        self.platform.adapt_megatron()
+        self.actor = Actor(cfg, self.platform)
+        self.info = self.actor.info
+        self.engine = make_engine(cfg.rollout, cfg.model.path, self.platform, dtype=cfg.model.dtype)
+        self.stop_ids = [self.tokenizer.eos_token_id]
+        self.probe = ProbeBatch.random(self.actor.bridge.hf_config.vocab_size, seed=cfg.trainer.seed,
+                                       temperature=cfg.algo.temperature)
+        self.ckpt = CheckpointManager(cfg.trainer.run_dir, cfg.checkpoint.keep_last)
+        self.step = 0
+        self.sync_count = 0
+        resume = resolve_resume(cfg)
+        if resume is not None:
+            self._load(resume.path)
+        self.metrics = MetricsLogger(cfg.trainer.run_dir, cfg, rank=self.rank, start_step=self.step)
+        # The engine starts from the HF files; after a resume the actor differs, so sync once up front.
+        self.sync_weights(verify=resume is not None)
+
+    # ---- phases ------------------------------------------------------------------------------
+    def rollout(self, examples, n: int, temperature: float, seed: int):
+        from mcore_rl.rollout import sampling_params
+        from mcore_rl.rollout.data_parallel import generate_global
+
+        params = sampling_params(self.cfg.rollout, stop_token_ids=self.stop_ids)
+        params.temperature = temperature
+        prompts = [ex.prompt_ids for ex in examples]
+        groups = generate_global(self.engine, prompts, n, params, seed=seed)
+        samples = [s for group in groups for s in group]
+        texts = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+        expanded = [ex for ex in examples for _ in range(n)]
+        scored = self.reward_fn(texts, [ex.ground_truth for ex in expanded], [ex.data_source for ex in expanded],
+                                [ex.extra_info for ex in expanded], [len(s.response_ids) for s in samples])
+        return samples, scored
+
+    def _tp_group(self):
+        from megatron.core import parallel_state as mpu
+
+        return mpu.get_tensor_model_parallel_group()
+
+    def token_log_probs(self, micro_batches, with_entropy: bool = False) -> list[torch.Tensor]:
+        """Actor log-probs ([2, b, s] with entropy when asked) aligned like the loss mask."""
+        from mcore_rl.megatron.policy_loss import make_log_prob_fn
+
+        return self.actor.forward_only(micro_batches, make_log_prob_fn(self.cfg.algo.temperature, self._tp_group(),
+                                                                       with_entropy))
+
+    def probe_log_probs(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float):
+        """Reference for sync verification: actor log-probs of the probe's response tokens."""
+        from mcore_rl.megatron.actor import MicroBatch
+
+        multiple = 8 * self.info.tp
+        seq_len = -(-max(map(len, sequences)) // multiple) * multiple
+        tokens = torch.zeros(len(sequences), seq_len, dtype=torch.long)
+        for i, s in enumerate(sequences):
+            tokens[i, :len(s)] = torch.tensor(s)
+        (lp,) = self.token_log_probs([MicroBatch(tokens=tokens)])
+        return [lp[i, p - 1:len(s) - 1].cpu() for i, (s, p) in enumerate(zip(sequences, prompt_lens))]
+
+    def sync_weights(self, verify: Optional[bool] = None) -> dict:
+        from mcore_rl.rollout.weight_sync import sync_weights, verify_due, verify_sync
+
+        stats = sync_weights(self.actor.export_hf_weights(), self.engine, self.cfg.rollout.sync_bucket_mb)
+        self.sync_count += 1
+        out = {"sync/seconds": stats.seconds, "sync/gb_per_s": stats.gb_per_s}
+        if verify if verify is not None else verify_due(self.sync_count, self.cfg.rollout.verify_every):
+            report = verify_sync(self.engine, self.probe_log_probs, self.probe, self.cfg.rollout.verify_tolerance,
+                                 fallback=self.cfg.rollout.verify_fallback, export_fn=self.actor.export_hf_weights)
+            if self.rank == 0 and (report.rebuilt or self.sync_count == 1):
+                log.info(report.summary())
+            out.update({"sync/verify_max_diff": report.max_diff, "sync/verify_mean_diff": report.mean_diff,
+                        "sync/rebuilt": float(report.rebuilt)})
+        return out
+
+    def train_step(self) -> dict:
+        from mcore_rl.algos import group_advantages
+        from mcore_rl.batch import pack_rollouts, split_for_rank
+        from mcore_rl.megatron.policy_loss import make_policy_loss_fn
+
+        cfg, timer = self.cfg, PhaseTimer()
+        step_start = time.perf_counter()
+        examples = [self.train_set[i] for i in self.sampler.next_batch()]
+        with timer("rollout"):
+            samples, scored = self.rollout(examples, cfg.rollout.n, cfg.rollout.temperature,
+                                           seed=cfg.trainer.seed * 1_000_003 + self.step * 7919)
+        rewards = torch.tensor(scored.rewards, dtype=torch.float32)
+        advantages = group_advantages(rewards, cfg.rollout.n, cfg.algo.adv_estimator)
+        batch = pack_rollouts(samples, rewards, advantages, self.tokenizer.pad_token_id,
+                              multiple=8 * self.info.tp)
+        parts = split_for_rank(batch, cfg.algo.mini_batches, self.info.dp, self.info.dp_rank,
+                               cfg.actor.parallel.micro_batch_size, max_len=cfg.rollout.max_new_tokens)
+        micro_all = [mb for _, mbs in parts for mb in mbs]
+        entropy_sum = None
+        with timer("old_logprob"):
+            if cfg.algo.use_rollout_logprobs_as_old:
+                for mb in micro_all:
+                    mb.extras["old_log_prob"] = mb.extras["rollout_log_prob"]
+            else:
+                for mb, out in zip(micro_all, self.token_log_probs(micro_all, with_entropy=True)):
+                    mb.extras["old_log_prob"] = out[0]
+                    mb.extras["entropy"] = out[1]
+                entropy_sum = self._masked_sum(micro_all, "entropy")
+        tp_group = self._tp_group()
+        update = {}
+        with timer("update"):
+            for _ in range(cfg.algo.ppo_epochs):
+                for counts, micro in parts:
+                    result = self.actor.train_step(micro, make_policy_loss_fn(cfg.algo, counts, tp_group))
+                    for k, v in result.items():
+                        update.setdefault(k, []).append(v)
+        with timer("sync"):
+            sync_metrics = self.sync_weights()
+        self.step += 1
+
+        response_lengths = batch.response_lengths.float()
+        num_tokens = int(response_lengths.sum())
+        elapsed = time.perf_counter() - step_start
+        metrics = {
+            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+            "reward/errors": scored.errors,
+            "response/length_mean": float(response_lengths.mean()), "response/length_max": float(response_lengths.max()),
+            "response/clip_ratio": float(np.mean([s.finish_reason == "length" for s in samples])),
+            "perf/tokens_per_s": num_tokens / max(elapsed, 1e-9),
+            "perf/rollout_tokens_per_s": num_tokens / max(timer.seconds["rollout"], 1e-9),
+            "perf/step_seconds": elapsed,
+            **{f"time/{k}": v for k, v in timer.seconds.items()},
+            **{f"train/{k}": float(np.mean(v)) for k, v in update.items()},
+            **sync_metrics,
+        }
+        if entropy_sum is not None:
+            metrics["train/entropy_old"] = entropy_sum / max(1, int(batch.loss_mask.sum()))
+        return metrics
+
+    def _masked_sum(self, micro_batches, key: str) -> float:
+        """Sum of a per-token tensor over response tokens of every DP rank's micro-batches."""
+        from megatron.core import parallel_state as mpu
+
+        local = sum(float((mb.extras[key] * mb.extras["loss_mask"]).sum()) for mb in micro_batches)
+        total = torch.tensor([local], dtype=torch.float64)
+        dist.all_reduce(total, group=mpu.get_data_parallel_group())
+        return float(total)
+
+    def validate(self) -> dict:
+        """Mean reward of one sample per validation prompt (pass@1), greedy."""
+        examples = [self.val_set[i] for i in range(min(len(self.val_set), self.cfg.trainer.val_prompts))]
+        _, scored = self.rollout(examples, n=1, temperature=0.0, seed=self.cfg.trainer.seed)
+        return {"val/reward_mean": float(np.mean(scored.rewards))}
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def save(self) -> None:
+        from mcore_rl.megatron.checkpoint import save_checkpoint
+
+        def write(tmp_dir: Path) -> None:
+            save_checkpoint(self.actor, tmp_dir / "actor")
+            state = {"step": self.step, "sync_count": self.sync_count, "sampler": self.sampler.state_dict(),
+                     "rng": _rng_state()}
+            torch.save(state, tmp_dir / f"trainer_state_rank{self.rank}.pt")
+
+        ckpt = self.ckpt.save(self.step, write, meta={"step": self.step})
+        if self.rank == 0:
+            log.info("saved checkpoint %s", ckpt.path)
+
+    def _load(self, path: Path) -> None:
+        from mcore_rl.megatron.checkpoint import load_checkpoint
+
+        load_checkpoint(self.actor, Path(path) / "actor")
+        state_file = Path(path) / f"trainer_state_rank{self.rank}.pt"
+        if not state_file.exists():
+            raise FileNotFoundError(f"{state_file} missing: the checkpoint was written by a run with a different world "
+                                    f"size; resume with the same number of processes")
+        state = torch.load(state_file, weights_only=False)
+        self.step, self.sync_count = state["step"], state["sync_count"]
+        self.sampler.load_state_dict(state["sampler"])
+        _set_rng_state(state["rng"])
+        if self.rank == 0:
+            log.info("resumed from %s at step %d", path, self.step)
+
+    # ---- loop --------------------------------------------------------------------------------
+    def fit(self) -> None:
+        cfg = self.cfg
+        save_every = cfg.checkpoint.save_every
+        while self.step < cfg.trainer.steps:
+            metrics = self.train_step()
+            if self.val_set is not None and self.step % cfg.trainer.val_every == 0:
+                metrics.update(self.validate())
+            self.metrics.log(self.step, metrics)
+            if (save_every and self.step % save_every == 0) or self.step == cfg.trainer.steps:
+                self.save()
+        self.metrics.close()
+        if self.rank == 0:
+            from mcore_rl.plot import plot_run
+
+            pngs = plot_run(self.run_dir)
+            log.info("training done: metrics %s, plots %s", self.run_dir / "metrics.jsonl",
+                     pngs[0].parent if pngs else "(none)")
+
+
+def _setup_logging() -> None:
+    """Our INFO logs on rank 0 only; libraries (Megatron prints its whole config at INFO) at WARNING."""
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("mcore_rl").setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    # Every sync's throughput goes to the metrics; the log keeps only warnings after the first one.
+    logging.getLogger("mcore_rl.rollout.weight_sync").setLevel(logging.WARNING)
+
+
+def run(cfg: Config) -> None:
+    _setup_logging()
+    torch.manual_seed(cfg.trainer.seed)
+    Trainer(cfg).fit()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
