@@ -23,8 +23,8 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
-import re
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 import torch
@@ -34,7 +34,6 @@ from mcore_rl.rollout.base import RolloutEngine, RolloutSample, SamplingParams
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_FUSED_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
 def _weight_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -61,11 +60,17 @@ def _weight_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return targets
 
 
-def _checkpoint_names(targets: dict[str, torch.Tensor]) -> set[str]:
-    """The names a complete sync delivers: per-expert names instead of the fused tensors they cover."""
-    fused = {m.group("prefix") for name in targets if (m := _FUSED_EXPERT.match(name))}
-    fused_params = {f"{p}.gate_up_proj" for p in fused} | {f"{p}.down_proj" for p in fused}
-    return {name for name in targets if name not in fused_params}
+def _checkpoint_names(model: torch.nn.Module) -> set[str]:
+    """The names a complete sync delivers: each parameter once (tied aliases not required), with per-expert
+    names in place of the fused expert tensors they cover."""
+    names = {name for name, _ in model.named_parameters()}  # deduplicates tied parameters
+    for name, module in model.named_modules():
+        gate_up = getattr(module, "gate_up_proj", None)
+        if isinstance(gate_up, torch.nn.Parameter) and gate_up.dim() == 3:
+            names -= {f"{name}.gate_up_proj", f"{name}.down_proj"}
+            names |= {f"{name}.{e}.{proj}.weight" for e in range(gate_up.shape[0])
+                      for proj in ("gate_proj", "up_proj", "down_proj")}
+    return names
 
 
 def _moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -154,21 +159,46 @@ class EmbeddedEngine(RolloutEngine):
     # ----- model lifecycle -----
 
     def _load_pretrained(self) -> torch.nn.Module:
-        from transformers import AutoModelForCausalLM
+        """Build from config, then stream the checkpoint's safetensors through the engine's own weight loader.
 
-        # eager attention: fully masked (left-padding) rows stay finite, which sdpa does not promise
-        return AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, attn_implementation="eager")
+        Not `from_pretrained`: it materialises the model on the meta device and recomputes non-persistent
+        buffers afterwards, and in a process where Megatron's CPU adaptation wrapped torch's tensor factories
+        (mcore_rl.platform.cpu_adapt) that left rotary `inv_freq` uninitialised (transformers 5.24).
+        """
+        from safetensors import safe_open
+
+        model = self._empty_model()
+        files = sorted(Path(self.model_path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {self.model_path}; the engine needs a Hugging Face "
+                                    f"checkpoint folder (config.json + safetensors + tokenizer)")
+        targets = _weight_targets(model)
+        seen = set()
+        with torch.no_grad():
+            for file in files:
+                with safe_open(str(file), "pt") as f:
+                    for name in f.keys():
+                        if name not in targets:
+                            raise KeyError(f"{file.name}: weight {name!r} has no place in the model built from "
+                                           f"{self.model_path}/config.json")
+                        targets[name].copy_(f.get_tensor(name))
+                        seen.add(name)
+        missing = _checkpoint_names(model) - seen
+        if missing:
+            raise ValueError(f"{self.model_path}: checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+        return model
 
     def _empty_model(self) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
+        # eager attention: fully masked (left-padding) rows stay finite, which sdpa does not promise
         return AutoModelForCausalLM.from_config(self.config, dtype=self.dtype, attn_implementation="eager")
 
     def _set_model(self, model: torch.nn.Module) -> None:
         self.model = model.to(self.device).eval()
         self.model.requires_grad_(False)
         self._targets = _weight_targets(self.model)
-        self._names = _checkpoint_names(self._targets)
+        self._names = _checkpoint_names(self.model)
         self.top_k_experts = getattr(self.config, "num_experts_per_tok", 0)
         self.num_moe_layers = len(_moe_routers(self.model))
         # transformers 5 renamed the forward's `past_key_values` argument to `cache`

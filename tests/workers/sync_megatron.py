@@ -1,0 +1,185 @@
+"""Weight sync from a real multi-process Megatron actor (via ModelBridge) into the embedded engine on rank 0.
+
+Usage: torchrun --nproc_per_node=2 sync_megatron.py LAYOUT ENGINE_CKPT ACTOR_CKPT
+  LAYOUT: tp2 | ep2. The engine starts from ENGINE_CKPT, the actor from ACTOR_CKPT (different weights),
+  so a sync must really move them. Only rank 0 holds an engine; every rank drives the exporter.
+Prints one line "RESULT {json}" on rank 0; any failed check raises.
+"""
+
+import json
+import logging
+import sys
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.config import ModelConfig, ParallelConfig
+from mcore_rl.models.bridge import ModelBridge
+from mcore_rl.megatron.parallel import destroy_parallel, init_parallel
+from mcore_rl.platform import get_platform
+from mcore_rl.rollout.base import SamplingParams
+from mcore_rl.rollout.embedded import EmbeddedEngine
+from mcore_rl.rollout.weight_sync import ProbeBatch, SyncVerificationError, sync_weights, verify_sync
+
+TOL = 1e-4
+
+
+def tp_group():
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_tensor_model_parallel_group(), mpu.get_tensor_model_parallel_world_size()
+
+
+def gather_last_dim(x: torch.Tensor) -> torch.Tensor:
+    group, size = tp_group()
+    if size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+class RouterTap:
+    """Forward hooks on Megatron's routers: top-k expert ids per token and MoE layer (TP shards gathered)."""
+
+    def __init__(self, model):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+        self.maps = [None] * len(self.routers)
+        for i, r in enumerate(self.routers):
+            r.register_forward_hook(self._hook(i))
+
+    def _hook(self, i):
+        def hook(module, args, output):
+            self.maps[i] = output[1]  # routing_map [tokens, experts] bool
+        return hook
+
+    def routes(self, k: int) -> torch.Tensor:
+        """[tokens, layers, k] sorted expert ids; sequence-parallel shards are gathered along tokens."""
+        group, size = tp_group()
+        per_layer = []
+        for m in self.maps:
+            ids = torch.stack([row.nonzero().squeeze(-1) for row in m])  # sorted ascending
+            if size > 1 and m.shape[0] * size != 0:
+                parts = [torch.empty_like(ids) for _ in range(size)]
+                dist.all_gather(parts, ids.contiguous(), group=group)
+                ids = torch.cat(parts, 0)
+            per_layer.append(ids)
+        return torch.stack(per_layer, 1)
+
+
+def actor_forward(model, seq: list[int], tp: int) -> torch.Tensor:
+    """Full-vocabulary fp32 logits [len(seq), V]; right-padded to a multiple of tp for sequence parallelism."""
+    width = -(-len(seq) // tp) * tp
+    ids = torch.tensor([seq + [0] * (width - len(seq))])
+    pos = torch.arange(width)[None]
+    logits = model(input_ids=ids, position_ids=pos, attention_mask=None)
+    return gather_last_dim(logits.float())[0, :len(seq)]
+
+
+def make_reference(model, tp):
+    @torch.no_grad()
+    def logprobs(sequences, prompt_lens, temperature):
+        out = []
+        for s, p in zip(sequences, prompt_lens):
+            lp = torch.log_softmax(actor_forward(model, s, tp) / temperature, -1)[:-1]
+            out.append(lp.gather(-1, torch.tensor(s[1:])[:, None])[p - 1:, 0])
+        return out
+    return logprobs
+
+
+def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+@torch.no_grad()
+def perturb(model) -> None:
+    """A deterministic weight change that depends only on each local tensor's shape (identical on replicas)."""
+    for p in model.parameters():
+        p.add_(0.02 * torch.sin(torch.arange(p.numel(), dtype=torch.float32) * 0.37).view_as(p).to(p.dtype))
+
+
+def main(layout: str, engine_ckpt: str, actor_ckpt: str) -> None:
+    logging.basicConfig(level=logging.WARNING)
+    parallel = {"tp2": ParallelConfig(tp=2, sequence_parallel=True), "ep2": ParallelConfig(ep=2)}[layout]
+    platform = get_platform("cpu")
+    bridge = ModelBridge(actor_ckpt, platform)
+    info = init_parallel(parallel, platform, bridge.hf_config)
+    parallel = info.effective_parallel(parallel)
+    (model,) = bridge.build_model(parallel, ModelConfig(path=actor_ckpt, dtype="float32"))
+    bridge.load_hf_weights([model], actor_ckpt)
+    model.eval()
+    rank = dist.get_rank()
+    engine = EmbeddedEngine(engine_ckpt) if rank == 0 else None
+    reference = make_reference(model, parallel.tp)
+    export = lambda: bridge.export_hf_weights([model])  # noqa: E731
+    probe = ProbeBatch.random(bridge.hf_config.vocab_size, num_seqs=3, prompt_len=6, response_len=18, seed=4)
+    result = {"layout": layout}
+
+    # 1. before any sync the engine is a different policy: verification must fail and name tensors
+    try:
+        verify_sync(engine, reference, probe, tol=TOL, fallback="error", export_fn=export)
+        raise AssertionError("verification passed before the first sync")
+    except SyncVerificationError as err:
+        result["unsynced_error_names_tensors"] = "worst tensors: model." in str(err)
+
+    # 2. sync with a bucket smaller than the largest tensor; engine == actor afterwards
+    stats = sync_weights(export(), engine, bucket_mb=0.02)
+    result.update(num_tensors=stats.num_tensors, num_buckets=stats.num_buckets,
+                  largest=stats.largest_tensor_bytes, bucket_bytes=int(0.02 * (1 << 20)))
+    report = verify_sync(engine, reference, probe, tol=TOL, fallback="error", export_fn=export)
+    result["verify_max_diff"] = report.max_diff
+
+    # 3. sampled log-probs and routes of the engine vs the actor on the sampled sequences
+    samples = None
+    if rank == 0:
+        prompts = [[1, 5 + i, 20 + i, 7, 9 + i] for i in range(3)]
+        groups = engine.generate(prompts, 2, SamplingParams(temperature=0.9, max_new_tokens=12, seed=1))
+        samples = [(s.prompt_ids + s.response_ids, len(s.prompt_ids), s.logprobs, s.routed_experts)
+                   for g in groups for s in g]
+    box = [samples]
+    dist.broadcast_object_list(box, src=0)
+    samples = box[0]
+    tap = RouterTap(model)
+    k = bridge.hf_config.num_experts_per_tok
+    lp_diff, route_mismatch = 0.0, 0
+    for seq, plen, engine_lp, engine_routes in samples:
+        actor_lp = reference([seq], [plen], 0.9)[0]
+        lp_diff = max(lp_diff, (actor_lp - engine_lp).abs().max().item())
+        actor_routes = tap.routes(k)[:len(seq)]
+        route_mismatch += int((actor_routes != engine_routes.long().sort(-1).values).sum())
+    result.update(sample_logprob_diff=lp_diff, route_mismatches=route_mismatch,
+                  route_shape=list(samples[0][3].shape))
+
+    # 4. the actor's weights change: the stale engine fails verification, a new sync fixes it
+    before = engine.score(probe.sequences, probe.prompt_lens) if engine else None
+    perturb(model)
+    try:
+        verify_sync(engine, reference, probe, tol=TOL, fallback="error")
+        raise AssertionError("a stale engine passed verification")
+    except SyncVerificationError:
+        pass
+    sync_weights(export(), engine, bucket_mb=1.0)
+    report = verify_sync(engine, reference, probe, tol=TOL)
+    result["verify_after_change"] = report.max_diff
+    if engine:
+        after = engine.score(probe.sequences, probe.prompt_lens)
+        result["engine_change"] = max_diff(after, before)
+
+    # 5. an inexact expert reload (corrupted experts) is caught and the rebuild fallback repairs it
+    if engine:
+        with torch.no_grad():
+            for name, p in engine.model.named_parameters():
+                if "layers.1.mlp.experts" in name:
+                    p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
+    report = verify_sync(engine, reference, probe, tol=TOL, fallback="rebuild", export_fn=export)
+    result.update(corrupt_max_diff=report.max_diff, rebuilt=report.rebuilt,
+                  after_rebuild=report.max_diff_after_rebuild)
+    if rank == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
