@@ -266,7 +266,8 @@ class VllmEngine(RolloutEngine):
         try:
             llm = LLM(**self._llm_args(path, routes))
         except ValueError as err:
-            if not routes or "routed" not in str(err).lower() and "auxoutput" not in str(err).lower():
+            about_routes = "routed" in str(err).lower() or "auxoutput" in str(err).lower()
+            if not (routes and about_routes):
                 raise
             self._log_once("routes", "vLLM engine: routed experts unavailable here (%s); routed_experts = None", err)
             llm = LLM(**self._llm_args(path, routes=False))
