@@ -1,6 +1,6 @@
 """Weight-sync throughput: a ~1B-parameter Qwen3-MoE-shaped model from a 2-process Megatron actor to the engine.
 
-    torchrun --nproc_per_node=2 benchmarks/weight_sync.py [--layout ep2|tp2] [--bucket-mb 256] [--check]
+    torchrun --nproc_per_node=2 benchmarks/weight_sync.py [--layout ep2|tp2|dp2] [--bucket-mb 256] [--check]
 
 The model has random weights (Megatron's initialisation from a config; no checkpoint), bf16 everywhere:
 hidden 1024, 13 layers, 16 heads x 64 (4 KV groups), 32 experts top-4 of FFN 512, vocabulary 151,936
@@ -68,7 +68,8 @@ def peak_rss_gb() -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layout", choices=["ep2", "tp2"], default="ep2")
+    parser.add_argument("--layout", choices=["ep2", "tp2", "dp2"], default="ep2",
+                        help="actor layout over the 2 processes; dp2 replicates the model (export needs no gathers)")
     parser.add_argument("--bucket-mb", type=float, default=256.0)
     parser.add_argument("--check", action="store_true", help="compare every synced tensor with the export")
     args = parser.parse_args()
@@ -91,7 +92,8 @@ def main() -> None:
         write_config(model_dir)
     dist.barrier()
 
-    parallel = ParallelConfig(ep=2) if args.layout == "ep2" else ParallelConfig(tp=2, sequence_parallel=True)
+    parallel = {"ep2": ParallelConfig(ep=2), "tp2": ParallelConfig(tp=2, sequence_parallel=True),
+                "dp2": ParallelConfig()}[args.layout]
     bridge = ModelBridge(model_dir, platform)
     info = init_parallel(parallel, platform, bridge.hf_config)
     start = time.perf_counter()
@@ -101,7 +103,7 @@ def main() -> None:
     engine = None
     if rank == 0:
         start = time.perf_counter()
-        engine = EmbeddedEngine.from_hf_config(bridge.hf_config, model_dir, dtype="bfloat16")
+        engine = EmbeddedEngine(model_dir, dtype="bfloat16", config=bridge.hf_config)
         engine_params = sum(p.numel() for p in engine.model.parameters())
         print(f"actor ({args.layout}) built in {build_s:.1f} s, {actor_params / 1e9:.3f}B params on rank 0; "
               f"engine {engine_params / 1e9:.3f}B params (bf16) in {time.perf_counter() - start:.1f} s", flush=True)

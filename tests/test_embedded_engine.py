@@ -101,6 +101,28 @@ def test_top_k_1_is_greedy_and_logprobs_are_unfiltered(engine, hf_model, prompts
         assert k1[0].logprobs.max().item() < -1e-3
 
 
+def test_sampled_tokens_respect_top_k_and_top_p(engine, hf_model, prompts):
+    """Every drawn token lies in the top-k set / the nucleus of the HF model's temperature-scaled distribution."""
+    cases = [(SamplingParams(temperature=1.5, top_k=3, max_new_tokens=12, seed=5), "k"),
+             (SamplingParams(temperature=1.5, top_p=0.3, max_new_tokens=12, seed=5), "p")]
+    for params, kind in cases:
+        seen = set()
+        for s in (s for g in engine.generate(prompts, 4, params) for s in g):
+            seq = s.prompt_ids + s.response_ids
+            with torch.no_grad():
+                logits = hf_model(torch.tensor([seq])).logits[0].float() / params.temperature
+            for t, token in enumerate(s.response_ids):
+                row = logits[len(s.prompt_ids) - 1 + t]
+                rank = int((row > row[token]).sum())  # tokens strictly more likely than the drawn one
+                if kind == "k":
+                    assert rank < 3
+                else:
+                    probs = torch.softmax(row, -1)
+                    assert probs[probs > probs[token]].sum().item() < 0.3 + 1e-5
+                seen.add(rank)
+        assert len(seen) > 1  # not greedy: lower-ranked tokens were drawn too
+
+
 def test_stop_tokens_end_responses(engine, prompts):
     stop_all = list(range(engine.config.vocab_size))
     groups = engine.generate(prompts, 2, SamplingParams(max_new_tokens=10, stop_token_ids=stop_all, seed=0))

@@ -140,7 +140,12 @@ class EmbeddedEngine(RolloutEngine):
     """A Hugging Face causal LM that samples, scores and takes weights in place."""
 
     def __init__(self, model_path: str, dtype: str = "float32", device: str | torch.device = "cpu",
-                 max_batch_tokens: int = 65536):
+                 max_batch_tokens: int = 65536, config=None):
+        """Load the HF checkpoint folder `model_path` (config, safetensors, tokenizer).
+
+        With `config` (a transformers config), the model is built from it with random weights instead and
+        `model_path` only supplies the tokenizer: for engines whose weights all come by sync (benchmarks).
+        """
         from transformers import AutoConfig, AutoTokenizer
 
         if dtype not in _DTYPES:
@@ -149,12 +154,12 @@ class EmbeddedEngine(RolloutEngine):
         self.dtype = _DTYPES[dtype]
         self.device = torch.device(device)
         self.max_batch_tokens = max_batch_tokens  # bounds the sequences run in one batch (memory)
-        self.config = AutoConfig.from_pretrained(self.model_path)
+        self.config = config if config is not None else AutoConfig.from_pretrained(self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.eos_token_id = self.tokenizer.eos_token_id
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self._noop_logged = False
-        self._set_model(self._load_pretrained())
+        self._set_model(self._empty_model() if config is not None else self._load_pretrained())
 
     # ----- model lifecycle -----
 
@@ -204,24 +209,6 @@ class EmbeddedEngine(RolloutEngine):
         # transformers 5 renamed the forward's `past_key_values` argument to `cache`
         params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-
-    @classmethod
-    def from_hf_config(cls, config, tokenizer_path: str, dtype: str = "bfloat16", device="cpu") -> "EmbeddedEngine":
-        """An engine with randomly initialised weights for `config` (benchmarks: weights come by sync)."""
-        engine = cls.__new__(cls)
-        from transformers import AutoTokenizer
-
-        engine.model_path = tokenizer_path
-        engine.dtype = _DTYPES[dtype]
-        engine.device = torch.device(device)
-        engine.max_batch_tokens = 65536
-        engine.config = config
-        engine.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        engine.eos_token_id = engine.tokenizer.eos_token_id
-        engine.pad_token_id = engine.tokenizer.pad_token_id or 0
-        engine._noop_logged = False
-        engine._set_model(engine._empty_model())
-        return engine
 
     # ----- weights -----
 
