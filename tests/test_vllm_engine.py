@@ -106,6 +106,32 @@ def test_routed_experts_none_on_cpu(engine):
         assert out[0][0].routed_experts.shape[1:] == (2, 2)
 
 
+def test_bad_requests_fail_with_clear_errors(engine):
+    with pytest.raises(ValueError, match="n=0"):
+        engine.generate(PROMPTS, n=0, params=SamplingParams())
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.generate([[1, 500]], n=1, params=SamplingParams())
+    with pytest.raises(ValueError, match="prompt_len 5 must be in"):
+        engine.score([[1, 2, 3]], [5])
+    with pytest.raises(KeyError, match="not a weight of the checkpoint"):
+        engine.load_weights([("model.layers.0.mlp.nonexistent.weight", torch.zeros(1))])
+    assert engine.pending_weights == 0
+
+
+def test_sleep_wake_up_keep_the_engine_usable(engine, caplog):
+    from vllm.platforms import current_platform
+
+    params = SamplingParams(max_new_tokens=4, seed=2)
+    before = engine.generate(PROMPTS[:1], n=2, params=params)
+    with caplog.at_level("INFO", logger="mcore_rl.rollout.vllm_engine"):
+        engine.sleep()
+        engine.wake_up()
+    if current_platform.is_cpu():
+        assert "no-ops on this platform" in caplog.text
+    after = engine.generate(PROMPTS[:1], n=2, params=params)
+    assert [s.response_ids for s in after[0]] == [s.response_ids for s in before[0]]
+
+
 def test_logprobs_match_hf(engine, tiny_model_dir):
     temp = 0.7
     out = engine.generate(PROMPTS, n=2, params=SamplingParams(temperature=temp, max_new_tokens=8, seed=3))
