@@ -8,7 +8,8 @@ hidden 1024, 13 layers, 16 heads x 64 (4 KV groups), 32 experts top-4 of FFN 512
 both ranks drive the exporter (collective gathers). Rank 0 also measures single-threaded memcpy of a
 512 MB buffer in the same run, the machine's ceiling for moving bytes from one tensor into another.
 Prints the sync's GB/s, memcpy GB/s and their ratio (target >= 0.3), and the gloo all_gather rate between
-the two processes (the transport the exporter's gathers use: on one CPU host it is the bottleneck). `--check` re-exports and compares
+the two processes (the transport the exporter's gathers use: on one CPU host it is the bottleneck) next to
+the same gather through shared memory (/dev/shm), what a same-host transport in the exporter could reach. `--check` re-exports and compares
 every engine tensor with the actor's (bit-exact expected).
 """
 
@@ -60,6 +61,32 @@ def gloo_all_gather_gb_per_s(nbytes: int = 128 << 20, chunk: int = 4 << 20) -> f
     for _ in range(nbytes // chunk):
         dist.all_gather(out, shard)
     return nbytes * dist.get_world_size() / 1e9 / (time.perf_counter() - start)
+
+
+def shm_gather_gb_per_s(nbytes: int = 128 << 20, chunk: int = 4 << 20) -> float:
+    """The same all-gather through file-backed shared memory (/dev/shm): what a same-host transport could do.
+
+    Each rank writes its shard into its own shared file, a barrier, then every rank copies all shards out.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    paths = [f"/dev/shm/mcore_rl_bench_{os.getppid()}_{r}" for r in range(world)]
+    numel = chunk // 2
+    mine = torch.from_file(paths[rank], shared=True, size=numel, dtype=torch.bfloat16)
+    dist.barrier()
+    peers = [torch.from_file(p, shared=True, size=numel, dtype=torch.bfloat16) for p in paths]
+    shard = torch.ones(numel, dtype=torch.bfloat16)
+    out = torch.empty(world * numel, dtype=torch.bfloat16)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(nbytes // chunk):
+        mine.copy_(shard)
+        dist.barrier()
+        for r, peer in enumerate(peers):
+            out[r * numel:(r + 1) * numel].copy_(peer)
+        dist.barrier()  # a shard is overwritten only after every rank read it
+    rate = nbytes * world / 1e9 / (time.perf_counter() - start)
+    os.remove(paths[rank])
+    return rate
 
 
 def peak_rss_gb() -> float:
@@ -125,6 +152,7 @@ def main() -> None:
                 pass
         check = max(diffs.values()) if diffs else None
     gloo = gloo_all_gather_gb_per_s()
+    shm = shm_gather_gb_per_s()
     rss = [None] * dist.get_world_size()
     dist.all_gather_object(rss, round(peak_rss_gb(), 2))
     if rank == 0:
@@ -134,7 +162,8 @@ def main() -> None:
                        gigabytes=round(best.total_bytes / 1e9, 3), tensors=best.num_tensors,
                        sync_s=round(best.seconds, 3), export_s=round(best.export_seconds, 3),
                        load_s=round(best.load_seconds, 3), sync_gb_s=round(best.gb_per_s, 3),
-                       memcpy_gb_s=round(memcpy, 2), gloo_all_gather_gb_s=round(gloo, 2), ratio=round(best.gb_per_s / memcpy, 3),
+                       memcpy_gb_s=round(memcpy, 2), gloo_all_gather_gb_s=round(gloo, 2),
+                       shm_all_gather_gb_s=round(shm, 2), ratio=round(best.gb_per_s / memcpy, 3),
                        peak_rss_gb=rss, max_abs_diff=check)
         print("RESULT " + json.dumps(summary), flush=True)
         print(f"sync {best.gb_per_s:.2f} GB/s vs memcpy {memcpy:.2f} GB/s = {best.gb_per_s / memcpy:.2f}x "
