@@ -70,11 +70,13 @@ def _timed(stream: WeightStream, clock: list[float]) -> Iterator[tuple[str, torc
         yield item
 
 
-def sync_weights(export_iter: WeightStream, engine: Optional[RolloutEngine], bucket_mb: float) -> SyncStats:
+def sync_weights(export_iter: WeightStream, engine: Optional[RolloutEngine], bucket_mb: float,
+                 group=None) -> SyncStats:
     """Stream (HF name, full tensor) pairs from the exporter into `engine` in buckets of `bucket_mb` MB.
 
     `engine` is None on ranks without an engine replica (they still drive the exporter; see module doc).
-    After the stream, an engine that knows its weight names checks that every one of them arrived.
+    After the stream, an engine that knows its weight names checks that every one of them arrived; the
+    outcome is agreed over `group` (default: all ranks), so a missing weight raises on every rank.
     """
     if bucket_mb <= 0:
         raise ValueError(f"rollout.sync_bucket_mb={bucket_mb}; use a positive bucket size in MB (e.g. 256)")
@@ -115,21 +117,23 @@ def sync_weights(export_iter: WeightStream, engine: Optional[RolloutEngine], buc
     flush()
     result = SyncStats(seconds=time.perf_counter() - start, export_seconds=export_clock[0],
                        load_seconds=load_seconds, **stats)
-    if engine is not None:
-        _check_complete(engine, seen)
+    _check_complete(engine, seen, group)
     log.info(result.summary())
     return result
 
 
-def _check_complete(engine: RolloutEngine, seen: set[str]) -> None:
-    expected = engine.weight_names()
-    if expected is None:
-        return
-    missing = expected - seen
-    if missing:
-        raise ValueError(f"weight sync delivered {len(seen)} tensors but the engine did not receive {len(missing)} of "
-                         f"its {len(expected)} weights (e.g. {sorted(missing)[:3]}); its copies of those are stale - "
-                         f"the exporter must yield every Hugging Face weight")
+def _check_complete(engine: Optional[RolloutEngine], seen: set[str], group) -> None:
+    """Raise on every rank (so none waits in a later collective) when an engine missed some of its weights."""
+    expected = engine.weight_names() if engine is not None else None
+    missing = sorted(expected - seen) if expected is not None else []
+    count = torch.tensor([len(missing)], dtype=torch.int64)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    if count.item():
+        example = f" (e.g. {missing[:3]})" if missing else " on another rank"
+        raise ValueError(f"weight sync delivered {len(seen)} tensors but an engine did not receive {count.item()} of its "
+                         f"weights{example}; its copies of those are stale - the exporter must yield every Hugging "
+                         f"Face weight")
 
 
 @dataclass
