@@ -19,11 +19,10 @@ def reference(tiny_model_dir, tmp_path_factory):
     """HF logits computed here (plain transformers, one process), then the world-1 actor reference."""
     from transformers import AutoModelForCausalLM
 
+    from tests.workers.actor_common import global_batch
+
     out = tmp_path_factory.mktemp("actor_ref")
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(3, 128, (4, 16), generator=g)
-    lengths = torch.tensor([16, 11, 7, 14])  # right padding: the loss ignores positions past each length
-    loss_mask = torch.arange(16)[None] < (lengths[:, None] - 1)
+    tokens, loss_mask = global_batch()  # right padded: the loss ignores positions past each length
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = hf(tokens).logits

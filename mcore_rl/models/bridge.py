@@ -232,7 +232,7 @@ class ModelBridge:
                 chunk = provider(pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage())
             for p in chunk.parameters():
                 tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
-            _mark_replicated_experts(chunk, parallel)
+            _mark_experts_expert_parallel(chunk)
             chunks.append(chunk.to(self.platform.device))
         return chunks
 
@@ -352,13 +352,14 @@ class ModelBridge:
             yield from zip(*backend.to_hf(name, _merge(name, shards, pdim, gated)))
 
 
-def _mark_replicated_experts(chunk: torch.nn.Module, parallel: ParallelConfig) -> None:
-    """Megatron marks experts as expert-parallel (reduced over the expert-DP group) only when ep > 1.
-    With ep == 1 and etp < tp the experts are replicated over TP ranks that route different tokens
-    (sequence parallel), so their gradients must be summed over the expert-DP group too; left as
-    dense params they are reduced over DP only and the TP replicas silently drift apart."""
-    if parallel.ep > 1 or parallel.expert_tp == parallel.tp:
-        return
+def _mark_experts_expert_parallel(chunk: torch.nn.Module) -> None:
+    """Route every expert's gradient through the expert-DP reduction, whatever the layout.
+
+    Megatron marks experts (`allreduce=False`) only when ep > 1. With ep == 1 and etp < tp the
+    experts are replicated over TP ranks that route different tokens (sequence parallel), and as
+    dense params they are reduced over DP only: the TP replicas silently drift apart. Marking them
+    always is exact (with ep == etp/tp == 1 the expert-DP group IS the DP group) and keeps the
+    optimizer layout-independent (dense + expert optimizers), so checkpoints load across layouts."""
     for name, p in chunk.named_parameters():
         if ".mlp.experts." in name:
             setattr(p, "allreduce", False)

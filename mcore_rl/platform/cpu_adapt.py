@@ -196,8 +196,8 @@ def _patch_megatron() -> None:
         _set(f16, "__init__", _with_cuda_type_names(f16.__init__))
     dist = distrib_optimizer.DistributedOptimizer
     build = dist.__dict__["_build_model_and_main_param_groups"]
-    if not _is_patched(build):  # a staticmethod: wrap the function inside it
-        dist._build_model_and_main_param_groups = staticmethod(_mark(_with_cuda_type_names(build.__func__)))
+    if not _is_patched(build.__func__):  # a classmethod (0.16) or staticmethod (older): keep the kind
+        dist._build_model_and_main_param_groups = type(build)(_mark(_with_cuda_type_names(build.__func__)))
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None

@@ -10,6 +10,9 @@ import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(__file__))
+from actor_common import full_logits, my_micro_batches, nll_loss  # noqa: E402
+
 
 def main():
     ref_dir, model_dir = sys.argv[1], sys.argv[2]
@@ -36,9 +39,6 @@ def main():
     tokens, hf_logits, loss_mask = ref["tokens"], ref["logits"], ref["loss_mask"]
 
     # -- forward_only: full logits (gathered over TP) and vocab-parallel log-probs of the next token
-    def full_logits(logits, mb):
-        return tensor_parallel.gather_from_tensor_model_parallel_region(logits)
-
     def next_token_logprobs(logits, mb):
         labels = torch.roll(mb.tokens, -1, dims=1)
         return -tensor_parallel.vocab_parallel_cross_entropy(logits.clone().transpose(0, 1).contiguous(), labels.t().contiguous()).t()
@@ -62,22 +62,7 @@ def main():
         assert exported[name].shape == t.shape and torch.equal(exported[name], t), f"export of {name} differs"
 
     # -- train_step: this DP rank's share of the global batch, split into n_micro micro-batches
-    dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
-    global_tokens = loss_mask.sum()
-    per_rank = tokens.shape[0] // dp
-    rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
-    my_tokens, my_mask = tokens[rows], loss_mask[rows]
-    size = per_rank // n_micro
-    assert size * n_micro == per_rank, (per_rank, n_micro)
-    train_mbs = [MicroBatch(my_tokens[i : i + size], extras={"mask": my_mask[i : i + size]}) for i in range(0, per_rank, size)]
-
-    def nll_over_global_tokens(logits, mb):
-        labels = torch.roll(mb.tokens, -1, dims=1)
-        nll = tensor_parallel.vocab_parallel_cross_entropy(logits.clone().transpose(0, 1).contiguous(), labels.t().contiguous()).t()
-        mask = mb.extras["mask"].float()
-        return (nll * mask).sum() / global_tokens, {"tokens": mask.sum()}
-
-    metrics = actor.train_step(train_mbs, nll_over_global_tokens)
+    metrics = actor.train_step(my_micro_batches(tokens, loss_mask, n_micro), nll_loss(loss_mask.sum()))
     after = {name: t.clone() for name, t in actor.export_hf_weights()}
     result = {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "tokens": metrics["tokens"], "weights": after}
     if mode == "ref":

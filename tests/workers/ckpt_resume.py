@@ -1,0 +1,60 @@
+"""Checkpoint save at one layout, load at another (run under torchrun by tests/test_checkpoint.py).
+
+argv: WORK_DIR MODEL_DIR TP EP ETP N_MICRO DIST_OPT MODE
+  MODE save: load HF, train step 1, save checkpoint, record logits, train step 2, record weights.
+  MODE load: build without HF weights, load the checkpoint, compare logits, train step 2, compare weights.
+"""
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from actor_common import full_logits, global_batch, my_micro_batches, nll_loss  # noqa: E402
+
+
+def main():
+    work, model_dir = sys.argv[1], sys.argv[2]
+    tp, ep, etp, n_micro, dist_opt = map(int, sys.argv[3:8])
+    mode = sys.argv[8]
+    from mcore_rl.config import Config, ModelConfig, OptimConfig, ParallelConfig
+    from mcore_rl.megatron.actor import Actor, MicroBatch
+    from mcore_rl.megatron.checkpoint import load_checkpoint, save_checkpoint
+    from mcore_rl.platform import get_platform
+
+    cfg = Config(platform="cpu", model=ModelConfig(path=model_dir))
+    cfg.actor.parallel = ParallelConfig(tp=tp, ep=ep, etp=etp)
+    cfg.actor.optim = OptimConfig(lr=1e-2, adam_eps=1e-3, clip_grad=1.0, warmup_steps=1, decay_style="linear",
+                                  decay_steps=4, use_distributed_optimizer=bool(dist_opt))
+    actor = Actor(cfg, get_platform("cpu"), load_weights=(mode == "save"))
+    rank = torch.distributed.get_rank()
+    tokens, mask = global_batch()
+    loss_fn = nll_loss(mask.sum())
+    ckpt = os.path.join(work, "ckpt")
+    if mode == "save":
+        actor.train_step(my_micro_batches(tokens, mask, n_micro), loss_fn)
+        save_checkpoint(actor, ckpt, extra={"step": 1, "note": "after one step"})
+    else:
+        extra = load_checkpoint(actor, ckpt)
+        assert extra == {"step": 1, "note": "after one step"}, extra
+    logits = torch.cat(actor.forward_only([MicroBatch(tokens)], full_logits))
+    metrics = actor.train_step(my_micro_batches(tokens, mask, n_micro), loss_fn)
+    weights = {n: t.clone() for n, t in actor.export_hf_weights()}
+    if mode == "save":
+        if rank == 0:
+            torch.save({"logits": logits, "weights": weights, "metrics": metrics}, os.path.join(work, "uninterrupted.pt"))
+    else:
+        want = torch.load(os.path.join(work, "uninterrupted.pt"))
+        d_logits = (logits - want["logits"]).abs().max().item()
+        assert d_logits <= 1e-5, f"logits after loading differ by {d_logits}"
+        assert abs(metrics["lr"] - want["metrics"]["lr"]) < 1e-12, (metrics["lr"], want["metrics"]["lr"])
+        assert abs(metrics["loss"] - want["metrics"]["loss"]) < 1e-5, (metrics["loss"], want["metrics"]["loss"])
+        worst = max((weights[k] - want["weights"][k]).abs().max().item() for k in weights)
+        assert worst <= 1e-6, f"resumed step differs from the uninterrupted one by {worst}"
+        print(f"rank {rank} RESUME OK logits {d_logits:.2e} weights {worst:.2e}", flush=True)
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()
