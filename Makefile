@@ -37,7 +37,7 @@ setup-vllm:
 	.venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
 	.venv-vllm/bin/pip install -q -e '.[dev]' 'transformers<5.20'
 
-# The vLLM engine's tests (single process ~1 min; with the torchrun ones -m vllm: ~5 min on 2 cores).
+# The vLLM engine's tests: single-process ones ~1 min; all of them (torchrun included) ~3.5 min on 2 cores.
 test-vllm:
 	.venv-vllm/bin/python -m pytest -q -m vllm tests/test_vllm_engine.py
 
