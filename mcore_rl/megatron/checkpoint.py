@@ -115,12 +115,14 @@ def load_checkpoint(actor, directory: str, load_optimizer: bool = True) -> dict[
 
     if not os.path.isdir(directory) or not os.path.exists(os.path.join(directory, "metadata.json")):
         raise FileNotFoundError(f"{directory} is not a Megatron dist checkpoint (no metadata.json): check checkpoint.resume")
+    common = dist_checkpointing.load_common_state_dict(directory)
     with_optimizer = load_optimizer and actor.optimizer is not None
+    if with_optimizer and "optimizer" not in common:
+        raise ValueError(f"{directory} holds no optimizer state (e.g. converted from HF): load it with load_optimizer=False")
     if with_optimizer:
         _prime_adam_state(actor.optimizer)
         _tolerate_absent_state_keys(actor.optimizer)
     state = _state(actor, is_loading=True, with_optimizer=with_optimizer)
-    common = dist_checkpointing.load_common_state_dict(directory)
     loaded = dist_checkpointing.load(state, directory)
     for key, chunk in zip(_model_keys(len(actor.model)), actor.model):
         _unwrap(chunk).load_state_dict(loaded[key], strict=True)

@@ -373,3 +373,48 @@ def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
     out = [torch.empty_like(tensor) for _ in range(size)]
     torch.distributed.all_gather(out, tensor, group=group)
     return out
+
+
+def save_hf_checkpoint(named_tensors, out_dir: str, hf_config, source_dir: Optional[str] = None,
+                       max_shard_bytes: int = 4 << 30) -> list[str]:
+    """Write (hf_name, tensor) pairs as safetensors shards (+ index when more than one), config.json and,
+    from `source_dir`, the tokenizer / generation files. Streams: at most one shard is held in memory."""
+    import json
+    import os
+    import shutil
+
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    shards, current, size = [], {}, 0
+
+    def flush():
+        nonlocal current, size
+        if current:
+            name = f"shard-{len(shards):05d}.safetensors.tmp"
+            save_file(current, os.path.join(out_dir, name), metadata={"format": "pt"})
+            shards.append((name, sorted(current)))
+            current, size = {}, 0
+
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > max_shard_bytes:
+            flush()
+        current[name] = tensor.detach().to("cpu").contiguous().clone()
+        size += nbytes
+    flush()
+    total = len(shards)
+    final = ["model.safetensors"] if total == 1 else [f"model-{i + 1:05d}-of-{total:05d}.safetensors" for i in range(total)]
+    weight_map = {}
+    for (tmp, names), dst in zip(shards, final):
+        os.replace(os.path.join(out_dir, tmp), os.path.join(out_dir, dst))
+        weight_map.update({n: dst for n in names})
+    if total > 1:
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+    hf_config.save_pretrained(out_dir)
+    if source_dir:
+        for fname in os.listdir(source_dir):
+            if fname.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template", "vocab", "merges")):
+                shutil.copy2(os.path.join(source_dir, fname), os.path.join(out_dir, fname))
+    return final
