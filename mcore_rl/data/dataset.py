@@ -1,0 +1,219 @@
+"""Prompt datasets in verl's layout, tokenised with the chat template, and a resumable seeded sampler.
+
+One row (parquet or JSON lines):
+    {"prompt": [{"role": "user", "content": "..."}, ...],     # chat messages
+     "reward_model": {"ground_truth": ...},                    # what the reward compares against
+     "data_source": "...",                                     # passed to the reward function
+     "extra_info": {...}}                                      # optional, passed to the reward function
+Malformed rows are skipped and counted (one example is logged); prompts longer than max_prompt_len
+tokens are filtered and counted. A file that is missing, empty, or has no usable row is an error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+log = logging.getLogger(__name__)
+
+EXPECTED_LAYOUT = ('each row needs "prompt" (a non-empty list of {"role": str, "content": str}), '
+                   '"reward_model": {"ground_truth": ...}, "data_source" (str) and optionally "extra_info" (dict)')
+
+
+@dataclass
+class PromptExample:
+    index: int  # row number in the file (0-based), for tracing a prompt back to its source
+    prompt_ids: list[int]
+    ground_truth: Any
+    data_source: str
+    raw_prompt: list[dict]
+    extra_info: dict = field(default_factory=dict)
+
+
+@dataclass
+class DatasetSummary:
+    path: str
+    rows: int = 0
+    kept: int = 0
+    too_long: int = 0
+    malformed: int = 0
+    malformed_example: Optional[str] = None  # "row i: why"
+    max_prompt_len: int = 0
+    longest_kept: int = 0
+
+    def __str__(self) -> str:
+        text = (f"{self.path}: {self.kept}/{self.rows} prompts kept, {self.too_long} longer than "
+                f"{self.max_prompt_len} tokens filtered, {self.malformed} malformed rows skipped; longest kept prompt "
+                f"{self.longest_kept} tokens")
+        return text + (f" (e.g. {self.malformed_example})" if self.malformed_example else "")
+
+
+class PromptDataset:
+    """Tokenised prompts of one file; index with [i], iterate, len()."""
+
+    def __init__(self, examples: list[PromptExample], summary: DatasetSummary):
+        self.examples = examples
+        self.summary = summary
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> PromptExample:
+        return self.examples[i]
+
+    def __iter__(self) -> Iterator[PromptExample]:
+        return iter(self.examples)
+
+
+def read_rows(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """(row number, row) pairs; a JSON line that does not parse is yielded as an Exception to be counted."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset {path} does not exist; expected a .parquet or .jsonl file where {EXPECTED_LAYOUT} "
+                                "(`mcore-rl make-task` writes one)")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        for batch_start, batch in _parquet_batches(pq.ParquetFile(path)):
+            for j, row in enumerate(batch.to_pylist()):
+                yield batch_start + j, row
+    elif path.suffix in (".jsonl", ".json"):
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f):
+                if not line.strip():
+                    continue
+                try:
+                    yield i, json.loads(line)
+                except json.JSONDecodeError as e:
+                    yield i, ValueError(f"not valid JSON ({e})")
+    else:
+        raise ValueError(f"dataset {path}: unknown file type {path.suffix!r}; use .parquet or .jsonl (one JSON object per line)")
+
+
+def _parquet_batches(pf) -> Iterator[tuple[int, Any]]:
+    start = 0
+    for batch in pf.iter_batches(batch_size=8192):
+        yield start, batch
+        start += batch.num_rows
+
+
+def check_row(row: Any, prompt_key: str = "prompt") -> Optional[str]:
+    """None when the row has verl's layout, else why not (one short phrase)."""
+    if isinstance(row, Exception):
+        return str(row)
+    if not isinstance(row, dict):
+        return f"row is a {type(row).__name__}, not an object"
+    messages = row.get(prompt_key)
+    if not isinstance(messages, list) or not messages:
+        return f'"{prompt_key}" is missing or not a non-empty list of messages'
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            return f'"{prompt_key}" has a message that is not {{"role": str, "content": str}}: {str(m)[:60]}'
+    reward_model = row.get("reward_model")
+    if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
+        return '"reward_model.ground_truth" is missing'
+    if not isinstance(row.get("data_source"), str):
+        return '"data_source" is missing or not a string'
+    if row.get("extra_info") is not None and not isinstance(row["extra_info"], dict):
+        return '"extra_info" is not an object'
+    return None
+
+
+def tokenize_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    # Render then encode: apply_chat_template(tokenize=True) returns a list in transformers 4 and a
+    # BatchEncoding in 5; the text route is the same in both.
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def load_prompt_dataset(path: str | Path, tokenizer, max_prompt_len: int, prompt_key: str = "prompt",
+                        progress_every: int = 50_000) -> PromptDataset:
+    """Read, validate, tokenise and length-filter one dataset file; log a summary."""
+    if max_prompt_len < 1:
+        raise ValueError(f"data.max_prompt_len={max_prompt_len} must be >= 1")
+    summary = DatasetSummary(path=str(path), max_prompt_len=max_prompt_len)
+    examples: list[PromptExample] = []
+    shortest_too_long = None
+    for i, row in read_rows(path):
+        summary.rows += 1
+        if progress_every and summary.rows % progress_every == 0:
+            log.info("%s: %d rows read, %d kept", path, summary.rows, len(examples))
+        problem = check_row(row, prompt_key)
+        if problem is not None:
+            summary.malformed += 1
+            if summary.malformed_example is None:
+                summary.malformed_example = f"row {i}: {problem}"
+            continue
+        ids = tokenize_prompt(tokenizer, row[prompt_key])
+        if len(ids) > max_prompt_len:
+            summary.too_long += 1
+            shortest_too_long = min(shortest_too_long or len(ids), len(ids))
+            continue
+        summary.longest_kept = max(summary.longest_kept, len(ids))
+        examples.append(PromptExample(index=i, prompt_ids=ids, ground_truth=row["reward_model"]["ground_truth"],
+                                      data_source=row["data_source"], raw_prompt=row[prompt_key],
+                                      extra_info=row.get("extra_info") or {}))
+    summary.kept = len(examples)
+    if summary.rows == 0:
+        raise ValueError(f"dataset {path} is empty; {EXPECTED_LAYOUT}")
+    if summary.malformed == summary.rows:
+        raise ValueError(f"dataset {path}: all {summary.rows} rows are malformed (e.g. {summary.malformed_example}); "
+                         f"{EXPECTED_LAYOUT}")
+    if not examples:
+        raise ValueError(f"dataset {path}: all {summary.too_long} well-formed prompts are longer than data.max_prompt_len="
+                         f"{max_prompt_len} tokens (shortest {shortest_too_long}); raise data.max_prompt_len")
+    if summary.malformed:
+        log.warning("%s: skipped %d malformed rows, e.g. %s", path, summary.malformed, summary.malformed_example)
+    log.info("%s", summary)
+    return PromptDataset(examples, summary)
+
+
+class EpochSampler:
+    """Seeded shuffling over epochs; its position is a small state dict so a resumed run continues exactly.
+
+    Epoch e is a permutation drawn from (seed, e) alone, so the state is just (epoch, position). A batch
+    that runs past the end of an epoch continues into the next one.
+    """
+
+    def __init__(self, num_examples: int, batch_size: int, seed: int = 1, shuffle: bool = True):
+        if num_examples < 1 or batch_size < 1:
+            raise ValueError(f"EpochSampler needs num_examples >= 1 and batch_size >= 1, got {num_examples}, {batch_size}")
+        self.num_examples, self.batch_size, self.seed, self.shuffle = num_examples, batch_size, seed, shuffle
+        self.epoch, self.position = 0, 0
+        self._order = self._epoch_order(0)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(self.num_examples))
+        if self.shuffle:
+            random.Random(f"{self.seed}:{epoch}").shuffle(order)  # a string seed hashes stably (sha512)
+        return order
+
+    def next_batch(self) -> list[int]:
+        """The next batch_size example indices."""
+        batch = []
+        while len(batch) < self.batch_size:
+            if self.position == self.num_examples:
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._epoch_order(self.epoch)
+            take = min(self.batch_size - len(batch), self.num_examples - self.position)
+            batch += self._order[self.position:self.position + take]
+            self.position += take
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "num_examples": self.num_examples, "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("seed", "num_examples", "shuffle"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"cannot resume the data sampler: saved {key}={state[key]} but this run has "
+                                 f"{key}={getattr(self, key)}; resume with the same dataset and data.seed")
+        if not 0 <= state["position"] <= self.num_examples:
+            raise ValueError(f"cannot resume the data sampler: position {state['position']} is outside 0..{self.num_examples}")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._epoch_order(self.epoch)

@@ -1,0 +1,139 @@
+"""The embedded task: a prompt dataset a tiny, randomly initialised model can learn from scratch with RL.
+
+Two kinds, both with the answer in the prompt (learned through attention, not memorised; single-digit
+addition from scratch barely moved in 1,000 steps here):
+- "majority": the prompt is a short string of symbols in which one symbol fills more than half the
+  places; the answer is that symbol. User "3733" -> assistant "3<|im_end|>".
+- "copy_kth": the prompt is a position k and a string; the answer is the k-th symbol (1-based).
+  User "3 of 7294" -> assistant "9<|im_end|>".
+A model that answers with a random symbol of the alphabet scores 1/len(alphabet); a randomly initialised
+model starts near 1/128 (uniform over the vocabulary), see `chance_reward`.
+
+Rows use verl's layout: `prompt` (list of chat messages), `reward_model.ground_truth`, `data_source`,
+`extra_info`. The reward is `mcore_rl.rewards.task.score` (all-or-nothing on the symbol).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+TASK_KINDS = ("majority", "copy_kth")
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    kind: str = "majority"
+    length: int = 5  # symbols shown per prompt
+    alphabet: str = "0123456789"  # symbols the prompt is drawn from
+    fixed_k: int = 0  # copy_kth: 0 draws k from 1..length per prompt; > 0 always uses this position
+    count: int = 0  # majority: how often the answer appears; 0 -> length // 2 + 1 (the least strict majority)
+
+    def __post_init__(self):
+        if self.kind not in TASK_KINDS:
+            raise ValueError(f"TaskSpec.kind={self.kind!r}; choose one of {', '.join(TASK_KINDS)}")
+        if self.length < 1 or len(set(self.alphabet)) != len(self.alphabet) or len(self.alphabet) < 2:
+            raise ValueError(f"TaskSpec needs length >= 1 and an alphabet of >= 2 distinct symbols, "
+                             f"got length={self.length}, alphabet={self.alphabet!r}")
+        if self.count and not self.length // 2 < self.count <= self.length:
+            raise ValueError(f"TaskSpec.count={self.count} must be a strict majority of length={self.length} "
+                             f"(in {self.length // 2 + 1}..{self.length}) or 0")
+        if not 0 <= self.fixed_k <= self.length:
+            raise ValueError(f"TaskSpec.fixed_k={self.fixed_k} must be 0 (random) or in 1..length={self.length}")
+
+    @property
+    def data_source(self) -> str:
+        return f"mcore_rl/{self.kind}"
+
+
+def chance_reward(spec: TaskSpec = TaskSpec(), vocab_size: int = 128) -> dict[str, float]:
+    """Expected reward of guessing uniformly over the vocabulary (a random model) and over the alphabet."""
+    return {"uniform_over_vocab": 1.0 / vocab_size, "uniform_over_alphabet": 1.0 / len(spec.alphabet)}
+
+
+def _majority(rng: random.Random, spec: TaskSpec) -> tuple[str, str, dict]:
+    answer = rng.choice(spec.alphabet)
+    others = [c for c in spec.alphabet if c != answer]
+    count = spec.count or spec.length // 2 + 1  # a strict majority, so the answer is unique
+    symbols = [answer] * count + [rng.choice(others) for _ in range(spec.length - count)]
+    rng.shuffle(symbols)
+    text = "".join(symbols)
+    return text, answer, {"symbols": text}
+
+
+def _copy_kth(rng: random.Random, spec: TaskSpec) -> tuple[str, str, dict]:
+    symbols = "".join(rng.choice(spec.alphabet) for _ in range(spec.length))
+    k = spec.fixed_k or rng.randint(1, spec.length)
+    return f"{k} of {symbols}", symbols[k - 1], {"k": k, "symbols": symbols}
+
+
+def make_example(rng: random.Random, spec: TaskSpec = TaskSpec()) -> dict:
+    """One row in verl's layout."""
+    content, answer, extra = (_majority if spec.kind == "majority" else _copy_kth)(rng, spec)
+    return {
+        "prompt": [{"role": "user", "content": content}],
+        "reward_model": {"ground_truth": answer, "style": "rule"},
+        "data_source": spec.data_source,
+        "extra_info": extra,
+    }
+
+
+def make_rows(n: int, seed: int, spec: TaskSpec = TaskSpec()) -> list[dict]:
+    rng = random.Random(seed)
+    return [make_example(rng, spec) for _ in range(n)]
+
+
+def write_rows(rows: list[dict], path: Path) -> Path:
+    """Parquet for .parquet, JSON lines for .jsonl."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    elif path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        raise ValueError(f"cannot write {path}: use a .parquet or .jsonl file name")
+    return path
+
+
+def make_task_dataset(out_dir, train_size: int = 4096, val_size: int = 256, seed: int = 0,
+                      spec: TaskSpec = TaskSpec(), fmt: str = "parquet") -> tuple[Path, Path]:
+    """Write train.<fmt>, val.<fmt> and task.json to out_dir; train and validation use different seeds."""
+    if train_size < 1 or val_size < 1:
+        raise ValueError(f"make_task_dataset needs train_size >= 1 and val_size >= 1, got {train_size}, {val_size}")
+    if fmt not in ("parquet", "jsonl"):
+        raise ValueError(f"make_task_dataset: fmt={fmt!r}; choose 'parquet' or 'jsonl'")
+    out = Path(out_dir)
+    train = write_rows(make_rows(train_size, seed, spec), out / f"train.{fmt}")
+    val = write_rows(make_rows(val_size, seed + 1_000_003, spec), out / f"val.{fmt}")
+    (out / "task.json").write_text(json.dumps({"data_source": spec.data_source, "spec": asdict(spec), "seed": seed,
+                                               "train_size": train_size, "val_size": val_size,
+                                               "chance_reward": chance_reward(spec)}, indent=2))
+    return train, val
+
+
+def main(argv=None) -> tuple[Path, Path]:
+    """`python -m mcore_rl.data.task OUT_DIR` (the backend of `mcore-rl make-task`)."""
+    p = argparse.ArgumentParser(description="Write the embedded task's train/validation sets (verl layout).")
+    p.add_argument("out_dir")
+    p.add_argument("--train-size", type=int, default=4096)
+    p.add_argument("--val-size", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kind", default=TaskSpec.kind, choices=TASK_KINDS)
+    p.add_argument("--length", type=int, default=TaskSpec.length)
+    p.add_argument("--alphabet", default=TaskSpec.alphabet)
+    p.add_argument("--format", default="parquet", choices=("parquet", "jsonl"))
+    a = p.parse_args(argv)
+    spec = TaskSpec(kind=a.kind, length=a.length, alphabet=a.alphabet)
+    train, val = make_task_dataset(a.out_dir, a.train_size, a.val_size, a.seed, spec, a.format)
+    print(f"wrote {train} ({a.train_size} rows) and {val} ({a.val_size} rows); chance reward {chance_reward(spec)}")
+    return train, val
+
+
+if __name__ == "__main__":
+    main()
