@@ -109,6 +109,32 @@ def _resolve_platform(cfg: Config) -> str:
         raise ConfigError(f"platform = {cfg.platform}: {e}") from None
 
 
+class InputError(ValueError):
+    """A training input (dataset, reward function, tokenizer) is unusable."""
+
+
+def check_inputs(cfg: Config) -> None:
+    """Load what a run reads first - reward function, tokenizer, datasets - so bad inputs fail here,
+    in seconds and before any process starts, instead of on every rank after Megatron is up."""
+    from mcore_rl.data import load_prompt_dataset
+    from mcore_rl.rewards import resolve_reward_fn
+
+    try:
+        resolve_reward_fn(cfg.reward.fn)
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        except Exception as e:
+            raise ValueError(f"model.path = {cfg.model.path}: cannot load its tokenizer ({type(e).__name__}: {e}); "
+                             f"the folder needs tokenizer files next to config.json") from e
+        paths = [cfg.data.train_path] + ([cfg.data.val_path] if cfg.trainer.val_every > 0 else [])
+        for path in paths:
+            load_prompt_dataset(path, tokenizer, cfg.data.max_prompt_len, cfg.data.prompt_key)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        raise InputError(str(e)) from None
+
+
 def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     check_paths(cfg)
@@ -122,6 +148,7 @@ def cmd_train(args) -> int:
                           f"launch/torchrun_multinode.sh (or launch/ray_launch.py), or set trainer.nnodes=1")
     platform = _resolve_platform(cfg)
     layout = preflight(cfg, cfg.trainer.nproc, platform=platform)
+    check_inputs(cfg)
     for warning in layout.warnings:
         print(f"mcore-rl: warning: {warning}", file=sys.stderr)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.trainer.nproc}",
@@ -213,7 +240,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.overrides = list(args.overrides) + extra
     try:
         return args.func(args)
-    except (ConfigError, LayoutError) as e:
+    except (ConfigError, LayoutError, InputError) as e:
         print(f"mcore-rl: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
 

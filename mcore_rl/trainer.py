@@ -94,8 +94,8 @@ class Trainer:
         self.info = self.actor.info
         self.engine = make_engine(cfg.rollout, cfg.model.path, self.platform, dtype=cfg.model.dtype)
         self.stop_ids = [self.tokenizer.eos_token_id]
-        self.probe = ProbeBatch.random(self.actor.bridge.hf_config.vocab_size, seed=cfg.trainer.seed,
-                                       temperature=cfg.algo.temperature)
+        # T = 1: the check is about weights, and engines score T = 1 cheapest (vLLM: no full-vocab fetch).
+        self.probe = ProbeBatch.random(self.actor.bridge.hf_config.vocab_size, seed=cfg.trainer.seed)
         self.ckpt = CheckpointManager(cfg.trainer.run_dir, cfg.checkpoint.keep_last)
         self.step = 0
         self.sync_count = 0
@@ -127,12 +127,13 @@ class Trainer:
 
         return mpu.get_tensor_model_parallel_group()
 
-    def token_log_probs(self, micro_batches, with_entropy: bool = False) -> list[torch.Tensor]:
+    def token_log_probs(self, micro_batches, with_entropy: bool = False,
+                        temperature: Optional[float] = None) -> list[torch.Tensor]:
         """Actor log-probs ([2, b, s] with entropy when asked) aligned like the loss mask."""
         from mcore_rl.megatron.policy_loss import make_log_prob_fn
 
-        return self.actor.forward_only(micro_batches, make_log_prob_fn(self.cfg.algo.temperature, self._tp_group(),
-                                                                       with_entropy))
+        temperature = self.cfg.algo.temperature if temperature is None else temperature
+        return self.actor.forward_only(micro_batches, make_log_prob_fn(temperature, self._tp_group(), with_entropy))
 
     def probe_log_probs(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float):
         """Reference for sync verification: actor log-probs of the probe's response tokens."""
@@ -143,12 +144,13 @@ class Trainer:
         tokens = torch.zeros(len(sequences), seq_len, dtype=torch.long)
         for i, s in enumerate(sequences):
             tokens[i, :len(s)] = torch.tensor(s)
-        (lp,) = self.token_log_probs([MicroBatch(tokens=tokens)])
+        (lp,) = self.token_log_probs([MicroBatch(tokens=tokens)], temperature=temperature)
         return [lp[i, p - 1:len(s) - 1].cpu() for i, (s, p) in enumerate(zip(sequences, prompt_lens))]
 
     def sync_weights(self, verify: Optional[bool] = None) -> dict:
         from mcore_rl.rollout.weight_sync import sync_weights, verify_due, verify_sync
 
+        self.engine.wake_up()  # colocated engines released their memory during the update
         stats = sync_weights(self.actor.export_hf_weights(), self.engine, self.cfg.rollout.sync_bucket_mb)
         self.sync_count += 1
         out = {"sync/seconds": stats.seconds, "sync/gb_per_s": stats.gb_per_s}
@@ -172,6 +174,7 @@ class Trainer:
         with timer("rollout"):
             samples, scored = self.rollout(examples, cfg.rollout.n, cfg.rollout.temperature,
                                            seed=cfg.trainer.seed * 1_000_003 + self.step * 7919)
+        self.engine.sleep()  # free the engine's memory for the actor's passes (a no-op where unsupported)
         rewards = torch.tensor(scored.rewards, dtype=torch.float32)
         advantages = group_advantages(rewards, cfg.rollout.n, cfg.algo.adv_estimator)
         batch = pack_rollouts(samples, rewards, advantages, self.tokenizer.pad_token_id,

@@ -189,6 +189,8 @@ def _compare(engine: Optional[RolloutEngine], reference_logprob_fn: ReferenceLog
                 raise ValueError(f"probe sequence {i}: engine gave {tuple(ours.shape)} log-probs, actor "
                                  f"{tuple(ref.shape)}; both must cover the tokens at positions >= prompt_len")
             diff = (ours.float().cpu() - ref.float().cpu()).abs()
+            # NaN/inf outputs must fail the check: max() and comparisons with NaN would silently pass them.
+            diff = torch.where(torch.isfinite(diff), diff, torch.full_like(diff, float("inf")))
             worst = max(worst, diff.max().item())
             total += diff.sum().item()
             count += diff.numel()
