@@ -177,7 +177,8 @@ class Actor:
         """post_fn(logits [b, s, V/tp] fp32, micro_batch) on the last stage, one result per micro-batch.
 
         Results are detached and broadcast from the last pipeline stage, so EVERY rank returns the
-        same list (on CPU memory of the platform device); TP ranks compute them redundantly.
+        same list (tensors on the platform device); TP/CP ranks of the last stage compute them
+        redundantly, DP ranks return results for their own micro-batches.
         """
         for m in self.model:
             m.eval()

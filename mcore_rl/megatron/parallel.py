@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import random
 from dataclasses import dataclass
 
@@ -56,8 +57,6 @@ def init_parallel(parallel: ParallelConfig, platform: Platform, hf_config, seed:
     Validation runs before any process group exists, so a bad layout fails in a second.
     Calling it again with the same layout is a no-op for the groups (Megatron keeps global state).
     """
-    import os
-
     world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     layout = validate_layout(parallel, world_size, hf_config, platform=platform.name)
     for warning in layout.warnings:
