@@ -52,6 +52,15 @@ def main():
     lp_diff = (lp - ref_lp).abs().max().item()
     assert lp_diff <= 1e-4, f"log-probs differ from HF by {lp_diff}"
 
+    # -- bad input fails fast with a message naming the numbers (before any collective)
+    if actor.info.sequence_parallel:
+        try:
+            actor.forward_only([MicroBatch(tokens[:, :15])], full_logits)
+        except ValueError as e:
+            assert "15" in str(e) and f"multiple of {tp}" in str(e), e
+        else:
+            raise AssertionError("sequence length 15 under sequence parallel was accepted")
+
     # -- export: every HF tensor, bit-identical to the checkpoint
     from safetensors.torch import load_file
 
