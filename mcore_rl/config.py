@@ -130,6 +130,7 @@ class CheckpointConfig:
     save_every: int = 0  # steps; 0: only at the end
     keep_last: int = 2
     resume: str = "auto"  # auto | never | PATH
+    save_hf: bool = True  # at the end, export the trained actor as a Hugging Face folder: RUN_DIR/hf
 
 
 @dataclass

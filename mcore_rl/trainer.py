@@ -92,13 +92,14 @@ class Trainer:
         self.platform.adapt_megatron()
         self.actor = Actor(cfg, self.platform)
         self.info = self.actor.info
+        # The KL reference is the initial policy: a second, frozen copy of the model in the same layout.
+        self.ref_actor = Actor(cfg, self.platform, with_optimizer=False) if cfg.algo.kl_coef > 0 else None
         self.engine = make_engine(cfg.rollout, cfg.model.path, self.platform, dtype=cfg.model.dtype)
         self.stop_ids = [self.tokenizer.eos_token_id]
         # T = 1: the check is about weights, and engines score T = 1 cheapest (vLLM: no full-vocab fetch).
         self.probe = ProbeBatch.random(self.actor.bridge.hf_config.vocab_size, seed=cfg.trainer.seed)
         self.ckpt = CheckpointManager(cfg.trainer.run_dir, cfg.checkpoint.keep_last)
         self.step = 0
-        self.sync_count = 0
         resume = resolve_resume(cfg)
         if resume is not None:
             self._load(resume.path)
@@ -147,17 +148,16 @@ class Trainer:
         (lp,) = self.token_log_probs([MicroBatch(tokens=tokens)], temperature=temperature)
         return [lp[i, p - 1:len(s) - 1].cpu() for i, (s, p) in enumerate(zip(sequences, prompt_lens))]
 
-    def sync_weights(self, verify: Optional[bool] = None) -> dict:
-        from mcore_rl.rollout.weight_sync import sync_weights, verify_due, verify_sync
+    def sync_weights(self, verify: bool) -> dict:
+        from mcore_rl.rollout.weight_sync import sync_weights, verify_sync
 
         self.engine.wake_up()  # colocated engines released their memory during the update
         stats = sync_weights(self.actor.export_hf_weights(), self.engine, self.cfg.rollout.sync_bucket_mb)
-        self.sync_count += 1
         out = {"sync/seconds": stats.seconds, "sync/gb_per_s": stats.gb_per_s}
-        if verify if verify is not None else verify_due(self.sync_count, self.cfg.rollout.verify_every):
+        if verify:
             report = verify_sync(self.engine, self.probe_log_probs, self.probe, self.cfg.rollout.verify_tolerance,
                                  fallback=self.cfg.rollout.verify_fallback, export_fn=self.actor.export_hf_weights)
-            if self.rank == 0 and (report.rebuilt or self.sync_count == 1):
+            if self.rank == 0 and (report.rebuilt or self.step <= self.cfg.rollout.verify_every):
                 log.info(report.summary())
             out.update({"sync/verify_max_diff": report.max_diff, "sync/verify_mean_diff": report.mean_diff,
                         "sync/rebuilt": float(report.rebuilt)})
@@ -166,7 +166,8 @@ class Trainer:
     def train_step(self) -> dict:
         from mcore_rl.algos import group_advantages
         from mcore_rl.batch import pack_rollouts, split_for_rank
-        from mcore_rl.megatron.policy_loss import make_policy_loss_fn
+        from mcore_rl.megatron.policy_loss import make_log_prob_fn, make_policy_loss_fn
+        from mcore_rl.rollout.weight_sync import verify_due
 
         cfg, timer = self.cfg, PhaseTimer()
         step_start = time.perf_counter()
@@ -192,6 +193,11 @@ class Trainer:
                     mb.extras["old_log_prob"] = out[0]
                     mb.extras["entropy"] = out[1]
                 entropy_sum = self._masked_sum(micro_all, "entropy")
+        if self.ref_actor is not None:
+            with timer("ref_logprob"):
+                post = make_log_prob_fn(cfg.algo.temperature, self._tp_group())
+                for mb, lp in zip(micro_all, self.ref_actor.forward_only(micro_all, post)):
+                    mb.extras["ref_log_prob"] = lp
         tp_group = self._tp_group()
         update = {}
         with timer("update"):
@@ -201,7 +207,7 @@ class Trainer:
                     for k, v in result.items():
                         update.setdefault(k, []).append(v)
         with timer("sync"):
-            sync_metrics = self.sync_weights()
+            sync_metrics = self.sync_weights(verify=verify_due(self.step + 1, cfg.rollout.verify_every))
         self.step += 1
 
         response_lengths = batch.response_lengths.float()
@@ -244,7 +250,7 @@ class Trainer:
 
         def write(tmp_dir: Path) -> None:
             save_checkpoint(self.actor, tmp_dir / "actor")
-            state = {"step": self.step, "sync_count": self.sync_count, "sampler": self.sampler.state_dict(),
+            state = {"step": self.step, "sampler": self.sampler.state_dict(),
                      "rng": _rng_state()}
             torch.save(state, tmp_dir / f"trainer_state_rank{self.rank}.pt")
 
@@ -261,11 +267,23 @@ class Trainer:
             raise FileNotFoundError(f"{state_file} missing: the checkpoint was written by a run with a different world "
                                     f"size; resume with the same number of processes")
         state = torch.load(state_file, weights_only=False)
-        self.step, self.sync_count = state["step"], state["sync_count"]
+        self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         _set_rng_state(state["rng"])
         if self.rank == 0:
             log.info("resumed from %s at step %d", path, self.step)
+
+    def export_hf(self, out_dir: Path) -> None:
+        """Write the actor as a Hugging Face folder (rank 0 writes; every rank takes part in the gathers)."""
+        from mcore_rl.models.bridge import save_hf_checkpoint
+
+        stream = self.actor.export_hf_weights()
+        if self.rank == 0:
+            save_hf_checkpoint(stream, str(out_dir), self.actor.bridge.hf_config, source_dir=self.cfg.model.path)
+            log.info("exported the trained model to %s", out_dir)
+        else:
+            for _ in stream:
+                pass
 
     # ---- loop --------------------------------------------------------------------------------
     def fit(self) -> None:
@@ -279,6 +297,8 @@ class Trainer:
             if (save_every and self.step % save_every == 0) or self.step == cfg.trainer.steps:
                 self.save()
         self.metrics.close()
+        if cfg.checkpoint.save_hf:
+            self.export_hf(self.run_dir / "hf")
         if self.rank == 0:
             from mcore_rl.plot import plot_run
 

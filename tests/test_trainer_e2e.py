@@ -1,0 +1,140 @@
+"""End to end through `mcore-rl train`: real torchrun, 2 processes, Megatron actor, embedded engine.
+
+- a short GSPO (EP2) and SAPO (TP2 + KL + entropy) run writes metrics, checkpoints, plots and a HF export
+- resume is exact: 4 steps straight == 2 steps, SIGKILL, resume to 4 (final weights and metrics)
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mcore_rl.run_dir import is_complete
+from tests.torchrun_util import REPO
+
+pytestmark = pytest.mark.slow
+
+# Quantities that depend on wall time, not on the computation.
+TIMING_PREFIXES = ("time", "perf/", "time/", "sync/seconds", "sync/gb_per_s")
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    from mcore_rl.data.task import make_task_dataset
+
+    train, val = make_task_dataset(tmp_path_factory.mktemp("task"), train_size=256, val_size=32, seed=0)
+    return str(train), str(val)
+
+
+def overrides(model_dir, task, run_dir, **extra):
+    base = {"model.path": model_dir, "data.train_path": task[0], "data.val_path": task[1],
+            "trainer.run_dir": str(run_dir), "trainer.steps": 4, "trainer.val_every": 2, "trainer.val_prompts": 16,
+            "checkpoint.save_every": 2, "data.prompts_per_step": 4, "rollout.n": 4,
+            "actor.parallel.micro_batch_size": 4, "rollout.verify_every": 2}
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def train_cmd(preset: str, args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "mcore_rl.cli", "train", str(REPO / "configs/tiny" / preset), *args]
+
+
+def run_train(preset: str, args: list[str], timeout: float = 300) -> str:
+    proc = subprocess.run(train_cmd(preset, args), capture_output=True, text=True, cwd=REPO, timeout=timeout,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    return out
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def load_hf(run_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted((run_dir / "hf").glob("*.safetensors"))
+    assert files, f"no HF export in {run_dir / 'hf'}"
+    out = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+@pytest.mark.parametrize("preset, extra", [
+    ("gspo_cpu.yaml", {}),
+    ("sapo_cpu.yaml", {"algo.kl_coef": 0.01, "algo.entropy_coef": 0.001}),
+])
+def test_short_run(tiny_model_dir, task, tmp_path, preset, extra):
+    run_dir = tmp_path / "run"
+    run_train(preset, overrides(tiny_model_dir, task, run_dir, **extra))
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    clip_keys = ("train/clipfrac_upper", "train/clipfrac_lower") if preset.startswith("gspo") else ()  # SAPO never clips
+    for key in ("reward/mean", "train/loss", "train/grad_norm", *clip_keys, "train/approx_kl_old",
+                "train/entropy_old", "response/length_mean", "perf/tokens_per_s", "time/rollout", "time/update",
+                "time/sync"):
+        assert all(key in r for r in rows), key
+    assert all(0.0 <= r["reward/mean"] <= 1.0 for r in rows)
+    assert "val/reward_mean" in rows[1] and "sync/verify_max_diff" in rows[1]
+    assert rows[1]["sync/verify_max_diff"] <= 1e-4  # the engine samples from the trained policy
+    if "algo.kl_coef" in extra:
+        assert all("train/kl_ref" in r for r in rows) and rows[0]["train/kl_ref"] == pytest.approx(0.0, abs=1e-6)
+        assert rows[-1]["train/kl_ref"] > 0  # the policy moved away from the reference
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "plots" / "overview.png").is_file()
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert ckpts == ["step_00000002", "step_00000004"]
+    # The exported model loads in transformers and differs from the initial weights (training happened).
+    from transformers import AutoModelForCausalLM
+
+    trained = AutoModelForCausalLM.from_pretrained(run_dir / "hf")
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    moved = max((a - b).abs().max().item() for a, b in zip(trained.state_dict().values(), initial.state_dict().values()))
+    assert moved > 0
+
+
+def _wait_for_checkpoint(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float) -> None:
+    marker = run_dir / "checkpoints" / f"step_{step:08d}"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if is_complete(marker):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"training exited ({proc.returncode}) before checkpoint {step}")
+        time.sleep(0.05)
+    raise AssertionError(f"no checkpoint {step} within {timeout} s")
+
+
+def test_resume_is_exact(tiny_model_dir, task, tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, straight))
+
+    # Same run, killed (SIGKILL to the whole process group) right after the step-2 checkpoint is published.
+    proc = subprocess.Popen(train_cmd("gspo_cpu.yaml", overrides(tiny_model_dir, task, resumed)), cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        _wait_for_checkpoint(proc, resumed, 2, timeout=240)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert not (resumed / "hf").exists()  # it really died before the end
+    out = run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, resumed))
+    assert "resumed from" in out
+
+    a, b = load_hf(straight), load_hf(resumed)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name} differs after resume"
+    rows_a, rows_b = read_metrics(straight), read_metrics(resumed)
+    assert [r["step"] for r in rows_b] == [1, 2, 3, 4]
+    for ra, rb in zip(rows_a, rows_b):
+        keep = lambda r: {k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)}
+        assert keep(ra) == keep(rb), f"step {ra['step']} metrics differ"
