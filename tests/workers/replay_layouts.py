@@ -1,0 +1,162 @@
+"""Routing replay (R2 / R3) on one layout of the real Megatron actor (run by tests/test_routing_replay.py).
+
+argv: MODEL_DIR TP EP RECOMPUTE(0/1)
+Checks, on every rank:
+  1. replaying routes recorded from the same weights: forward logits, train loss and every gradient
+     equal the normal path bit for bit; mismatch 0.
+  2. routes recorded with a PERTURBED last router: under replay the routers use exactly those experts
+     (recorded again during the replay), logits differ from the normal path, the mismatch metric equals
+     the fraction computed here from the two route sets, and the router weights still get gradient.
+  3. R3: the embedded engine's routed_experts (same weights) packed with padding: mismatch 0, logits at
+     real tokens equal the normal path (<= 1e-5: expert GEMMs then see different row counts).
+  4. misuse (too few routes, unused routes) raises.
+"""
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from actor_common import full_logits, global_batch, my_micro_batches, nll_loss  # noqa: E402
+
+
+def grads(actor) -> dict[str, torch.Tensor]:
+    return {n: p.main_grad.detach().clone() for m in actor.model for n, p in m.named_parameters()}
+
+
+def set_sets(routes) -> torch.Tensor:
+    """All routes of a RecordedRoutes as a [N, k] sorted tensor (layers and micro-batches concatenated)."""
+    return torch.cat([mb.ids[l].long().sort(-1).values for mb in routes.micro_batches for l in sorted(mb.ids)])
+
+
+def world_sum(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    torch.distributed.all_reduce(t)
+    return float(t)
+
+
+def main():
+    model_dir = sys.argv[1]
+    tp, ep, recompute = map(int, sys.argv[2:5])
+
+    from mcore_rl.config import Config, ModelConfig, OptimConfig, ParallelConfig
+    from mcore_rl.megatron.actor import Actor, MicroBatch
+    from mcore_rl.platform import get_platform
+
+    platform = get_platform("cpu")
+    platform.adapt_megatron()
+    from mcore_rl.megatron.routing_replay import RoutingReplay, pack_rollout_routes
+
+    cfg = Config(platform="cpu", model=ModelConfig(path=model_dir, recompute=bool(recompute)))
+    cfg.actor.parallel = ParallelConfig(tp=tp, ep=ep, etp=1)
+    cfg.actor.optim = OptimConfig(lr=0.0, min_lr=0.0, clip_grad=0.0, weight_decay=0.0)  # weights never move
+    actor = Actor(cfg, platform)
+    rank = torch.distributed.get_rank()
+    replay = RoutingReplay.install(actor.chunks)
+    assert replay.moe_layers == [1, 2], replay.moe_layers
+    assert replay.sequence_parallel == (tp > 1) and replay.recompute == bool(recompute), (replay.sequence_parallel, replay.recompute)
+    tokens, loss_mask = global_batch()
+    mbs = my_micro_batches(tokens, loss_mask, 2)
+    loss_fn = nll_loss(loss_mask.sum())
+
+    # -- 1. same weights: replay is the identity
+    with replay.recording() as rec:
+        normal_logits = actor.forward_only(mbs, full_logits)
+    routes = rec.routes
+    assert len(routes) == len(mbs) and all(set(mb.ids) == set(replay.layers) for mb in routes.micro_batches)
+    with replay.replaying(routes):
+        replay_logits = actor.forward_only(mbs, full_logits)
+    for a, b in zip(normal_logits, replay_logits):
+        assert torch.equal(a, b), f"replayed logits differ by {(a - b).abs().max()}"
+    assert replay.mismatch_metrics()["routing/token_mismatch"] == 0.0
+    normal = actor.train_step(mbs, loss_fn)
+    normal_grads = grads(actor)
+    with replay.replaying(routes):
+        replayed = actor.train_step(mbs, loss_fn)
+    replayed_grads = grads(actor)
+    assert normal["loss"] == replayed["loss"], (normal["loss"], replayed["loss"])
+    for name, g in normal_grads.items():
+        assert torch.equal(g, replayed_grads[name]), f"grad of {name} differs by {(g - replayed_grads[name]).abs().max()}"
+    router_names = [n for n in normal_grads if n.endswith("router.weight")]
+    assert router_names and all(normal_grads[n].abs().sum() > 0 for n in router_names)
+
+    # -- 2. routes from perturbed router weights
+    saved = [s.router.weight.detach().clone() for s in replay.sites]
+    # Perturb only the last MoE layer: earlier layers keep their routes, so under replay the last router
+    # sees the normal path's hidden states and its own choice is exactly `routes` (an independent reference).
+    for site in [s for s in replay.sites if s.layer == replay.moe_layers[-1]]:  # same noise on every rank
+        noise = torch.randn(site.router.weight.shape, generator=torch.Generator().manual_seed(site.layer))
+        site.router.weight.data.add_(noise * 0.5 * site.router.weight.abs().mean())
+    with replay.recording() as rec:
+        actor.forward_only(mbs, full_logits)
+    perturbed = rec.routes
+    for site, w in zip(replay.sites, saved):
+        site.router.weight.data.copy_(w)
+    with replay.recording() as rec, replay.replaying(perturbed):
+        perturbed_logits = actor.forward_only(mbs, full_logits)
+    assert torch.equal(set_sets(rec.routes), set_sets(perturbed)), "routers did not use the replayed experts"
+    a, b = set_sets(routes), set_sets(perturbed)
+    differ_rows = world_sum(float((a != b).any(-1).sum()))
+    differ_experts = world_sum(float(sum((~torch.isin(row_a, row_b)).sum() for row_a, row_b in zip(a, b))))
+    rows = world_sum(float(a.shape[0]))
+    metrics = replay.mismatch_metrics()
+    assert differ_rows > 0, "perturbation changed no route: the test would prove nothing"
+    assert abs(metrics["routing/token_mismatch"] - differ_rows / rows) < 1e-12, (metrics, differ_rows, rows)
+    assert abs(metrics["routing/expert_mismatch"] - differ_experts / (rows * replay.top_k)) < 1e-12, metrics
+    logit_gap = world_sum(max(float((x - y).abs().max()) for x, y in zip(normal_logits, perturbed_logits)))
+    assert logit_gap > 0, "replaying different experts left the logits unchanged"
+    with replay.replaying(perturbed):
+        actor.train_step(mbs, loss_fn)
+    perturbed_grads = grads(actor)
+    for n in router_names:
+        g = perturbed_grads[n]
+        assert g.abs().sum() > 0 and not torch.equal(g, normal_grads[n]), f"router {n} got no / unchanged gradient"
+
+    # -- 3. R3 from the embedded engine's routes (same weights)
+    from mcore_rl.rollout.base import SamplingParams
+    from mcore_rl.rollout.embedded import EmbeddedEngine
+
+    engine = EmbeddedEngine(model_dir)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 8, 6, 7)]
+    samples = [s for group in engine.generate(prompts, 1, SamplingParams(max_new_tokens=6, seed=3)) for s in group]
+    seq_len = 16
+    r3_tokens = torch.zeros(len(samples), seq_len, dtype=torch.long)
+    for i, s in enumerate(samples):
+        ids = s.prompt_ids + s.response_ids
+        r3_tokens[i, : len(ids)] = torch.tensor(ids)
+    from megatron.core import parallel_state as mpu
+
+    dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+    per = len(samples) // dp
+    mine = range(dp_rank * per, (dp_rank + 1) * per)
+    r3_mbs = [MicroBatch(r3_tokens[list(mine)])]
+    ids, valid = pack_rollout_routes([samples[i].routed_experts for i in mine], seq_len, 8)
+    assert not bool(valid.all()), "no padding in the R3 batch: the dummy-id path would be untested"
+    r3_routes = replay.routes_from_rollout([ids], [valid])
+    plain = actor.forward_only(r3_mbs, full_logits)[0]
+    with replay.replaying(r3_routes):
+        r3_logits = actor.forward_only(r3_mbs, full_logits)[0]
+    r3 = replay.mismatch_metrics()
+    assert r3["routing/token_mismatch"] == 0.0, r3
+    # not bit-equal: padding rows with dummy experts change each expert's GEMM row count (blocking)
+    r3_gap = float((plain[valid] - r3_logits[valid]).abs().max())
+    assert r3_gap < 1e-5, r3_gap
+
+    # -- 4. misuse is an error, not silence
+    for bad, what in ((routes[0:1], "forward call"), (routes + routes, "consumed")):
+        try:
+            with replay.replaying(bad):
+                actor.forward_only(mbs, full_logits)
+        except RuntimeError as e:
+            assert what in str(e), e
+        else:
+            raise AssertionError(f"replaying {len(bad)} micro-batches of routes over {len(mbs)} forwards was accepted")
+    print(f"rank {rank} OK replay mismatch {metrics['routing/token_mismatch']:.3f} "
+          f"expert {metrics['routing/expert_mismatch']:.3f}", flush=True)
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()
