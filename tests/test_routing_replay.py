@@ -14,12 +14,12 @@ WORKER = REPO / "tests" / "workers" / "replay_layouts.py"
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "nproc,tp,ep,recompute",
-    [(1, 1, 1, 0), (2, 2, 1, 0), (2, 1, 2, 1)],
-    ids=["world1", "tp2-sp", "ep2-dp2-recompute"],
+    "nproc,tp,pp,ep,recompute",
+    [(1, 1, 1, 1, 0), (2, 2, 1, 1, 0), (2, 1, 1, 2, 1), (2, 1, 2, 1, 0)],
+    ids=["world1", "tp2-sp", "ep2-dp2-recompute", "pp2"],
 )
-def test_routing_replay_layout(tiny_model_dir, nproc, tp, ep, recompute):
-    out = run_torchrun(WORKER, nproc, tiny_model_dir, tp, ep, recompute)
+def test_routing_replay_layout(tiny_model_dir, nproc, tp, pp, ep, recompute):
+    out = run_torchrun(WORKER, nproc, tiny_model_dir, tp, pp, ep, recompute)
     assert out.count(" OK replay ") == nproc, out[-3000:]
 
 

@@ -187,6 +187,9 @@ class RoutingReplay:
                              f"{cfg.moe_expert_capacity_factor}: set it to None")
         if getattr(cfg, "moe_router_load_balancing_type", "aux_loss") == "sinkhorn":
             raise ValueError("routing replay supports top-k routers, not moe_router_load_balancing_type='sinkhorn'")
+        if getattr(cfg, "moe_token_dispatcher_type", None) == "alltoall_seq":
+            raise ValueError("routing replay does not support moe_token_dispatcher_type='alltoall_seq' (its router "
+                             "gathers logits over TP inside routing): use 'alltoall' or 'allgather'")
         if getattr(cfg, "context_parallel_size", 1) > 1:
             raise ValueError(f"routing replay does not support context parallel (cp = {cfg.context_parallel_size}): "
                              f"use cp = 1")
@@ -321,18 +324,26 @@ class RoutingReplay:
             out[f"{prefix}token_mismatch_layer{layer}"] = float(table[i, 0] / table[i, 2].clamp(min=1))
         return out
 
-    # ---- R3 ----------------------------------------------------------------------------------
+    # ---- R3 and masks ------------------------------------------------------------------------
+    def _router_order(self, x: torch.Tensor) -> torch.Tensor:
+        """[b, s, ...] -> [s_local * b, ...]: this rank's sequence shard, in the router's token order."""
+        from megatron.core import parallel_state as mpu
+
+        tp = mpu.get_tensor_model_parallel_world_size() if self.sequence_parallel else 1
+        rank = mpu.get_tensor_model_parallel_rank() if self.sequence_parallel else 0
+        b, s = x.shape[:2]
+        if s % tp:
+            raise ValueError(f"sequence length {s} is not a multiple of tp = {tp} (sequence parallel): pad to a multiple")
+        local = x[:, rank * s // tp:(rank + 1) * s // tp].transpose(0, 1)  # Megatron's [s, b] order
+        return local.reshape(-1, *x.shape[2:])
+
     def routes_from_rollout(self, packed: list[torch.Tensor], valid: list[torch.Tensor]) -> RecordedRoutes:
         """Rollout routes of this rank's micro-batches (from `pack_rollout_routes`) -> RecordedRoutes.
 
         packed[i]: [b, s, moe_layers, k] expert ids of micro-batch i (tokens right-padded to s);
         valid[i]: [b, s] bool, True at real tokens. Takes this rank's layers and sequence shard."""
-        from megatron.core import parallel_state as mpu
-
         if len(packed) != len(valid):
             raise ValueError(f"routes_from_rollout: {len(packed)} route tensors but {len(valid)} masks")
-        tp = mpu.get_tensor_model_parallel_world_size() if self.sequence_parallel else 1
-        rank = mpu.get_tensor_model_parallel_rank() if self.sequence_parallel else 0
         out = []
         for i, (routes, mask) in enumerate(zip(packed, valid)):
             b, s, num_layers, k = routes.shape
@@ -340,14 +351,20 @@ class RoutingReplay:
                 raise ValueError(f"rollout routes of micro-batch {i} are [b, s, {num_layers} layers, top-{k}] but the "
                                  f"model has {len(self.moe_layers)} MoE layers with top-{self.top_k}: the engine "
                                  f"served a different model config")
-            if s % tp:
-                raise ValueError(f"sequence length {s} is not a multiple of tp = {tp} (sequence parallel)")
-            shard = slice(rank * s // tp, (rank + 1) * s // tp)
-            local = routes[:, shard].transpose(0, 1)  # [s_local, b, L, k]: the router's sequence-major order
-            ids = {layer: local[:, :, self.moe_layers.index(layer)].reshape(-1, k).to(ROUTE_DTYPE)
-                   for layer in self.layers}
-            out.append(MicroBatchRoutes(ids, mask[:, shard].transpose(0, 1).reshape(-1).bool()))
+            if tuple(mask.shape) != (b, s):
+                raise ValueError(f"valid mask of micro-batch {i} has shape {tuple(mask.shape)}, routes need {(b, s)}")
+            local = self._router_order(routes)  # [s_local * b, L, k]
+            ids = {layer: local[:, self.moe_layers.index(layer)].to(ROUTE_DTYPE) for layer in self.layers}
+            out.append(MicroBatchRoutes(ids, self._router_order(mask.bool())))
         return RecordedRoutes(out)
+
+    def with_valid(self, routes: RecordedRoutes, valid: list[torch.Tensor]) -> RecordedRoutes:
+        """The same routes with [b, s] token masks (e.g. attention / response masks) per micro-batch, so the
+        mismatch metric ignores padding (R2 records routes for every position, pads included)."""
+        if len(valid) != len(routes):
+            raise ValueError(f"with_valid: {len(valid)} masks for {len(routes)} micro-batches of routes")
+        return RecordedRoutes([MicroBatchRoutes(mb.ids, self._router_order(m.bool()))
+                               for mb, m in zip(routes.micro_batches, valid)])
 
 
 def pack_rollout_routes(per_sequence: list[torch.Tensor], seq_len: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

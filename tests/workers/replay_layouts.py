@@ -1,6 +1,6 @@
 """Routing replay (R2 / R3) on one layout of the real Megatron actor (run by tests/test_routing_replay.py).
 
-argv: MODEL_DIR TP EP RECOMPUTE(0/1)
+argv: MODEL_DIR TP PP EP RECOMPUTE(0/1)
 Checks, on every rank:
   1. replaying routes recorded from the same weights: forward logits, train loss and every gradient
      equal the normal path bit for bit; mismatch 0.
@@ -38,7 +38,7 @@ def world_sum(x: float) -> float:
 
 def main():
     model_dir = sys.argv[1]
-    tp, ep, recompute = map(int, sys.argv[2:5])
+    tp, pp, ep, recompute = map(int, sys.argv[2:6])
 
     from mcore_rl.config import Config, ModelConfig, OptimConfig, ParallelConfig
     from mcore_rl.megatron.actor import Actor, MicroBatch
@@ -46,10 +46,12 @@ def main():
 
     platform = get_platform("cpu")
     platform.adapt_megatron()
+    from megatron.core import parallel_state as mpu
+
     from mcore_rl.megatron.routing_replay import RoutingReplay, pack_rollout_routes
 
     cfg = Config(platform="cpu", model=ModelConfig(path=model_dir, recompute=bool(recompute)))
-    cfg.actor.parallel = ParallelConfig(tp=tp, ep=ep, etp=1)
+    cfg.actor.parallel = ParallelConfig(tp=tp, pp=pp, ep=ep, etp=1)
     cfg.actor.optim = OptimConfig(lr=0.0, min_lr=0.0, clip_grad=0.0, weight_decay=0.0)  # weights never move
     actor = Actor(cfg, platform)
     rank = torch.distributed.get_rank()
@@ -104,6 +106,15 @@ def main():
     assert differ_rows > 0, "perturbation changed no route: the test would prove nothing"
     assert abs(metrics["routing/token_mismatch"] - differ_rows / rows) < 1e-12, (metrics, differ_rows, rows)
     assert abs(metrics["routing/expert_mismatch"] - differ_experts / (rows * replay.top_k)) < 1e-12, metrics
+    # the same over masked tokens only (with_valid), against a mask put into router order here
+    masks = [mb.extras["mask"] for mb in mbs]
+    with replay.replaying(replay.with_valid(perturbed, masks)):
+        actor.forward_only(mbs, full_logits)
+    masked = replay.mismatch_metrics()["routing/token_mismatch"]
+    shard = (lambda m: m.chunk(tp, dim=1)[mpu.get_tensor_model_parallel_rank()]) if tp > 1 else (lambda m: m)
+    keep = torch.cat([shard(m).t().reshape(-1) for m in masks for _ in replay.layers])
+    want = world_sum(float((a != b).any(-1)[keep].sum())) / world_sum(float(keep.sum()))
+    assert abs(masked - want) < 1e-12 and masked != metrics["routing/token_mismatch"], (masked, want)
     logit_gap = world_sum(max(float((x - y).abs().max()) for x, y in zip(normal_logits, perturbed_logits)))
     assert logit_gap > 0, "replaying different experts left the logits unchanged"
     with replay.replaying(perturbed):
@@ -126,8 +137,6 @@ def main():
     for i, s in enumerate(samples):
         ids = s.prompt_ids + s.response_ids
         r3_tokens[i, : len(ids)] = torch.tensor(ids)
-    from megatron.core import parallel_state as mpu
-
     dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
     per = len(samples) // dp
     mine = range(dp_rank * per, (dp_rank + 1) * per)
@@ -144,8 +153,8 @@ def main():
     r3_gap = float((plain[valid] - r3_logits[valid]).abs().max())
     assert r3_gap < 1e-5, r3_gap
 
-    # -- 4. misuse is an error, not silence
-    for bad, what in ((routes[0:1], "forward call"), (routes + routes, "consumed")):
+    # -- 4. misuse is an error, not silence (under PP one stage would raise while the other waits)
+    for bad, what in ((routes[0:1], "forward call"), (routes + routes, "consumed")) if pp == 1 else ():
         try:
             with replay.replaying(bad):
                 actor.forward_only(mbs, full_logits)
