@@ -8,8 +8,9 @@
         actor.train_step(micro_all[a:b], loss_fn)
     metrics = replay.mismatch_metrics()                   # collective; recorded vs current router picks
 
-R3: `replay.routes_from_rollout(packed)` turns the engine's per-token routes, packed per micro-batch
-with `pack_rollout_routes`, into the same `RecordedRoutes`.
+R3: the engine's per-sequence routes ([T, moe_layers, k], `RolloutSample.routed_experts`), packed per
+micro-batch with `pack_rollout_routes`, become the same `RecordedRoutes` via `replay.routes_from_rollout`.
+`replay.with_valid(routes, masks)` restricts the mismatch metric to real tokens (R2 records pads too).
 
 How: every MoE router instance of the chunks gets its `routing` method wrapped (no megatron-core
 version has to ship a replay hook: 0.12's and 0.16's `routing` differ inside but share the
@@ -18,8 +19,10 @@ still runs the router's own routing first (so aux / z losses and their gradients
 the normal path, and its natural choice gives the mismatch metric), then replaces the result: the
 replayed experts get gate weights computed from the CURRENT logits with the router's own score
 function and normalisation (Qwen3: top-k on logits then softmax over the k = softmax, top-k,
-renormalise), so the router keeps learning. The fused router kernel is never used for the replayed
-weights (our path is plain torch), which is what "router fusion off while replaying" requires.
+renormalise), so the router keeps learning. Aux losses and the expert-bias token counts follow the
+router's natural choice (as Megatron's own RouterReplay does). Router fusion (0.16: moe_router_fusion)
+is switched off inside `replaying()` and restored after: the replayed weights are plain torch, and
+the natural path must use the same arithmetic for the replay of its own routes to be bit-identical.
 
 Routes are stored as each router sees tokens: [s_local * b, k] in Megatron's sequence-major order
 (s_local = s / tp under sequence parallelism), keyed by the global layer number; with PP a rank
@@ -232,10 +235,17 @@ class RoutingReplay:
                 raise ValueError(f"routes of micro-batch {i} lack layers {missing} of this rank (have "
                                  f"{sorted(mb.ids)}): record them with the same model layout")
         self._replay = _Replay(routes, self.layers)
+        config = self.sites[0].router.config
+        fused = getattr(config, "moe_router_fusion", False)
+        if fused:
+            logger.info("routing replay: moe_router_fusion switched off while replaying")
+            config.moe_router_fusion = False
         try:
             yield
             self._check_consumed(self._replay)
         finally:
+            if fused:
+                config.moe_router_fusion = True
             self._last_mismatch = self._replay.mismatch
             self._replay = None
 

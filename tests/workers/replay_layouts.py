@@ -3,7 +3,7 @@
 argv: MODEL_DIR TP PP EP RECOMPUTE(0/1)
 Checks, on every rank:
   1. replaying routes recorded from the same weights: forward logits, train loss and every gradient
-     equal the normal path bit for bit; mismatch 0.
+     equal the normal path bit for bit; mismatch 0; router fusion is off while replaying, restored after.
   2. routes recorded with a PERTURBED last router: under replay the routers use exactly those experts
      (recorded again during the replay), logits differ from the normal path, the mismatch metric equals
      the fraction computed here from the two route sets, and the router weights still get gradient.
@@ -72,6 +72,14 @@ def main():
     for a, b in zip(normal_logits, replay_logits):
         assert torch.equal(a, b), f"replayed logits differ by {(a - b).abs().max()}"
     assert replay.mismatch_metrics()["routing/token_mismatch"] == 0.0
+    tf_config = replay.sites[0].router.config
+    if hasattr(tf_config, "moe_router_fusion"):  # megatron-core >= 0.15
+        tf_config.moe_router_fusion = True  # needs Transformer Engine: fails on CPU unless replay turns it off
+        with replay.replaying(routes):
+            unfused = actor.forward_only(mbs, full_logits)
+        assert tf_config.moe_router_fusion is True, "replaying() did not restore moe_router_fusion"
+        tf_config.moe_router_fusion = False
+        assert all(torch.equal(a, b) for a, b in zip(normal_logits, unfused))
     normal = actor.train_step(mbs, loss_fn)
     normal_grads = grads(actor)
     with replay.replaying(routes):
