@@ -80,10 +80,13 @@ def pack_rollouts(samples: list[RolloutSample], rewards: torch.Tensor, advantage
 
 
 def split_for_rank(batch: RolloutBatch, num_mini_batches: int, dp_size: int, dp_rank: int,
-                   micro_batch_size: int, max_len: Optional[int] = None) -> list[tuple[GlobalCounts, list[MicroBatch]]]:
+                   micro_batch_size: int, max_len: Optional[int] = None,
+                   pack_routes_for_experts: Optional[int] = None) -> list[tuple[GlobalCounts, list[MicroBatch]]]:
     """For each mini-batch: its global counts and this DP rank's micro-batches.
 
     max_len: the Dr.GRPO denominator L_max (the configured generation length keeps it constant).
+    pack_routes_for_experts: the model's expert count, to pack the engine's routes (rollout routing
+    replay) into `routed_experts` [b, s, layers, k] / `route_valid` [b, s] extras.
     """
     per_mini, rest = divmod(batch.size, num_mini_batches)
     per_rank, rest2 = divmod(per_mini, dp_size)
@@ -106,6 +109,14 @@ def split_for_rank(batch: RolloutBatch, num_mini_batches: int, dp_size: int, dp_
                 extras["old_log_prob"] = part.old_log_prob
             if part.ref_log_prob is not None:
                 extras["ref_log_prob"] = part.ref_log_prob
+            if pack_routes_for_experts is not None:
+                from mcore_rl.megatron.routing_replay import pack_rollout_routes
+
+                if part.routed_experts is None:
+                    raise ValueError("algo.routing_replay=r3 needs the experts the engine chose, but this engine "
+                                     "returned none (vLLM returns them only on GPU/NPU): use r2 or the embedded engine")
+                extras["routed_experts"], extras["route_valid"] = pack_rollout_routes(
+                    part.routed_experts, part.tokens.shape[1], pack_routes_for_experts)
             micro.append(MicroBatch(tokens=part.tokens, extras=extras))
         out.append((counts, micro))
     return out

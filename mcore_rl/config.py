@@ -439,6 +439,10 @@ def _check_combinations(cfg: Config) -> list[str]:
     if a.rollout_is == "icepop":
         _require(0 <= a.rollout_is_low < 1 < a.rollout_is_high,
                  f"algo.rollout_is=icepop needs rollout_is_low < 1 < rollout_is_high, got [{a.rollout_is_low}, {a.rollout_is_high}]")
+    if a.routing_replay == "r2" and a.use_rollout_logprobs_as_old:
+        raise ConfigError("algo.routing_replay=r2 records the experts in the old-log-prob pass, which "
+                          "algo.use_rollout_logprobs_as_old skips: use algo.routing_replay=r3 (the engine's routes) or "
+                          "set algo.use_rollout_logprobs_as_old=false")
     if a.rollout_is is not None and a.use_rollout_logprobs_as_old:
         raise ConfigError("algo.rollout_is corrects old-policy vs rollout log-probs, but algo.use_rollout_logprobs_as_old makes them "
                           "identical (weight 1): set algo.rollout_is=null or algo.use_rollout_logprobs_as_old=false")

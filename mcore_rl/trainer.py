@@ -18,7 +18,7 @@ import logging
 import os
 import random
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Optional
 
@@ -92,6 +92,11 @@ class Trainer:
         self.platform.adapt_megatron()
         self.actor = Actor(cfg, self.platform)
         self.info = self.actor.info
+        self.replay = None
+        if cfg.algo.routing_replay is not None:
+            from mcore_rl.megatron.routing_replay import RoutingReplay
+
+            self.replay = RoutingReplay.install(self.actor.chunks)
         # The KL reference is the initial policy: a second, frozen copy of the model in the same layout.
         self.ref_actor = Actor(cfg, self.platform, with_optimizer=False) if cfg.algo.kl_coef > 0 else None
         self.engine = make_engine(cfg.rollout, cfg.model.path, self.platform, dtype=cfg.model.dtype)
@@ -180,19 +185,29 @@ class Trainer:
         advantages = group_advantages(rewards, cfg.rollout.n, cfg.algo.adv_estimator)
         batch = pack_rollouts(samples, rewards, advantages, self.tokenizer.pad_token_id,
                               multiple=8 * self.info.tp)
+        replay = cfg.algo.routing_replay
         parts = split_for_rank(batch, cfg.algo.mini_batches, self.info.dp, self.info.dp_rank,
-                               cfg.actor.parallel.micro_batch_size, max_len=cfg.rollout.max_new_tokens)
+                               cfg.actor.parallel.micro_batch_size, max_len=cfg.rollout.max_new_tokens,
+                               pack_routes_for_experts=self.actor.bridge.hf_config.num_experts if replay == "r3" else None)
         micro_all = [mb for _, mbs in parts for mb in mbs]
-        entropy_sum = None
+        entropy_sum, routes = None, None
         with timer("old_logprob"):
             if cfg.algo.use_rollout_logprobs_as_old:
                 for mb in micro_all:
                     mb.extras["old_log_prob"] = mb.extras["rollout_log_prob"]
             else:
-                for mb, out in zip(micro_all, self.token_log_probs(micro_all, with_entropy=True)):
+                # R2: the experts chosen here (old policy) are replayed in the update.
+                with (self.replay.recording() if replay == "r2" else nullcontext()) as recorded:
+                    outputs = self.token_log_probs(micro_all, with_entropy=True)
+                for mb, out in zip(micro_all, outputs):
                     mb.extras["old_log_prob"] = out[0]
                     mb.extras["entropy"] = out[1]
                 entropy_sum = self._masked_sum(micro_all, "entropy")
+                if replay == "r2":
+                    routes = self.replay.with_valid(recorded.routes, [mb.extras["loss_mask"] > 0 for mb in micro_all])
+        if replay == "r3":  # the rollout engine's own routes
+            routes = self.replay.routes_from_rollout([mb.extras["routed_experts"] for mb in micro_all],
+                                                     [mb.extras["route_valid"] for mb in micro_all])
         if self.ref_actor is not None:
             with timer("ref_logprob"):
                 post = make_log_prob_fn(cfg.algo.temperature, self._tp_group())
@@ -202,10 +217,18 @@ class Trainer:
         update = {}
         with timer("update"):
             for _ in range(cfg.algo.ppo_epochs):
+                first = 0
                 for counts, micro in parts:
-                    result = self.actor.train_step(micro, make_policy_loss_fn(cfg.algo, counts, tp_group))
+                    replaying = (self.replay.replaying(routes[first:first + len(micro)]) if routes is not None
+                                 else nullcontext())
+                    with replaying:
+                        result = self.actor.train_step(micro, make_policy_loss_fn(cfg.algo, counts, tp_group))
+                    first += len(micro)
                     for k, v in result.items():
                         update.setdefault(k, []).append(v)
+                    if routes is not None:
+                        for k, v in self.replay.mismatch_metrics().items():
+                            update.setdefault(k, []).append(v)
         with timer("sync"):
             sync_metrics = self.sync_weights(verify=verify_due(self.step + 1, cfg.rollout.verify_every))
         self.step += 1
@@ -222,7 +245,7 @@ class Trainer:
             "perf/rollout_tokens_per_s": num_tokens / max(timer.seconds["rollout"], 1e-9),
             "perf/step_seconds": elapsed,
             **{f"time/{k}": v for k, v in timer.seconds.items()},
-            **{f"train/{k}": float(np.mean(v)) for k, v in update.items()},
+            **{(k if k.startswith("routing/") else f"train/{k}"): float(np.mean(v)) for k, v in update.items()},
             **sync_metrics,
         }
         if entropy_sum is not None:

@@ -1,6 +1,7 @@
 """End to end through `mcore-rl train`: real torchrun, 2 processes, Megatron actor, embedded engine.
 
-- a short GSPO (EP2) and SAPO (TP2 + KL + entropy) run writes metrics, checkpoints, plots and a HF export
+- a short GSPO (EP2, rollout routing replay) and SAPO (TP2 + KL + entropy, old-policy routing replay) run
+  writes metrics, checkpoints, plots and a HF export
 - resume is exact: 4 steps straight == 2 steps, SIGKILL, resume to 4 (final weights and metrics)
 """
 
@@ -69,8 +70,8 @@ def load_hf(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("preset, extra", [
-    ("gspo_cpu.yaml", {}),
-    ("sapo_cpu.yaml", {"algo.kl_coef": 0.01, "algo.entropy_coef": 0.001}),
+    ("gspo_cpu.yaml", {"algo.routing_replay": "r3"}),
+    ("sapo_cpu.yaml", {"algo.kl_coef": 0.01, "algo.entropy_coef": 0.001, "algo.routing_replay": "r2"}),
 ])
 def test_short_run(tiny_model_dir, task, tmp_path, preset, extra):
     run_dir = tmp_path / "run"
@@ -88,6 +89,9 @@ def test_short_run(tiny_model_dir, task, tmp_path, preset, extra):
     if "algo.kl_coef" in extra:
         assert all("train/kl_ref" in r for r in rows) and rows[0]["train/kl_ref"] == pytest.approx(0.0, abs=1e-6)
         assert rows[-1]["train/kl_ref"] > 0  # the policy moved away from the reference
+    # Replayed routes come from the same weights (on-policy, one mini-batch): no mismatch beyond rare
+    # near-ties that float rounding may flip between the engine's and Megatron's router (R3).
+    assert all(r["routing/token_mismatch"] <= 0.01 for r in rows)
     assert (run_dir / "config.yaml").is_file() and (run_dir / "plots" / "overview.png").is_file()
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_"))
     assert ckpts == ["step_00000002", "step_00000004"]
