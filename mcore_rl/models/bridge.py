@@ -24,6 +24,7 @@ import torch
 
 from mcore_rl.config import ModelConfig, ParallelConfig
 from mcore_rl.platform import Platform
+from mcore_rl.platform.shm_gather import GroupGather
 
 logger = logging.getLogger(__name__)
 
@@ -163,13 +164,28 @@ def _split(canonical: str, full: torch.Tensor, parts: int, partition_dim: int, g
     return list(full.chunk(parts, dim=partition_dim))
 
 
+def _shard_views(canonical: str, full: torch.Tensor, parts: int, partition_dim: int, gated: bool) -> list[torch.Tensor]:
+    """Views of `full` where each rank's shard (as `_split` cuts it) belongs; a gathered shard is copied in place."""
+    if gated and "linear_fc1.weight" in canonical:  # rank r holds [gate_r; up_r] -> view (2, rows_r, ...) of [gate; up]
+        halves = full.view(2, parts, full.shape[0] // (2 * parts), *full.shape[1:])
+        return [halves[:, r] for r in range(parts)]
+    return list(full.chunk(parts, dim=partition_dim))
+
+
+def _as_shard_view(canonical: str, shard: torch.Tensor, gated: bool) -> torch.Tensor:
+    """`shard` in the shape of its `_shard_views` destination (gated fc1: [gate_r; up_r] as (2, rows_r, ...))."""
+    if gated and "linear_fc1.weight" in canonical:
+        return shard.view(2, shard.shape[0] // 2, *shard.shape[1:])
+    return shard
+
+
 def _merge(canonical: str, shards: list[torch.Tensor], partition_dim: int, gated: bool) -> torch.Tensor:
     if len(shards) == 1 or partition_dim < 0:
         return shards[0]
-    if gated and "linear_fc1.weight" in canonical:
-        gates, ups = zip(*(s.chunk(2, dim=0) for s in shards))
-        return torch.cat([torch.cat(gates), torch.cat(ups)], dim=0)
-    return torch.cat(shards, dim=partition_dim)
+    full = _empty_merged(shards[0], len(shards), partition_dim)
+    for view, shard in zip(_shard_views(canonical, full, len(shards), partition_dim, gated), shards):
+        view.copy_(_as_shard_view(canonical, shard, gated))
+    return full
 
 
 class ModelBridge:
@@ -185,6 +201,7 @@ class ModelBridge:
         self.platform = platform
         self.hf_config = load_hf_config(hf_path)
         self._backend: Optional[_MbridgeBackend] = None
+        self._gather = GroupGather()  # export's all-gathers: shared memory between ranks of one host (gloo)
 
     # ---- build -------------------------------------------------------------------------------
     def megatron_config_overrides(self, parallel: ParallelConfig, model_cfg: ModelConfig, sequence_parallel: bool) -> dict:
@@ -302,17 +319,24 @@ class ModelBridge:
 
     # ---- export ------------------------------------------------------------------------------
     @torch.no_grad()
-    def export_hf_weights(self, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+    def export_hf_weights(self, chunks: list[torch.nn.Module], gather_batch_mb: float = 64.0,
+                          receive: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (hf_name, full tensor) for the whole model, one parameter at a time.
 
         Collective: EVERY rank of the job must iterate it to the end, in step. Every rank receives
         every full tensor (pipeline stages broadcast theirs, TP/ETP/EP shards are all-gathered);
         data-parallel replicas compute identical copies independently. Tensors stay on the device;
         consumers that keep them should copy (`.cpu()`) since nothing here holds references.
+        Shards are gathered several parameters per collective call (up to `gather_batch_mb` MB of gathered
+        tensors, held until yielded), through shared memory when a gloo group's ranks share a host.
+        `receive=False`: this rank only contributes its shards and yields nothing (a rank without an engine
+        replica; over shared memory it then skips reading its peers' shards).
         """
         from megatron.core import parallel_state as mpu
 
         backend = self._require_backend()
+        if gather_batch_mb <= 0:
+            raise ValueError(f"gather_batch_mb={gather_batch_mb}; use a positive size in MB (e.g. 64)")
         pp_group = mpu.get_pipeline_model_parallel_group()
         pp_ranks = torch.distributed.get_process_group_ranks(pp_group)
         local = []  # (info, tensor) on this pipeline stage
@@ -324,7 +348,9 @@ class ModelBridge:
         torch.distributed.all_gather_object(per_stage, meta, group=pp_group)
         my_stage = mpu.get_pipeline_model_parallel_rank()
         gated = backend.gated()
+        limit = int(gather_batch_mb * (1 << 20))
         for stage, stage_meta in enumerate(per_stage):
+            batch, batch_bytes = [], 0
             for k, (canonical, is_expert, pdim, shape, dtype) in enumerate(stage_meta):
                 if stage == my_stage:
                     tensor = local[k][1].detach()
@@ -332,24 +358,83 @@ class ModelBridge:
                     tensor = torch.empty(shape, dtype=dtype, device=self.platform.device)
                 if len(pp_ranks) > 1:
                     torch.distributed.broadcast(tensor, src=pp_ranks[stage], group=pp_group)
-                if is_expert:
-                    yield from self._export_expert(canonical, tensor, pdim, gated)
-                else:
-                    shards = _all_gather(tensor, mpu.get_tensor_model_parallel_group()) if pdim >= 0 else [tensor]
-                    yield from zip(*backend.to_hf(canonical, _merge(canonical, shards, pdim, gated)))
+                batch.append(_Exported(canonical, is_expert, pdim, tensor))
+                batch_bytes += tensor.numel() * tensor.element_size() * self._gather_factor(is_expert, pdim)
+                if batch_bytes >= limit:
+                    yield from self._export_batch(batch, gated, receive)
+                    batch, batch_bytes = [], 0
+            yield from self._export_batch(batch, gated, receive)
 
-    def _export_expert(self, canonical: str, shard: torch.Tensor, pdim: int, gated: bool):
+    @staticmethod
+    def _gather_factor(is_expert: bool, pdim: int) -> int:
+        """How many times a shard's bytes its gathered full tensor(s) hold."""
         from megatron.core import parallel_state as mpu
 
-        backend = self._backend
-        ep_shards = _all_gather(shard, mpu.get_expert_model_parallel_group())
-        num_local = self.transformer_config.num_moe_experts // len(ep_shards)
-        prefix, gid = canonical.rsplit(".weight", 1)
-        local_id = int(gid) % num_local
-        for ep_rank, ep_shard in enumerate(ep_shards):
-            name = f"{prefix}.weight{ep_rank * num_local + local_id}"
-            shards = _all_gather(ep_shard, mpu.get_expert_tensor_parallel_group()) if pdim >= 0 else [ep_shard]
-            yield from zip(*backend.to_hf(name, _merge(name, shards, pdim, gated)))
+        if is_expert:
+            etp = mpu.get_expert_tensor_parallel_world_size() if pdim >= 0 else 1
+            return mpu.get_expert_model_parallel_world_size() * etp
+        return mpu.get_tensor_model_parallel_world_size() if pdim >= 0 else 1
+
+    def _export_batch(self, batch: list["_Exported"], gated: bool, receive: bool):
+        """Gather a batch's shards with one collective call per process group, then yield its HF tensors.
+
+        Dense TP shards are gathered straight into their merged tensor; experts first over EP (the same local
+        expert of every EP rank, each with its global id; this rank's own is used in place), then each of those
+        over ETP into its merged tensor. With receive=False this rank only contributes shards, yields nothing."""
+        from megatron.core import parallel_state as mpu
+
+        tp_group, ep_group = mpu.get_tensor_model_parallel_group(), mpu.get_expert_model_parallel_group()
+        etp_group = mpu.get_expert_tensor_parallel_group()
+        tp, ep = mpu.get_tensor_model_parallel_world_size(), mpu.get_expert_model_parallel_world_size()
+        etp, ep_rank = mpu.get_expert_tensor_parallel_world_size(), mpu.get_expert_model_parallel_rank()
+        num_local = (self.transformer_config.num_moe_experts or 0) // ep
+        # ETP gathers EP-gathered experts: with ETP > 1 a rank needs the EP step's data even if it yields nothing
+        ep_receive = receive or (etp > 1 and any(x.is_expert and x.pdim >= 0 for x in batch))
+        full: dict[int, list[torch.Tensor]] = {}  # batch index -> full tensors (several for experts: one per EP rank)
+        names: dict[int, list[str]] = {}
+        tp_items, ep_items, etp_items = [], [], []
+        for i, x in enumerate(batch):
+            if x.is_expert:
+                prefix, gid = x.canonical.rsplit(".weight", 1)
+                names[i] = [f"{prefix}.weight{e * num_local + int(gid) % num_local}" for e in range(ep)]
+                full[i] = [x.tensor if e == ep_rank or not ep_receive else torch.empty_like(x.tensor) for e in range(ep)]
+                if ep > 1:
+                    ep_items.append((x.tensor, full[i] if ep_receive else None))
+            elif x.pdim >= 0 and tp > 1:
+                merged = _empty_merged(x.tensor, tp, x.pdim) if receive else None
+                views = _shard_views(x.canonical, merged, tp, x.pdim, gated) if receive else None
+                tp_items.append((_as_shard_view(x.canonical, x.tensor, gated), views))
+                full[i] = [merged]
+        self._all_gather_into(tp_items, tp_group, receive)
+        self._all_gather_into(ep_items, ep_group, ep_receive)
+        for i, x in enumerate(batch):
+            if x.is_expert and x.pdim >= 0 and etp > 1:
+                merged = [_empty_merged(shard, etp, x.pdim) if receive else None for shard in full[i]]
+                for name, shard, m in zip(names[i], full[i], merged):
+                    views = _shard_views(name, m, etp, x.pdim, gated) if receive else None
+                    etp_items.append((_as_shard_view(name, shard, gated), views))
+                full[i] = merged
+        self._all_gather_into(etp_items, etp_group, receive)
+        del tp_items, ep_items, etp_items  # only `full` keeps the gathered tensors, and drops each once yielded
+        if not receive:
+            return
+        for i, x in enumerate(batch):
+            for name, tensor in zip(names.get(i, [x.canonical]), full.pop(i, [x.tensor])):
+                yield from zip(*self._backend.to_hf(name, tensor))
+
+    def _all_gather_into(self, items: list, group, receive: bool) -> None:
+        if items:  # every rank of the group has the same batch structure, so all skip or none
+            self._gather.all_gather_into(items, group, receive)
+
+
+@dataclasses.dataclass
+class _Exported:
+    """One parameter (this rank's shard) on its way out of `export_hf_weights`."""
+
+    canonical: str
+    is_expert: bool
+    pdim: int
+    tensor: torch.Tensor
 
 
 def _mark_experts_expert_parallel(chunk: torch.nn.Module) -> None:
@@ -365,14 +450,10 @@ def _mark_experts_expert_parallel(chunk: torch.nn.Module) -> None:
             setattr(p, "allreduce", False)
 
 
-def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
-    size = torch.distributed.get_world_size(group)
-    if size == 1:
-        return [tensor]
-    tensor = tensor.contiguous()
-    out = [torch.empty_like(tensor) for _ in range(size)]
-    torch.distributed.all_gather(out, tensor, group=group)
-    return out
+def _empty_merged(shard: torch.Tensor, parts: int, partition_dim: int) -> torch.Tensor:
+    shape = list(shard.shape)
+    shape[partition_dim] *= parts
+    return torch.empty(shape, dtype=shard.dtype, device=shard.device)
 
 
 def save_hf_checkpoint(named_tensors, out_dir: str, hf_config, source_dir: Optional[str] = None,

@@ -1,0 +1,44 @@
+"""Shared-memory all-gather (the exporter's same-host transport) against torch.distributed.all_gather, over
+real processes: odd shapes, bf16/fp16/fp32/int/bool, strided destinations, multi-round tensors, senders that
+do not receive, the mismatched-shapes error, no files left in /dev/shm, and the torch.distributed fallback
+when the ranks report different hosts. Also the pure layout helpers the exporter gathers into."""
+
+import pytest
+import torch
+
+from mcore_rl.models.bridge import _as_shard_view, _shard_views, _split
+from mcore_rl.platform.shm_gather import _pieces, _round_bytes, _rounds
+from tests.torchrun_util import REPO, run_torchrun
+
+WORKER = REPO / "tests" / "workers" / "shm_gather_check.py"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc,mode", [(2, "shm"), (3, "shm"), (2, "fallback")])
+def test_shm_gather_equals_all_gather(nproc, mode):
+    out = run_torchrun(WORKER, nproc, mode, timeout=120)
+    assert f"SHM_GATHER_OK {mode}" in out
+
+
+@pytest.mark.parametrize("name,shape,dim", [
+    ("decoder.layers.0.mlp.experts.linear_fc1.weight3", (8, 6), 0),  # gated: [gate; up]
+    ("decoder.layers.0.self_attention.linear_qkv.weight", (8, 6), 0),
+    ("decoder.layers.0.self_attention.linear_proj.weight", (6, 8), 1),
+])
+def test_shard_views_are_where_split_takes_shards_from(name, shape, dim):
+    full = torch.arange(48.0).reshape(shape)
+    views = _shard_views(name, full, 2, dim, gated=True)
+    for view, shard in zip(views, _split(name, full, 2, dim, gated=True)):
+        assert view.data_ptr() >= full.data_ptr()  # a view into `full`, not a copy
+        assert torch.equal(view, _as_shard_view(name, shard, gated=True))
+
+
+def test_rounds_respect_the_chunk_limit_and_alignment():
+    items = [torch.zeros(1000, 3), torch.zeros(5, dtype=torch.bfloat16), torch.zeros(7, 7, dtype=torch.int64)]
+    pieces = [p for t in items for p in _pieces(t, None, 4096)]
+    assert sum(p.nbytes for p in pieces) == sum(t.numel() * t.element_size() for t in items)
+    rounds = _rounds(pieces, 4096)
+    assert len(rounds) > 1
+    for r in rounds:
+        assert _round_bytes(r) <= 4096
+        assert all(p.offset % 64 == 0 for p in r)
