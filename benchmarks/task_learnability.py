@@ -6,6 +6,23 @@ GSPO/GRPO ratio is 1 and their gradient equals this one), and the mean training 
 step. The real trainer must reach the same level with Megatron; this script finds settings that work.
 
     OMP_NUM_THREADS=1 python benchmarks/task_learnability.py --steps 200 --out runs/learnability.json
+
+Measured (torch 2.13 CPU, transformers 5.24, 1 thread; the defaults below): task "majority" 16 digits,
+answer 12 times; 8 prompts x 16 samples = 128 per step, max_new_tokens 1, temperature 1.0, Adam lr 2e-3
+constant (betas 0.9/0.999), grad clip 1.0, GRPO std-normalised advantages, no entropy/KL; tiny shape as
+in mcore_rl.models.tiny. The 5-step mean reward reached 0.8 at step 83 / 105 / 112 / 119 / 139 for five
+(data seed, model seed) pairs, ending at 0.82-1.00 (mean of steps 231-250); 0.15-0.5 s per step.
+Curve (seed 1, model seed 0; 5-step mean): 10:0.02 30:0.05 50:0.26 60:0.39 70:0.60 80:0.74 90:0.86
+100:0.89 120:0.97 150:0.98 200:0.99 250:0.99.
+What did not work: 64 samples a step (8 x 8) stalled at 0.3-0.9 for some seeds (the policy collapses onto
+one wrong digit for some prompts; all-equal groups then carry no signal); lr 3e-3 and 5e-3 collapsed;
+lr 1e-3 was slower; entropy bonus 0.01-0.03, linear lr decay, Adam beta1 0, skipping signal-free steps
+and Dr.GRPO did not help; harder tasks (3-of-5 majority, k-th digit of 4) reached only 0.3-0.6 in 300
+steps; 4 x 32 samples is as good (0.8 at step 105-143, ends 0.89-0.98).
+Requiring <|im_end|> after the answer is not learnable from scratch: a random model puts ~1/128 on each
+token, so "digit, <|im_end|>" has chance ~1/16,000 and RL found digit + whitespace instead (max_new_tokens
+2: 0.8 not reached in 300 steps, <|im_end|> rate 0). Hence max_new_tokens 1 and a reward that reads the
+text before <|im_end|> or the whole (cut) response.
 """
 
 from __future__ import annotations
@@ -19,6 +36,7 @@ from dataclasses import asdict
 
 import torch
 
+from mcore_rl.data.dataset import tokenize_prompt
 from mcore_rl.data.task import TASK_KINDS, TaskSpec, chance_reward, make_rows
 from mcore_rl.models.tiny import TinyModelShape, make_tiny_checkpoint
 from mcore_rl.rewards.task import score
@@ -28,10 +46,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
-    p.add_argument("--n", type=int, default=8, help="samples per prompt (group size)")
-    p.add_argument("--max-new-tokens", type=int, default=2)
+    p.add_argument("--n", type=int, default=16, help="samples per prompt (group size)")
+    p.add_argument("--max-new-tokens", type=int, default=1)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--min-lr", type=float, default=None, help="decay lr linearly to this over --steps (None: constant)")
     p.add_argument("--adam-beta1", type=float, default=0.9)
     p.add_argument("--adam-beta2", type=float, default=0.999)
     p.add_argument("--skip-no-signal", type=int, default=0, help="1: no optimizer step when every group's rewards are equal")
@@ -88,21 +107,23 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as d:
         make_tiny_checkpoint(d, seed=args.model_seed, shape=shape)
         tok = AutoTokenizer.from_pretrained(d)
-        model = Qwen3MoeForCausalLM.from_pretrained(d, torch_dtype=torch.float32)
+        model = Qwen3MoeForCausalLM.from_pretrained(d).float()  # saved in fp32; no dtype kwarg (renamed across transformers 4 -> 5)
     model.train()
     opt = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2))
+    min_lr = args.lr if args.min_lr is None else args.min_lr
     rows = make_rows(4096, seed=args.seed, spec=spec)
     rng = random.Random(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    digits = {tok.convert_tokens_to_ids(c) for c in spec.alphabet}
+    alphabet_ids = {tok.convert_tokens_to_ids(c) for c in spec.alphabet}
 
     curve, t0, hit_step = [], time.time(), None
     for step in range(1, args.steps + 1):
+        for group in opt.param_groups:  # linear decay, as OptimConfig(decay_style="linear", min_lr=...)
+            group["lr"] = args.lr + (min_lr - args.lr) * (step - 1) / max(args.steps - 1, 1)
         batch = rng.sample(rows, args.prompts)
-        prompts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True) for r in batch]
-        prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
-        assert len({len(p) for p in prompts}) == 1, "the task's prompts all have the same length"
+        prompts = [tokenize_prompt(tok, r["prompt"]) for r in batch]
+        assert len({len(p) for p in prompts}) == 1, "no padding here: the task's prompts all have the same length"
         prompt_ids = torch.tensor(prompts).repeat_interleave(args.n, 0)
         model.eval()
         resp, mask = sample(model, prompt_ids, args.max_new_tokens, args.temperature, eos, gen)
@@ -125,10 +146,10 @@ def main(argv=None):
         if not (args.skip_no_signal and bool((adv == 0).all())):
             opt.step()
 
-        first_in_alphabet = sum(int(r[0]) in digits for r in resp) / len(resp)
+        first_in_alphabet = sum(int(r[0]) in alphabet_ids for r in resp) / len(resp)
         eos_rate = float((resp == eos).any(1).float().mean())
         distinct = sum(len(set(g)) for g in resp[:, 0].view(-1, args.n).tolist()) / args.prompts
-        curve.append({"step": step, "reward": round(float(rewards.mean()), 4), "digit_first": round(first_in_alphabet, 3),
+        curve.append({"step": step, "reward": round(float(rewards.mean()), 4), "in_alphabet": round(first_in_alphabet, 3),
                       "eos": round(eos_rate, 3), "distinct": round(distinct, 2), "entropy": round(float(entropy), 3), "s": round(time.time() - t0, 1)})
         print(json.dumps(curve[-1]), flush=True)
         avg = sum(c["reward"] for c in curve[-5:]) / len(curve[-5:])

@@ -89,3 +89,15 @@ def test_cli_backend_writes_both_files(tmp_path, capsys):
 def test_bad_task_specs_are_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):
         TaskSpec(**kwargs)
+
+
+@pytest.mark.slow
+def test_tiny_model_learns_the_task_from_scratch(tmp_path):
+    """The learnability benchmark, cut short: reward starts near 1/128 and climbs well above 1/10 chance."""
+    from benchmarks.task_learnability import main as learnability
+
+    result = learnability(["--steps", "120", "--target", "0.5", "--seed", "1", "--model-seed", "0",
+                           "--out", str(tmp_path / "curve.json")])
+    rewards = [c["reward"] for c in result["curve"]]
+    assert sum(rewards[:10]) / 10 < 0.05
+    assert result["reached_target_at_step"] is not None, rewards[-20:]

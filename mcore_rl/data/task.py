@@ -2,8 +2,11 @@
 
 Two kinds, both with the answer in the prompt (learned through attention, not memorised; single-digit
 addition from scratch barely moved in 1,000 steps here):
-- "majority": the prompt is a short string of symbols in which one symbol fills more than half the
-  places; the answer is that symbol. User "3733" -> assistant "3<|im_end|>".
+- "majority" (default): the prompt is a string of 16 digits in which one digit fills 12 places; the
+  answer is that digit. User "3733193338334353" -> assistant "3<|im_end|>". The more often the answer
+  appears, the stronger its trace in a random model's attention average, and the sooner RL finds it:
+  12 of 16 reached 0.8 reward in 83-139 steps of 8 prompts x 16 samples (benchmarks/task_learnability.py);
+  3 of 5 stalled near 0.3-0.6 after 300 steps of 64 samples.
 - "copy_kth": the prompt is a position k and a string; the answer is the k-th symbol (1-based).
   User "3 of 7294" -> assistant "9<|im_end|>".
 A model that answers with a random symbol of the alphabet scores 1/len(alphabet); a randomly initialised
@@ -27,10 +30,10 @@ TASK_KINDS = ("majority", "copy_kth")
 @dataclass(frozen=True)
 class TaskSpec:
     kind: str = "majority"
-    length: int = 5  # symbols shown per prompt
+    length: int = 16  # symbols shown per prompt
     alphabet: str = "0123456789"  # symbols the prompt is drawn from
     fixed_k: int = 0  # copy_kth: 0 draws k from 1..length per prompt; > 0 always uses this position
-    count: int = 0  # majority: how often the answer appears; 0 -> length // 2 + 1 (the least strict majority)
+    count: int = 12  # majority: how often the answer appears (a strict majority); 0 -> length // 2 + 1
 
     def __post_init__(self):
         if self.kind not in TASK_KINDS:
@@ -38,7 +41,7 @@ class TaskSpec:
         if self.length < 1 or len(set(self.alphabet)) != len(self.alphabet) or len(self.alphabet) < 2:
             raise ValueError(f"TaskSpec needs length >= 1 and an alphabet of >= 2 distinct symbols, "
                              f"got length={self.length}, alphabet={self.alphabet!r}")
-        if self.count and not self.length // 2 < self.count <= self.length:
+        if self.kind == "majority" and self.count and not self.length // 2 < self.count <= self.length:
             raise ValueError(f"TaskSpec.count={self.count} must be a strict majority of length={self.length} "
                              f"(in {self.length // 2 + 1}..{self.length}) or 0")
         if not 0 <= self.fixed_k <= self.length:
@@ -126,10 +129,11 @@ def main(argv=None) -> tuple[Path, Path]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kind", default=TaskSpec.kind, choices=TASK_KINDS)
     p.add_argument("--length", type=int, default=TaskSpec.length)
+    p.add_argument("--count", type=int, default=TaskSpec.count, help="majority: times the answer appears")
     p.add_argument("--alphabet", default=TaskSpec.alphabet)
     p.add_argument("--format", default="parquet", choices=("parquet", "jsonl"))
     a = p.parse_args(argv)
-    spec = TaskSpec(kind=a.kind, length=a.length, alphabet=a.alphabet)
+    spec = TaskSpec(kind=a.kind, length=a.length, alphabet=a.alphabet, count=a.count)
     train, val = make_task_dataset(a.out_dir, a.train_size, a.val_size, a.seed, spec, a.format)
     print(f"wrote {train} ({a.train_size} rows) and {val} ({a.val_size} rows); chance reward {chance_reward(spec)}")
     return train, val

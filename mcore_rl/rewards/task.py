@@ -4,6 +4,9 @@ The answer is the response text before the first <|im_end|> (the whole text when
 or stopped at max_new_tokens), with surrounding whitespace removed: " 9\n<|im_end|>" counts as "9".
 Whitespace is tolerated because it carries no information and a char-level model emits it often;
 anything else next to the answer ("9x", "99") scores 0.
+<|im_end|> itself is not required: a randomly initialised model emits it with probability ~1/128, so
+"answer, <|im_end|>" is too rare to learn from scratch; run the task with rollout.max_new_tokens=1
+(see benchmarks/task_learnability.py).
 """
 
 from __future__ import annotations
