@@ -100,6 +100,7 @@ class RolloutConfig:
     max_new_tokens: int = 32
     tp: int = 1  # vLLM tensor-parallel size; world / tp data-parallel replicas
     gpu_memory_utilization: float = 0.5
+    kv_cache_gb: Optional[float] = None  # vLLM KV cache per process in GiB (overrides gpu_memory_utilization)
     sync_bucket_mb: float = 256.0
     verify_every: int = 1  # verify the weight sync every k syncs (0: never)
     verify_tolerance: float = 1e-3  # max abs log-prob difference engine vs actor

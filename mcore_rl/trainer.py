@@ -99,7 +99,10 @@ class Trainer:
             self.replay = RoutingReplay.install(self.actor.chunks)
         # The KL reference is the initial policy: a second, frozen copy of the model in the same layout.
         self.ref_actor = Actor(cfg, self.platform, with_optimizer=False) if cfg.algo.kl_coef > 0 else None
-        self.engine = make_engine(cfg.rollout, cfg.model.path, self.platform, dtype=cfg.model.dtype)
+        # vLLM sizes its KV cache for the longest sequence it may see; the model's maximum wastes memory.
+        engine_args = ({"max_model_len": cfg.data.max_prompt_len + cfg.rollout.max_new_tokens}
+                       if cfg.rollout.engine == "vllm" else {})
+        self.engine = make_engine(cfg.rollout, cfg.model.path, self.platform, dtype=cfg.model.dtype, **engine_args)
         self.stop_ids = [self.tokenizer.eos_token_id]
         # T = 1: the check is about weights, and engines score T = 1 cheapest (vLLM: no full-vocab fetch).
         self.probe = ProbeBatch.random(self.actor.bridge.hf_config.vocab_size, seed=cfg.trainer.seed)

@@ -179,6 +179,7 @@ class VllmEngine(RolloutEngine):
         self.eos_token_id = self.hf_config.get("eos_token_id")
         self._settings = dict(tp=cfg.tp, dtype=dtype, seed=seed, gpu_memory_utilization=cfg.gpu_memory_utilization,
                               enforce_eager=cfg.enforce_eager, max_model_len=max_model_len,
+                              kv_cache_gb=getattr(cfg, "kv_cache_gb", None),
                               llm_kwargs=dict(llm_kwargs or {}))
         self.sleep_level = sleep_level
         self._want_routes = return_routed_experts
@@ -232,6 +233,15 @@ class VllmEngine(RolloutEngine):
         )
         if s["max_model_len"] is not None:
             args["max_model_len"] = s["max_model_len"]
+        if s["kv_cache_gb"] is not None:
+            args["kv_cache_memory_bytes"] = int(s["kv_cache_gb"] * (1 << 30))
+        elif current_platform.is_cpu():
+            # On CPU every colocated rank shares the host's memory, and vLLM's CPU worker takes
+            # gpu_memory_utilization of ALL of it per process: split it over the processes of this host.
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            args["gpu_memory_utilization"] = s["gpu_memory_utilization"] / max(local, 1)
+            self._log_once("cpu_kv", "vLLM on CPU: KV cache budget gpu_memory_utilization %.2f / %d local processes",
+                           s["gpu_memory_utilization"], local)
         # The one version branch: logprobs_mode appeared in vLLM 0.10.1; older V1 builds return raw (T = 1)
         # log-probs, which equal the sampling distribution's only at temperature 1.
         if "logprobs_mode" in {f.name for f in dataclasses.fields(EngineArgs)}:
