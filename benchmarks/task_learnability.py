@@ -150,7 +150,7 @@ def main(argv=None):
         eos_rate = float((resp == eos).any(1).float().mean())
         distinct = sum(len(set(g)) for g in resp[:, 0].view(-1, args.n).tolist()) / args.prompts
         curve.append({"step": step, "reward": round(float(rewards.mean()), 4), "in_alphabet": round(first_in_alphabet, 3),
-                      "eos": round(eos_rate, 3), "distinct": round(distinct, 2), "entropy": round(float(entropy), 3), "s": round(time.time() - t0, 1)})
+                      "eos": round(eos_rate, 3), "distinct": round(distinct, 2), "entropy": round(float(entropy.detach()), 3), "s": round(time.time() - t0, 1)})
         print(json.dumps(curve[-1]), flush=True)
         avg = sum(c["reward"] for c in curve[-5:]) / len(curve[-5:])
         if hit_step is None and len(curve) >= 5 and avg >= args.target:
