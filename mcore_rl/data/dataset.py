@@ -81,7 +81,7 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, Any]]:
         for batch_start, batch in _parquet_batches(pq.ParquetFile(path)):
             for j, row in enumerate(batch.to_pylist()):
                 yield batch_start + j, row
-    elif path.suffix in (".jsonl", ".json"):
+    elif path.suffix == ".jsonl":
         with open(path, encoding="utf-8") as f:
             for i, line in enumerate(f):
                 if not line.strip():
