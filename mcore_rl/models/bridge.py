@@ -24,7 +24,7 @@ import torch
 
 from mcore_rl.config import ModelConfig, ParallelConfig
 from mcore_rl.platform import Platform
-from mcore_rl.platform.shm_gather import GroupGather
+from mcore_rl.platform.shm_gather import Arena, GroupGather
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ def _as_shard_view(canonical: str, shard: torch.Tensor, gated: bool) -> torch.Te
 def _merge(canonical: str, shards: list[torch.Tensor], partition_dim: int, gated: bool) -> torch.Tensor:
     if len(shards) == 1 or partition_dim < 0:
         return shards[0]
-    full = _empty_merged(shards[0], len(shards), partition_dim)
+    full = shards[0].new_empty(_merged_shape(shards[0], len(shards), partition_dim))
     for view, shard in zip(_shard_views(canonical, full, len(shards), partition_dim, gated), shards):
         view.copy_(_as_shard_view(canonical, shard, gated))
     return full
@@ -390,6 +390,7 @@ class ModelBridge:
         num_local = (self.transformer_config.num_moe_experts or 0) // ep
         # ETP gathers EP-gathered experts: with ETP > 1 a rank needs the EP step's data even if it yields nothing
         ep_receive = receive or (etp > 1 and any(x.is_expert and x.pdim >= 0 for x in batch))
+        alloc = self._output_allocator(batch, receive, ep_receive, tp, ep, etp)
         full: dict[int, list[torch.Tensor]] = {}  # batch index -> full tensors (several for experts: one per EP rank)
         names: dict[int, list[str]] = {}
         tp_items, ep_items, etp_items = [], [], []
@@ -397,11 +398,12 @@ class ModelBridge:
             if x.is_expert:
                 prefix, gid = x.canonical.rsplit(".weight", 1)
                 names[i] = [f"{prefix}.weight{e * num_local + int(gid) % num_local}" for e in range(ep)]
-                full[i] = [x.tensor if e == ep_rank or not ep_receive else torch.empty_like(x.tensor) for e in range(ep)]
+                full[i] = [x.tensor if e == ep_rank or not ep_receive else alloc(x.tensor.shape, x.tensor.dtype)
+                           for e in range(ep)]
                 if ep > 1:
                     ep_items.append((x.tensor, full[i] if ep_receive else None))
             elif x.pdim >= 0 and tp > 1:
-                merged = _empty_merged(x.tensor, tp, x.pdim) if receive else None
+                merged = alloc(_merged_shape(x.tensor, tp, x.pdim), x.tensor.dtype) if receive else None
                 views = _shard_views(x.canonical, merged, tp, x.pdim, gated) if receive else None
                 tp_items.append((_as_shard_view(x.canonical, x.tensor, gated), views))
                 full[i] = [merged]
@@ -409,7 +411,7 @@ class ModelBridge:
         self._all_gather_into(ep_items, ep_group, ep_receive)
         for i, x in enumerate(batch):
             if x.is_expert and x.pdim >= 0 and etp > 1:
-                merged = [_empty_merged(shard, etp, x.pdim) if receive else None for shard in full[i]]
+                merged = [alloc(_merged_shape(shard, etp, x.pdim), shard.dtype) if receive else None for shard in full[i]]
                 for name, shard, m in zip(names[i], full[i], merged):
                     views = _shard_views(name, m, etp, x.pdim, gated) if receive else None
                     etp_items.append((_as_shard_view(name, shard, gated), views))
@@ -421,6 +423,24 @@ class ModelBridge:
         for i, x in enumerate(batch):
             for name, tensor in zip(names.get(i, [x.canonical]), full.pop(i, [x.tensor])):
                 yield from zip(*self._backend.to_hf(name, tensor))
+
+    def _output_allocator(self, batch: list["_Exported"], receive: bool, ep_receive: bool, tp: int, ep: int, etp: int):
+        """`alloc(shape, dtype)` for a batch's gathered tensors: carved from one reused arena on CPU (fresh
+        buffers would pay page faults on every byte), plain torch.empty elsewhere."""
+        if self.platform.device.type != "cpu":
+            return lambda shape, dtype: torch.empty(shape, dtype=dtype, device=self.platform.device)
+        needs = []
+        for x in batch:
+            shape, dtype = tuple(x.tensor.shape), x.tensor.dtype
+            if x.is_expert:
+                needs += [(shape, dtype)] * ((ep - 1) if ep_receive else 0)
+                if x.pdim >= 0 and etp > 1 and receive:
+                    needs += [(_merged_shape(x.tensor, etp, x.pdim), dtype)] * ep
+            elif x.pdim >= 0 and tp > 1 and receive:
+                needs.append((_merged_shape(x.tensor, tp, x.pdim), dtype))
+        if not needs:
+            return None
+        return self._gather.buffers.take(Arena.bytes_for(needs)).empty
 
     def _all_gather_into(self, items: list, group, receive: bool) -> None:
         if items:  # every rank of the group has the same batch structure, so all skip or none
@@ -450,10 +470,10 @@ def _mark_experts_expert_parallel(chunk: torch.nn.Module) -> None:
             setattr(p, "allreduce", False)
 
 
-def _empty_merged(shard: torch.Tensor, parts: int, partition_dim: int) -> torch.Tensor:
+def _merged_shape(shard: torch.Tensor, parts: int, partition_dim: int) -> tuple[int, ...]:
     shape = list(shard.shape)
     shape[partition_dim] *= parts
-    return torch.empty(shape, dtype=shard.dtype, device=shard.device)
+    return tuple(shape)
 
 
 def save_hf_checkpoint(named_tensors, out_dir: str, hf_config, source_dir: Optional[str] = None,
