@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup demo test test-fast setup-vllm test-vllm clean
+.PHONY: setup artifacts demo test test-fast setup-vllm test-vllm clean
 
 $(BIN)/mcore-rl: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -16,9 +16,21 @@ $(BIN)/mcore-rl: pyproject.toml
 
 setup: $(BIN)/mcore-rl
 
+ARTIFACTS ?= artifacts
+PRESET ?= configs/tiny/gspo_cpu.yaml
+
+$(ARTIFACTS)/tiny-qwen3-moe/config.json: | setup
+	$(BIN)/mcore-rl make-tiny --out $(ARTIFACTS)/tiny-qwen3-moe --seed 0
+
+$(ARTIFACTS)/task/train.parquet: | setup
+	$(BIN)/mcore-rl make-task --out $(ARTIFACTS)/task
+
+artifacts: $(ARTIFACTS)/tiny-qwen3-moe/config.json $(ARTIFACTS)/task/train.parquet
+
 # Quick start 1: set up, make the tiny model and task, train GSPO with 2 processes, plot.
-demo: setup
-	$(BIN)/mcore-rl train configs/tiny/gspo_cpu.yaml
+# Another preset: make demo PRESET=configs/tiny/sapo_cpu.yaml
+demo: setup artifacts
+	$(BIN)/mcore-rl train $(PRESET)
 
 # Quick start 2: the whole test suite (fast subset: make test-fast).
 test: setup
