@@ -42,3 +42,10 @@ def test_rounds_respect_the_chunk_limit_and_alignment():
     for r in rounds:
         assert _round_bytes(r) <= 4096
         assert all(p.offset % 64 == 0 for p in r)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc,tp,ep,etp", [(2, 1, 2, 1), (2, 2, 1, 2), (4, 2, 2, 2)], ids=["ep2", "tp2", "tp2-ep2-etp2"])
+def test_export_over_shared_memory_is_bit_exact(tiny_model_dir, nproc, tp, ep, etp):
+    out = run_torchrun(REPO / "tests" / "workers" / "shm_export_check.py", nproc, tiny_model_dir, tp, ep, etp, timeout=240)
+    assert f"SHM_EXPORT_OK {tp} {ep} {etp}" in out

@@ -1,0 +1,68 @@
+"""Worker: the exporter over shared memory gives every HF tensor bit-identical to the checkpoint.
+
+    torchrun --nproc_per_node=N tests/workers/shm_export_check.py TINY_DIR TP EP ETP
+Loads the tiny checkpoint into a real Megatron model in the given layout and exports it three ways, each
+compared exactly (all names, shapes, dtypes, bits) with the checkpoint's safetensors: shared memory with tiny
+gather batches and rounds (many batches, tensors split over rounds), shared memory where only rank 0
+receives (the others must yield nothing), and the torch.distributed fallback (ranks claim different hosts).
+Prints "SHM_EXPORT_OK" on rank 0.
+"""
+
+import glob
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from mcore_rl.config import ModelConfig, ParallelConfig
+from mcore_rl.megatron.parallel import destroy_parallel, init_parallel
+from mcore_rl.models.bridge import ModelBridge
+from mcore_rl.platform import get_platform
+from mcore_rl.platform.shm_gather import GroupGather
+
+
+def check_export(bridge, chunks, expected: dict, what: str, receive: bool = True, batch_mb: float = 0.01) -> None:
+    got = {name: t.clone() for name, t in bridge.export_hf_weights(chunks, gather_batch_mb=batch_mb, receive=receive)}
+    if not receive:
+        assert not got, f"{what}: a rank with receive=False yielded {len(got)} tensors"
+        return
+    assert set(got) == set(expected), f"{what}: missing {sorted(set(expected) - set(got))[:3]}, extra {sorted(set(got) - set(expected))[:3]}"
+    for name, want in expected.items():
+        t = got[name]
+        assert t.dtype == want.dtype and t.shape == want.shape, f"{what}: {name} {t.dtype}{tuple(t.shape)} vs {want.dtype}{tuple(want.shape)}"
+        assert torch.equal(t.view(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), f"{what}: {name} differs"
+
+
+def main() -> None:
+    tiny_dir, tp, ep, etp = sys.argv[1], *map(int, sys.argv[2:5])
+    platform = get_platform("cpu")
+    platform.init_distributed()
+    rank = dist.get_rank()
+    parallel = ParallelConfig(tp=tp, ep=ep, etp=etp, sequence_parallel=tp > 1)
+    bridge = ModelBridge(tiny_dir, platform)
+    info = init_parallel(parallel, platform, bridge.hf_config)
+    chunks = bridge.build_model(info.effective_parallel(parallel), ModelConfig(path=tiny_dir, dtype="float32"))
+    bridge.load_hf_weights(chunks)
+    expected = {}
+    for f in sorted(glob.glob(os.path.join(tiny_dir, "*.safetensors"))):
+        expected.update(load_file(f))
+    expected = {k: v.to(torch.float32) for k, v in expected.items()}
+
+    bridge._gather = GroupGather(max_chunk_bytes=4096)  # many rounds per batch, tensors split across rounds
+    check_export(bridge, chunks, expected, "shm")
+    check_export(bridge, chunks, expected, "shm, large batches", batch_mb=64)
+    check_export(bridge, chunks, expected, "shm, rank 0 receives only", receive=rank == 0)
+    check_export(bridge, chunks, expected, "shm again (arenas reused)")
+    bridge._gather = GroupGather(host_id=lambda: f"host-of-rank-{rank}")
+    check_export(bridge, chunks, expected, "torch.distributed fallback")
+    assert not bridge._gather.uses_shared_memory(None)
+    dist.barrier()
+    if rank == 0:
+        print("SHM_EXPORT_OK", tp, ep, etp, flush=True)
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    main()
