@@ -159,6 +159,8 @@ class _ShmSegments:
         wrote = self.peers_receive and nbytes <= self.capacity[slot]
         if wrote:
             self._write(round_, slot)
+        if receive:  # our own shards first: a peer still writing its shards meanwhile costs us no waiting
+            self._copy_own(round_)
         mine = torch.tensor([self.calls, index, nbytes, digest, int(receive), int(wrote)], dtype=torch.int64)
         every = torch.empty(self.world * 6, dtype=torch.int64)
         dist.all_gather_into_tensor(every, mine, group=self.group)
@@ -185,14 +187,18 @@ class _ShmSegments:
         for p in round_:
             own[p.offset:p.offset + p.nbytes].view(p.src.dtype).view(p.src.shape).copy_(p.src)
 
+    def _copy_own(self, round_: list[_Piece]) -> None:
+        for p in round_:
+            dst = p.dsts[self.rank]
+            if not _same_memory(dst, p.src):
+                dst.copy_(p.src)
+
     def _read(self, round_: list[_Piece], slot: int) -> None:
         segments = self.views[slot]
         for p in round_:
             for r, dst in enumerate(p.dsts):
                 if r != self.rank:
                     dst.copy_(segments[r][p.offset:p.offset + p.nbytes].view(p.src.dtype).view(p.src.shape))
-                elif not _same_memory(dst, p.src):
-                    dst.copy_(p.src)
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
