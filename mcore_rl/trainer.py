@@ -325,6 +325,7 @@ class Trainer:
         self.metrics.close()
         if cfg.checkpoint.save_hf:
             self.export_hf(self.run_dir / "hf")
+        self.engine.close()
         if self.rank == 0:
             from mcore_rl.plot import plot_run
 

@@ -33,6 +33,29 @@ class RolloutSample:
     routed_experts: Optional[torch.Tensor] = None
 
 
+def check_token_ids(seqs: list[list[int]], what: str, vocab_size: int) -> None:
+    """Every sequence non-empty, every id inside the vocabulary (a bad id would crash deep in the engine)."""
+    for i, s in enumerate(seqs):
+        if not s:
+            raise ValueError(f"{what} {i} is empty")
+        bad = [t for t in s if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{what} {i} has token ids {bad[:3]} outside the vocabulary [0, {vocab_size})")
+
+
+def check_generate_request(prompts: list[list[int]], n: int, params: SamplingParams, vocab_size: int) -> None:
+    """The checks every engine's generate() makes before any work."""
+    if not prompts:
+        raise ValueError("generate() got no prompts")
+    if n < 1:
+        raise ValueError(f"n={n} samples per prompt; use n >= 1")
+    if params.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={params.max_new_tokens}; use >= 1")
+    if params.temperature < 0 or not 0 < params.top_p <= 1:
+        raise ValueError(f"temperature={params.temperature} (>= 0) / top_p={params.top_p} (in (0, 1]) out of range")
+    check_token_ids(prompts, "prompt", vocab_size)
+
+
 class RolloutEngine(abc.ABC):
     """Generates responses and receives new weights from the actor."""
 
@@ -61,6 +84,9 @@ class RolloutEngine(abc.ABC):
         """Recreate the model from complete weights by a path known to be exact (the fallback after a sync
         fails verification)."""
         raise NotImplementedError(f"{type(self).__name__} has no exact rebuild path; use rollout.verify_fallback=error")
+
+    def close(self) -> None:
+        """Release the engine before the process groups go away. Default: no-op."""
 
     def sleep(self) -> None:
         """Release memory while the actor trains (colocated). Default: no-op."""

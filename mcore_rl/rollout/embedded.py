@@ -29,7 +29,8 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
-from mcore_rl.rollout.base import RolloutEngine, RolloutSample, SamplingParams
+from mcore_rl.rollout.base import (RolloutEngine, RolloutSample, SamplingParams, check_generate_request,
+                                   check_token_ids)
 
 log = logging.getLogger(__name__)
 
@@ -278,15 +279,6 @@ class EmbeddedEngine(RolloutEngine):
         except TypeError:
             return DynamicCache()
 
-    def _check_tokens(self, seqs: list[list[int]], what: str) -> None:
-        vocab = self.config.vocab_size
-        for i, s in enumerate(seqs):
-            if not s:
-                raise ValueError(f"{what} {i} is empty")
-            bad = [t for t in s if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"{what} {i} has token ids {bad[:3]} outside the vocabulary [0, {vocab})")
-
     # ----- generate -----
 
     @torch.no_grad()
@@ -304,15 +296,7 @@ class EmbeddedEngine(RolloutEngine):
         return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
 
     def _check_sampling(self, prompts: list[list[int]], n: int, params: SamplingParams) -> None:
-        if not prompts:
-            raise ValueError("generate() got no prompts")
-        if n < 1:
-            raise ValueError(f"n={n} samples per prompt; use n >= 1")
-        if params.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={params.max_new_tokens}; use >= 1")
-        if params.temperature < 0 or not 0 < params.top_p <= 1:
-            raise ValueError(f"temperature={params.temperature} (>= 0) / top_p={params.top_p} (in (0, 1]) out of range")
-        self._check_tokens(prompts, "prompt")
+        check_generate_request(prompts, n, params, self.config.vocab_size)
         limit = getattr(self.config, "max_position_embeddings", None)
         longest = max(len(p) for p in prompts)
         if limit is not None and longest + params.max_new_tokens > limit:
@@ -400,7 +384,7 @@ class EmbeddedEngine(RolloutEngine):
             raise ValueError(f"score(): {len(sequences)} sequences but {len(prompt_lens)} prompt lengths")
         if temperature <= 0:
             raise ValueError(f"score(): temperature={temperature}; log-probs need temperature > 0")
-        self._check_tokens(sequences, "sequence")
+        check_token_ids(sequences, "sequence", self.config.vocab_size)
         for i, (s, p) in enumerate(zip(sequences, prompt_lens)):
             if not 1 <= p < len(s):
                 raise ValueError(f"sequence {i}: prompt_len {p} must be in [1, {len(s) - 1}] for length {len(s)}")

@@ -70,7 +70,8 @@ from typing import Any, Iterable, Optional, Union
 import torch
 
 from mcore_rl.config import RolloutConfig
-from mcore_rl.rollout.base import RolloutEngine, RolloutSample, SamplingParams
+from mcore_rl.rollout.base import (RolloutEngine, RolloutSample, SamplingParams, check_generate_request,
+                                   check_token_ids)
 
 log = logging.getLogger(__name__)
 
@@ -519,24 +520,8 @@ class VllmEngine(RolloutEngine):
 
     # ----- generate / score -----
 
-    def _check_tokens(self, seqs: list[list[int]], what: str) -> None:
-        for i, s in enumerate(seqs):
-            if not s:
-                raise ValueError(f"{what} {i} is empty")
-            bad = [t for t in s if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"{what} {i} has token ids {bad[:3]} outside the vocabulary [0, {self.vocab_size})")
-
     def _check_sampling(self, prompts: list[list[int]], n: int, params: SamplingParams) -> None:
-        if not prompts:
-            raise ValueError("generate() got no prompts")
-        if n < 1:
-            raise ValueError(f"n={n} samples per prompt; use n >= 1")
-        if params.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={params.max_new_tokens}; use >= 1")
-        if params.temperature < 0 or not 0 < params.top_p <= 1:
-            raise ValueError(f"temperature={params.temperature} (>= 0) / top_p={params.top_p} (in (0, 1]) out of range")
-        self._check_tokens(prompts, "prompt")
+        check_generate_request(prompts, n, params, self.vocab_size)
         if params.top_k > 0 or params.top_p < 1:
             self._log_once("filtered", "vLLM engine: with top-k/top-p the returned log-probs are renormalised over "
                            "the kept tokens (the trainer's log_softmax(logits/T) is not)")
@@ -611,7 +596,7 @@ class VllmEngine(RolloutEngine):
             raise ValueError(f"score(): {len(sequences)} sequences but {len(prompt_lens)} prompt lengths")
         if temperature <= 0:
             raise ValueError(f"score(): temperature={temperature}; log-probs need temperature > 0")
-        self._check_tokens(sequences, "sequence")
+        check_token_ids(sequences, "sequence", self.vocab_size)
         for i, (s, p) in enumerate(zip(sequences, prompt_lens)):
             if not 1 <= p < len(s):
                 raise ValueError(f"sequence {i}: prompt_len {p} must be in [1, {len(s) - 1}] for length {len(s)}")
