@@ -1,10 +1,11 @@
 """Per-step metrics on rank 0: JSONL (crash-safe), TensorBoard, optional W&B, and a progress line.
 
-Metric names are flat strings; the plot groups them by name. Names the trainer is expected to use:
-  reward_mean, reward_std, val_reward_mean, response_len_mean, pg_loss, loss, kl_ref, approx_kl_old,
-  entropy, clipfrac_upper, clipfrac_lower, dual_clipfrac, grad_norm, rollout_mismatch_k3, is_weight_mean,
-  tokens_per_s, time_rollout_s, time_old_logprob_s, time_ref_logprob_s, time_update_s, time_sync_s, time_step_s.
-Any other numeric key is logged and plotted as well.
+Metric names are flat strings, "section/name"; the plot groups them by name. The trainer logs:
+  reward/{mean,std,errors}, val/reward_mean, response/{length_mean,length_max,clip_ratio},
+  train/{loss,pg_loss,kl_ref,approx_kl_old,entropy_old,clipfrac_upper,clipfrac_lower,dual_clipfrac,grad_norm,
+  lr,rollout_mismatch_k3,is_weight_mean}, routing/{token_mismatch,expert_mismatch}, perf/{tokens_per_s,
+  rollout_tokens_per_s,step_seconds}, time/{rollout,old_logprob,ref_logprob,update,sync}, sync/{seconds,gb_per_s,
+  verify_max_diff,verify_mean_diff,rebuilt}. Any other numeric key is logged and plotted as well.
 
 JSONL lines are appended and flushed one step at a time, so a crash loses at most the step being written;
 on resume from step S, lines of steps > S (logged after the checkpoint, replayed now) are dropped first.
@@ -25,8 +26,8 @@ from typing import Any, Mapping, Optional
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
-REWARD_KEYS = ("reward_mean", "reward")
-THROUGHPUT_KEYS = ("tokens_per_s",)
+REWARD_KEYS = ("reward/mean", "reward_mean", "reward")
+THROUGHPUT_KEYS = ("perf/tokens_per_s", "tokens_per_s")
 
 
 def to_python(value: Any) -> Any:

@@ -13,7 +13,6 @@ never need a cross-rank gather for advantages because every rank holds every gro
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random

@@ -75,7 +75,8 @@ def load_hf(run_dir: Path) -> dict[str, torch.Tensor]:
 ])
 def test_short_run(tiny_model_dir, task, tmp_path, preset, extra):
     run_dir = tmp_path / "run"
-    run_train(preset, overrides(tiny_model_dir, task, run_dir, **extra))
+    out = run_train(preset, overrides(tiny_model_dir, task, run_dir, **extra))
+    assert "step 4/4 reward " in out and "tok/s" in out  # the progress line a person watches
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     clip_keys = ("train/clipfrac_upper", "train/clipfrac_lower") if preset.startswith("gspo") else ()  # SAPO never clips
