@@ -2,7 +2,8 @@
 
 - a short GSPO (EP2, rollout routing replay) and SAPO (TP2 + KL + entropy, old-policy routing replay) run
   writes metrics, checkpoints, plots and a HF export
-- resume is exact: 4 steps straight == 2 steps, SIGKILL, resume to 4 (final weights and metrics)
+- a SIGKILL while the step-4 checkpoint is being written leaves step 2 loadable, and resuming from it
+  reproduces the uninterrupted run exactly (final weights and metrics)
 """
 
 import json
@@ -110,34 +111,58 @@ def test_short_run(tiny_model_dir, task, tmp_path, preset, extra):
         assert had_gradient
 
 
-def _wait_for_checkpoint(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float) -> None:
-    marker = run_dir / "checkpoints" / f"step_{step:08d}"
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every process under it. torchrun's workers live in their own sessions, so
+    killing the launcher's process group alone would leave them running (and finishing the checkpoint)."""
+    import psutil
+
+    victims = [psutil.Process(proc.pid)]
+    try:
+        victims += victims[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        pass
+    for p in victims:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+    psutil.wait_procs(victims[1:], timeout=30)
+
+
+def _wait_for_checkpoint_write(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float) -> None:
+    """Return as soon as checkpoint `step` is being written (its .tmp folder exists, not yet published)."""
+    tmp = run_dir / "checkpoints" / f"step_{step:08d}.tmp"
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if is_complete(marker):
+        if tmp.exists():
             return
         if proc.poll() is not None:
-            raise AssertionError(f"training exited ({proc.returncode}) before checkpoint {step}")
-        time.sleep(0.05)
-    raise AssertionError(f"no checkpoint {step} within {timeout} s")
+            raise AssertionError(f"training exited ({proc.returncode}) before writing checkpoint {step}")
+        time.sleep(0.01)
+    raise AssertionError(f"checkpoint {step} was not being written within {timeout} s")
 
 
-def test_resume_is_exact(tiny_model_dir, task, tmp_path):
+def test_kill_during_checkpoint_write_then_exact_resume(tiny_model_dir, task, tmp_path):
+    """4 steps straight == the same run SIGKILLed while writing its step-4 checkpoint, then resumed."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, straight))
 
-    # Same run, killed (SIGKILL to the whole process group) right after the step-2 checkpoint is published.
     proc = subprocess.Popen(train_cmd("gspo_cpu.yaml", overrides(tiny_model_dir, task, resumed)), cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:
-        _wait_for_checkpoint(proc, resumed, 2, timeout=240)
+        _wait_for_checkpoint_write(proc, resumed, 4, timeout=240)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        kill_job(proc)  # torchrun and both ranks, mid-write
+    from mcore_rl.run_dir import CheckpointManager
+
+    assert not is_complete(resumed / "checkpoints" / "step_00000004")
+    assert CheckpointManager(resumed).latest().step == 2  # the previous checkpoint is still the newest complete
     assert not (resumed / "hf").exists()  # it really died before the end
+
     out = run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, resumed))
-    assert "resumed from" in out
+    assert "resumed from" in out and "step_00000002" in out, out[-3000:]
 
     a, b = load_hf(straight), load_hf(resumed)
     assert a.keys() == b.keys()
