@@ -19,24 +19,25 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ParallelInfo:
-    """Sizes and this rank's coordinates; `layout` holds the validated derived sizes."""
+    """This rank's coordinates; the sizes come from `layout`, the validated derived layout."""
 
     rank: int
-    world_size: int
-    tp: int
-    pp: int
-    cp: int
-    dp: int
-    ep: int
-    etp: int
     tp_rank: int
     pp_rank: int
     cp_rank: int
     dp_rank: int
     ep_rank: int
     etp_rank: int
-    sequence_parallel: bool
     layout: DerivedLayout
+
+    world_size = property(lambda self: self.layout.world_size)
+    tp = property(lambda self: self.layout.tp)
+    pp = property(lambda self: self.layout.pp)
+    cp = property(lambda self: self.layout.cp)
+    dp = property(lambda self: self.layout.dp)
+    ep = property(lambda self: self.layout.ep)
+    etp = property(lambda self: self.layout.etp)
+    sequence_parallel = property(lambda self: self.layout.sequence_parallel)
 
     @property
     def is_first_stage(self) -> bool:
@@ -84,12 +85,11 @@ def init_parallel(parallel: ParallelConfig, platform: Platform, hf_config, seed:
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return ParallelInfo(
-        rank=torch.distributed.get_rank(), world_size=world_size,
-        tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, dp=layout.dp, ep=parallel.ep, etp=parallel.expert_tp,
+        rank=torch.distributed.get_rank(),
         tp_rank=mpu.get_tensor_model_parallel_rank(), pp_rank=mpu.get_pipeline_model_parallel_rank(),
         cp_rank=mpu.get_context_parallel_rank(), dp_rank=mpu.get_data_parallel_rank(),
         ep_rank=mpu.get_expert_model_parallel_rank(), etp_rank=mpu.get_expert_tensor_parallel_rank(),
-        sequence_parallel=layout.sequence_parallel, layout=layout,
+        layout=layout,
     )
 
 
