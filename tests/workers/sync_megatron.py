@@ -8,35 +8,23 @@ Prints one line "RESULT {json}" on rank 0; any failed check raises.
 
 import json
 import logging
+import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-from mcore_rl.config import ModelConfig, ParallelConfig
-from mcore_rl.models.bridge import ModelBridge
-from mcore_rl.megatron.parallel import destroy_parallel, init_parallel
-from mcore_rl.platform import get_platform
+from mcore_rl.megatron.parallel import destroy_parallel
 from mcore_rl.rollout.base import SamplingParams
 from mcore_rl.rollout.embedded import EmbeddedEngine
 from mcore_rl.rollout.weight_sync import ProbeBatch, SyncVerificationError, sync_weights, verify_sync
 
+sys.path.insert(0, os.path.dirname(__file__))
+from sync_actor import actor_logprobs, build_actor, tp_group  # noqa: E402
+
 TOL = 1e-4
 
 
-def tp_group():
-    from megatron.core import parallel_state as mpu
-
-    return mpu.get_tensor_model_parallel_group(), mpu.get_tensor_model_parallel_world_size()
-
-
-def gather_last_dim(x: torch.Tensor) -> torch.Tensor:
-    group, size = tp_group()
-    if size == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
 
 
 class RouterTap:
@@ -69,24 +57,6 @@ class RouterTap:
         return torch.stack(per_layer, 1)
 
 
-def actor_forward(model, seq: list[int], tp: int) -> torch.Tensor:
-    """Full-vocabulary fp32 logits [len(seq), V]; right-padded to a multiple of tp for sequence parallelism."""
-    width = -(-len(seq) // tp) * tp
-    ids = torch.tensor([seq + [0] * (width - len(seq))])
-    pos = torch.arange(width)[None]
-    logits = model(input_ids=ids, position_ids=pos, attention_mask=None)
-    return gather_last_dim(logits.float())[0, :len(seq)]
-
-
-def make_reference(model, tp):
-    @torch.no_grad()
-    def logprobs(sequences, prompt_lens, temperature):
-        out = []
-        for s, p in zip(sequences, prompt_lens):
-            lp = torch.log_softmax(actor_forward(model, s, tp) / temperature, -1)[:-1]
-            out.append(lp.gather(-1, torch.tensor(s[1:])[:, None])[p - 1:, 0])
-        return out
-    return logprobs
 
 
 def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -102,17 +72,10 @@ def perturb(model) -> None:
 
 def main(layout: str, engine_ckpt: str, actor_ckpt: str) -> None:
     logging.basicConfig(level=logging.WARNING)
-    parallel = {"tp2": ParallelConfig(tp=2, sequence_parallel=True), "ep2": ParallelConfig(ep=2)}[layout]
-    platform = get_platform("cpu")
-    bridge = ModelBridge(actor_ckpt, platform)
-    info = init_parallel(parallel, platform, bridge.hf_config)
-    parallel = info.effective_parallel(parallel)
-    (model,) = bridge.build_model(parallel, ModelConfig(path=actor_ckpt, dtype="float32"))
-    bridge.load_hf_weights([model], actor_ckpt)
-    model.eval()
+    bridge, model, parallel = build_actor(layout, actor_ckpt)
     rank = dist.get_rank()
     engine = EmbeddedEngine(engine_ckpt) if rank == 0 else None
-    reference = make_reference(model, parallel.tp)
+    reference = actor_logprobs(model, parallel.tp)
     export = lambda: bridge.export_hf_weights([model])  # noqa: E731
     probe = ProbeBatch.random(bridge.hf_config.vocab_size, num_seqs=3, prompt_len=6, response_len=18, seed=4)
     result = {"layout": layout}

@@ -14,45 +14,24 @@ Rank 0 prints one line "RESULT {json}".
 
 import json
 import logging
+import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-from mcore_rl.config import ModelConfig, ParallelConfig, RolloutConfig
-from mcore_rl.megatron.parallel import destroy_parallel, init_parallel
-from mcore_rl.models.bridge import ModelBridge
-from mcore_rl.platform import get_platform
+from mcore_rl.config import RolloutConfig
+from mcore_rl.megatron.parallel import destroy_parallel
 from mcore_rl.rollout.base import SamplingParams
 from mcore_rl.rollout.vllm_engine import VllmEngine
 from mcore_rl.rollout.weight_sync import ProbeBatch, SyncVerificationError, sync_weights, verify_sync
 
+sys.path.insert(0, os.path.dirname(__file__))
+from sync_actor import actor_logprobs, build_actor  # noqa: E402
+
 TOL = 0.01  # nats: the issue's bound for the vLLM engine
 
 
-def full_logits(model, seq: list[int], tp: int) -> torch.Tensor:
-    """[len(seq), V] fp32 logits of the actor; padded to a multiple of tp (sequence parallel), TP shards gathered."""
-    from megatron.core import parallel_state as mpu
-
-    width = -(-len(seq) // tp) * tp
-    ids = torch.tensor([seq + [0] * (width - len(seq))])
-    logits = model(input_ids=ids, position_ids=torch.arange(width)[None], attention_mask=None).float()
-    if tp > 1:
-        parts = [torch.empty_like(logits) for _ in range(tp)]
-        dist.all_gather(parts, logits.contiguous(), group=mpu.get_tensor_model_parallel_group())
-        logits = torch.cat(parts, -1)
-    return logits[0, :len(seq)]
-
-
-def actor_logprobs(model, tp: int):
-    @torch.no_grad()
-    def fn(sequences, prompt_lens, temperature):
-        out = []
-        for s, p in zip(sequences, prompt_lens):
-            lp = torch.log_softmax(full_logits(model, s, tp) / temperature, -1)[:-1]
-            out.append(lp.gather(-1, torch.tensor(s[1:])[:, None])[p - 1:, 0])
-        return out
-    return fn
 
 
 @torch.no_grad()
@@ -65,14 +44,7 @@ def move_actor(model, seed: int, scale: float = 0.02) -> None:
 
 def main(layout: str, rollout_tp: str, engine_ckpt: str, actor_ckpt: str, reload: str, rounds: str = "3") -> None:
     logging.basicConfig(level=logging.WARNING)
-    parallel = {"tp2": ParallelConfig(tp=2, sequence_parallel=True), "ep2": ParallelConfig(ep=2)}[layout]
-    platform = get_platform("cpu")
-    bridge = ModelBridge(actor_ckpt, platform)
-    info = init_parallel(parallel, platform, bridge.hf_config)
-    parallel = info.effective_parallel(parallel)
-    (model,) = bridge.build_model(parallel, ModelConfig(path=actor_ckpt, dtype="float32"))
-    bridge.load_hf_weights([model], actor_ckpt)
-    model.eval()
+    bridge, model, parallel = build_actor(layout, actor_ckpt)
     engine = VllmEngine(RolloutConfig(tp=int(rollout_tp)), engine_ckpt, dtype="float32", max_model_len=256,
                         reload=reload)
     reference = actor_logprobs(model, parallel.tp)
