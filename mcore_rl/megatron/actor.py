@@ -135,7 +135,7 @@ class Actor:
             raise ValueError("no micro-batches given: pass at least one MicroBatch per rank")
         shapes = {tuple(mb.tokens.shape) for mb in micro_batches}
         multiple = self.info.layout.seq_len_multiple
-        for b, s in shapes:
+        for _, s in shapes:
             if s % multiple:
                 raise ValueError(f"sequence length {s} is not a multiple of {multiple} (sequence parallel over tp = "
                                  f"{self.info.tp}): right-pad micro-batches to a multiple of {multiple}")

@@ -62,7 +62,7 @@ class RMSNorm(torch.nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
-        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -467,7 +467,7 @@ def _mark_experts_expert_parallel(chunk: torch.nn.Module) -> None:
     optimizer layout-independent (dense + expert optimizers), so checkpoints load across layouts."""
     for name, p in chunk.named_parameters():
         if ".mlp.experts." in name:
-            setattr(p, "allreduce", False)
+            p.allreduce = False
 
 
 def _merged_shape(shard: torch.Tensor, parts: int, partition_dim: int) -> tuple[int, ...]:

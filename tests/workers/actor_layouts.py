@@ -25,7 +25,6 @@ def main():
 
     platform = get_platform("cpu")
     platform.adapt_megatron()
-    from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
     cfg = Config(platform="cpu", model=ModelConfig(path=model_dir))

@@ -7,7 +7,6 @@ Compared with the reference: the global loss, and the update (after - before) of
 exported with its Hugging Face name. Prints "LAYOUT_OK ..." lines; any mismatch raises.
 """
 
-import dataclasses
 import os
 import sys
 

@@ -4,7 +4,6 @@ Every rank builds the same full logits, keeps its vocabulary slice, and compares
 gradient of its slice with the plain-torch reference. Prints LOGPROB_TP_OK on success.
 """
 
-import os
 
 import torch
 import torch.distributed as dist

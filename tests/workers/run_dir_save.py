@@ -1,6 +1,5 @@
 """torchrun worker: every rank writes its shard into one checkpoint; rank 0 publishes after all are done."""
 
-import os
 import sys
 import time
 from pathlib import Path

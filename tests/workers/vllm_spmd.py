@@ -5,7 +5,6 @@ against a Hugging Face forward and that every rank got identical results.
 usage: torchrun --nproc_per_node=N vllm_spmd.py MODEL_DIR TP
 """
 
-import os
 import sys
 
 import torch
