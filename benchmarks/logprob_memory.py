@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from mcore_rl.megatron.logprobs import vocab_parallel_log_probs  # noqa: E402
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 def _status_kib(field: str) -> int:
@@ -99,15 +99,17 @@ def main():
     torch.manual_seed(0)
     n, v = args.tokens, args.vocab
     if args.with_projection:
-        hidden = (torch.randn(n, args.hidden) / args.hidden ** 0.5).requires_grad_(True)
+        hidden = (torch.randn(n, args.hidden) / args.hidden**0.5).requires_grad_(True)
         weight = torch.randn(v, args.hidden).requires_grad_(True)
         inputs = [hidden, weight]
     else:
         inputs = [(torch.randn(n, v) * 2).requires_grad_(True)]
     target = torch.randint(0, v, (n,))
     g1, g2 = torch.randn(n), torch.randn(n)
-    print(f"tokens={n} vocab={v} hidden={args.hidden if args.with_projection else '-'} fp32, threads={torch.get_num_threads()}, "
-          f"measured: {'hidden/weight -> logits -> ' if args.with_projection else 'logits -> '}log-prob + entropy, forward+backward")
+    print(
+        f"tokens={n} vocab={v} hidden={args.hidden if args.with_projection else '-'} fp32, threads={torch.get_num_threads()}, "
+        f"measured: {'hidden/weight -> logits -> ' if args.with_projection else 'logits -> '}log-prob + entropy, forward+backward"
+    )
     print(f"one [tokens, vocab] fp32 buffer = {n * v * 4 / GIB:.2f} GiB")
 
     # warm-up at a small size so one-off allocations and kernel setup are not timed
@@ -129,7 +131,9 @@ def main():
     m_ours, m_base = (max(m for _, m in results[k]) for k in ("ours", "straightforward"))
     print(f"ours:            time {t_ours:.2f} s, extra peak {m_ours / GIB:.2f} GiB")
     print(f"straightforward: time {t_base:.2f} s, extra peak {m_base / GIB:.2f} GiB")
-    print(f"ratios ours/straightforward: memory {m_ours / m_base:.3f} (target <= 0.5), time {t_ours / t_base:.3f} (target <= 1.2)")
+    print(
+        f"ratios ours/straightforward: memory {m_ours / m_base:.3f} (target <= 0.5), time {t_ours / t_base:.3f} (target <= 1.2)"
+    )
     print(f"max |log_prob difference| = {diff:.2e}")
 
 

@@ -53,7 +53,9 @@ def parse_args(argv=None):
     p.add_argument("--min-lr", type=float, default=None, help="decay lr linearly to this over --steps (None: constant)")
     p.add_argument("--adam-beta1", type=float, default=0.9)
     p.add_argument("--adam-beta2", type=float, default=0.999)
-    p.add_argument("--skip-no-signal", type=int, default=0, help="1: no optimizer step when every group's rewards are equal")
+    p.add_argument(
+        "--skip-no-signal", type=int, default=0, help="1: no optimizer step when every group's rewards are equal"
+    )
     p.add_argument("--std-norm", type=int, default=1, help="1: GRPO advantages (divide by group std); 0: Dr.GRPO")
     p.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus (token-mean) against early collapse")
     p.add_argument("--model-seed", type=int, default=0)
@@ -103,11 +105,15 @@ def main(argv=None):
     from transformers import AutoTokenizer, Qwen3MoeForCausalLM
 
     shape = TinyModelShape(hidden_size=args.hidden, num_hidden_layers=args.layers)
-    spec = TaskSpec(kind=args.task, length=args.task_length, alphabet=args.alphabet, fixed_k=args.fixed_k, count=args.count)
+    spec = TaskSpec(
+        kind=args.task, length=args.task_length, alphabet=args.alphabet, fixed_k=args.fixed_k, count=args.count
+    )
     with tempfile.TemporaryDirectory() as d:
         make_tiny_checkpoint(d, seed=args.model_seed, shape=shape)
         tok = AutoTokenizer.from_pretrained(d)
-        model = Qwen3MoeForCausalLM.from_pretrained(d).float()  # saved in fp32; no dtype kwarg (renamed across transformers 4 -> 5)
+        model = Qwen3MoeForCausalLM.from_pretrained(
+            d
+        ).float()  # saved in fp32; no dtype kwarg (renamed across transformers 4 -> 5)
     model.train()
     opt = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2))
     min_lr = args.lr if args.min_lr is None else args.min_lr
@@ -134,7 +140,7 @@ def main(argv=None):
         rewards = torch.tensor([score(t, g) for t, g in zip(texts, truths)])
         adv = group_advantages(rewards, args.n, bool(args.std_norm))
 
-        logits = model(input_ids=torch.cat([prompt_ids, resp], 1)).logits[:, prompt_ids.shape[1] - 1:-1].float()
+        logits = model(input_ids=torch.cat([prompt_ids, resp], 1)).logits[:, prompt_ids.shape[1] - 1 : -1].float()
         logp_all = torch.log_softmax(logits / args.temperature, -1)
         logp = logp_all.gather(-1, resp[..., None]).squeeze(-1)
         seq_logp = (logp * mask).sum(1) / mask.sum(1)  # seq-mean-token-mean
@@ -149,16 +155,32 @@ def main(argv=None):
         first_in_alphabet = sum(int(r[0]) in alphabet_ids for r in resp) / len(resp)
         eos_rate = float((resp == eos).any(1).float().mean())
         distinct = sum(len(set(g)) for g in resp[:, 0].view(-1, args.n).tolist()) / args.prompts
-        curve.append({"step": step, "reward": round(float(rewards.mean()), 4), "in_alphabet": round(first_in_alphabet, 3),
-                      "eos": round(eos_rate, 3), "distinct": round(distinct, 2), "entropy": round(float(entropy.detach()), 3), "s": round(time.time() - t0, 1)})
+        curve.append(
+            {
+                "step": step,
+                "reward": round(float(rewards.mean()), 4),
+                "in_alphabet": round(first_in_alphabet, 3),
+                "eos": round(eos_rate, 3),
+                "distinct": round(distinct, 2),
+                "entropy": round(float(entropy.detach()), 3),
+                "s": round(time.time() - t0, 1),
+            }
+        )
         print(json.dumps(curve[-1]), flush=True)
         avg = sum(c["reward"] for c in curve[-5:]) / len(curve[-5:])
         if hit_step is None and len(curve) >= 5 and avg >= args.target:
             hit_step = step
             break
 
-    result = {"settings": vars(args), "shape": asdict(shape), "spec": asdict(spec), "chance": chance_reward(spec),
-              "reached_target_at_step": hit_step, "seconds": round(time.time() - t0, 1), "curve": curve}
+    result = {
+        "settings": vars(args),
+        "shape": asdict(shape),
+        "spec": asdict(spec),
+        "chance": chance_reward(spec),
+        "reached_target_at_step": hit_step,
+        "seconds": round(time.time() - t0, 1),
+        "curve": curve,
+    }
     print(json.dumps({k: v for k, v in result.items() if k != "curve"}))
     if args.out:
         with open(args.out, "w") as f:

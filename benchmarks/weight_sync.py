@@ -25,8 +25,17 @@ import time
 import torch
 import torch.distributed as dist
 
-SHAPE = dict(hidden_size=1024, num_hidden_layers=13, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
-             num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512, vocab_size=151936)
+SHAPE = dict(
+    hidden_size=1024,
+    num_hidden_layers=13,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    num_experts=32,
+    num_experts_per_tok=4,
+    moe_intermediate_size=512,
+    vocab_size=151936,
+)
 
 
 def write_config(out_dir: str) -> None:
@@ -82,7 +91,7 @@ def shm_gather_gb_per_s(nbytes: int = 128 << 20, chunk: int = 4 << 20) -> float:
         mine.copy_(shard)
         dist.barrier()
         for r, peer in enumerate(peers):
-            out[r * numel:(r + 1) * numel].copy_(peer)
+            out[r * numel : (r + 1) * numel].copy_(peer)
         dist.barrier()  # a shard is overwritten only after every rank read it
     rate = nbytes * world / 1e9 / (time.perf_counter() - start)
     os.remove(paths[rank])
@@ -95,12 +104,20 @@ def peak_rss_gb() -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layout", choices=["ep2", "tp2", "dp2"], default="ep2",
-                        help="actor layout over the 2 processes; dp2 replicates the model (export needs no gathers)")
+    parser.add_argument(
+        "--layout",
+        choices=["ep2", "tp2", "dp2"],
+        default="ep2",
+        help="actor layout over the 2 processes; dp2 replicates the model (export needs no gathers)",
+    )
     parser.add_argument("--bucket-mb", type=float, default=256.0)
     parser.add_argument("--check", action="store_true", help="compare every synced tensor with the export")
-    parser.add_argument("--trials", type=int, default=3, help="syncs to time; the best is reported (a shared "
-                        "machine's noise only ever slows a run down)")
+    parser.add_argument(
+        "--trials",
+        type=int,
+        default=3,
+        help="syncs to time; the best is reported (a shared machine's noise only ever slows a run down)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
@@ -121,8 +138,11 @@ def main() -> None:
         write_config(model_dir)
     dist.barrier()
 
-    parallel = {"ep2": ParallelConfig(ep=2), "tp2": ParallelConfig(tp=2, sequence_parallel=True),
-                "dp2": ParallelConfig()}[args.layout]
+    parallel = {
+        "ep2": ParallelConfig(ep=2),
+        "tp2": ParallelConfig(tp=2, sequence_parallel=True),
+        "dp2": ParallelConfig(),
+    }[args.layout]
     bridge = ModelBridge(model_dir, platform)
     info = init_parallel(parallel, platform, bridge.hf_config)
     start = time.perf_counter()
@@ -134,16 +154,20 @@ def main() -> None:
         start = time.perf_counter()
         engine = EmbeddedEngine(model_dir, dtype="bfloat16", config=bridge.hf_config)
         engine_params = sum(p.numel() for p in engine.model.parameters())
-        print(f"actor ({args.layout}) built in {build_s:.1f} s, {actor_params / 1e9:.3f}B params on rank 0; "
-              f"engine {engine_params / 1e9:.3f}B params (bf16) in {time.perf_counter() - start:.1f} s", flush=True)
+        print(
+            f"actor ({args.layout}) built in {build_s:.1f} s, {actor_params / 1e9:.3f}B params on rank 0; "
+            f"engine {engine_params / 1e9:.3f}B params (bf16) in {time.perf_counter() - start:.1f} s",
+            flush=True,
+        )
     dist.barrier()
 
     results = []
     for trial in range(args.trials):  # the first pass also pays page faults of fresh buffers
         dist.barrier()
         # ranks without an engine only contribute their shards (over shared memory they skip reading)
-        stats = sync_weights(bridge.export_hf_weights(chunks, receive=engine is not None), engine,
-                             bucket_mb=args.bucket_mb)
+        stats = sync_weights(
+            bridge.export_hf_weights(chunks, receive=engine is not None), engine, bucket_mb=args.bucket_mb
+        )
         results.append(stats)
         if rank == 0:
             print(f"trial {trial}: {stats.summary()}", flush=True)
@@ -162,16 +186,29 @@ def main() -> None:
     if rank == 0:
         memcpy = memcpy_gb_per_s()
         best = max(results, key=lambda s: s.gb_per_s)
-        summary = dict(layout=args.layout, bucket_mb=args.bucket_mb, params=engine_params,
-                       gigabytes=round(best.total_bytes / 1e9, 3), tensors=best.num_tensors,
-                       sync_s=round(best.seconds, 3), export_s=round(best.export_seconds, 3),
-                       load_s=round(best.load_seconds, 3), sync_gb_s=round(best.gb_per_s, 3),
-                       memcpy_gb_s=round(memcpy, 2), gloo_all_gather_gb_s=round(gloo, 2),
-                       shm_all_gather_gb_s=round(shm, 2), ratio=round(best.gb_per_s / memcpy, 3),
-                       peak_rss_gb=rss, max_abs_diff=check)
+        summary = dict(
+            layout=args.layout,
+            bucket_mb=args.bucket_mb,
+            params=engine_params,
+            gigabytes=round(best.total_bytes / 1e9, 3),
+            tensors=best.num_tensors,
+            sync_s=round(best.seconds, 3),
+            export_s=round(best.export_seconds, 3),
+            load_s=round(best.load_seconds, 3),
+            sync_gb_s=round(best.gb_per_s, 3),
+            memcpy_gb_s=round(memcpy, 2),
+            gloo_all_gather_gb_s=round(gloo, 2),
+            shm_all_gather_gb_s=round(shm, 2),
+            ratio=round(best.gb_per_s / memcpy, 3),
+            peak_rss_gb=rss,
+            max_abs_diff=check,
+        )
         print("RESULT " + json.dumps(summary), flush=True)
-        print(f"sync {best.gb_per_s:.2f} GB/s vs memcpy {memcpy:.2f} GB/s = {best.gb_per_s / memcpy:.2f}x "
-              f"(target >= 0.3x)", flush=True)
+        print(
+            f"sync {best.gb_per_s:.2f} GB/s vs memcpy {memcpy:.2f} GB/s = {best.gb_per_s / memcpy:.2f}x "
+            f"(target >= 0.3x)",
+            flush=True,
+        )
     destroy_parallel()
 
 

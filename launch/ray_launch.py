@@ -69,9 +69,14 @@ def assign_ranks(infos: Sequence[tuple[str, Sequence[str]]]) -> list[RankPlaceme
 
 def rank_env(p: RankPlacement, world_size: int, master_addr: str, master_port: int, accelerator: str) -> dict[str, str]:
     env = {
-        "RANK": str(p.rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(p.local_rank),
-        "LOCAL_WORLD_SIZE": str(p.local_world_size), "GROUP_RANK": str(p.node_rank), "NODE_RANK": str(p.node_rank),
-        "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+        "RANK": str(p.rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(p.local_rank),
+        "LOCAL_WORLD_SIZE": str(p.local_world_size),
+        "GROUP_RANK": str(p.node_rank),
+        "NODE_RANK": str(p.node_rank),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
     }
     if accelerator in VISIBLE_DEVICES_ENV and p.visible_devices:
         env[VISIBLE_DEVICES_ENV[accelerator]] = ",".join(p.visible_devices)
@@ -110,13 +115,19 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*")
-    parser.add_argument("--address", default=None, help="Ray cluster address (auto, HOST:PORT); default: start a local Ray")
+    parser.add_argument(
+        "--address", default=None, help="Ray cluster address (auto, HOST:PORT); default: start a local Ray"
+    )
     parser.add_argument("--nnodes", type=int, default=None, help="default trainer.nnodes")
     parser.add_argument("--nproc-per-node", type=int, default=None, help="default trainer.nproc")
-    parser.add_argument("--accelerator", choices=("GPU", "NPU", "CPU"), default=None, help="default from the config's platform")
+    parser.add_argument(
+        "--accelerator", choices=("GPU", "NPU", "CPU"), default=None, help="default from the config's platform"
+    )
     parser.add_argument("--cpus-per-rank", type=float, default=1.0)
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray (no --address)")
-    parser.add_argument("--model-config", default=None, help="config.json for the pre-flight check (default model.path)")
+    parser.add_argument(
+        "--model-config", default=None, help="config.json for the pre-flight check (default model.path)"
+    )
     parser.add_argument("--entry", default="mcore_rl.trainer:run", help="function called with the Config on every rank")
     args, extra = parser.parse_known_args(argv)
     bad = [e for e in extra if e.startswith("-") or "=" not in e]
@@ -140,7 +151,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         world = nnodes * nproc
         accelerator = args.accelerator or {"cuda": "GPU", "npu": "NPU", "cpu": "CPU"}.get(cfg.platform)
         if accelerator is None:
-            raise ConfigError("platform = auto: pass --accelerator GPU|NPU|CPU (or set platform) so the bundles ask for the right device")
+            raise ConfigError(
+                "platform = auto: pass --accelerator GPU|NPU|CPU (or set platform) so the bundles ask for the right device"
+            )
         layout = preflight(cfg, world, args.model_config)
     except (ConfigError, LayoutError) as e:
         print(f"ray_launch: error: {e}", file=sys.stderr)
@@ -165,7 +178,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         options["resources"] = {"NPU": 1}
     Worker = ray.remote(RankWorker)
     workers = [
-        Worker.options(**options, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)).remote()
+        Worker.options(
+            **options, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+        ).remote()
         for i in range(world)
     ]
     try:
@@ -173,8 +188,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         by_rank = sorted(zip(placements, workers), key=lambda pw: pw[0].rank)
         master_addr = by_rank[0][0].node_ip
         master_port = ray.get(by_rank[0][1].free_port.remote())
-        print(f"ray_launch: {world} ranks on {len({p.node_ip for p in placements})} node(s), master {master_addr}:{master_port}", flush=True)
-        pending = [w.run.remote(rank_env(p, world, master_addr, master_port, accelerator), cfg, args.entry) for p, w in by_rank]
+        print(
+            f"ray_launch: {world} ranks on {len({p.node_ip for p in placements})} node(s), master {master_addr}:{master_port}",
+            flush=True,
+        )
+        pending = [
+            w.run.remote(rank_env(p, world, master_addr, master_port, accelerator), cfg, args.entry) for p, w in by_rank
+        ]
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
             ray.get(done[0])  # raises the rank's exception; the finally below stops the other ranks

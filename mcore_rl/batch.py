@@ -47,13 +47,23 @@ class RolloutBatch:
         if self.routed_experts is not None:
             ids = range(self.size)[index] if isinstance(index, slice) else index.tolist()
             routes = [self.routed_experts[i] for i in ids]
-        return RolloutBatch(self.tokens[index], self.loss_mask[index], self.rollout_log_prob[index],
-                            self.advantages[index], self.rewards[index], self.response_lengths[index],
-                            self.prompt_lengths[index], pick(self.old_log_prob), pick(self.ref_log_prob), routes)
+        return RolloutBatch(
+            self.tokens[index],
+            self.loss_mask[index],
+            self.rollout_log_prob[index],
+            self.advantages[index],
+            self.rewards[index],
+            self.response_lengths[index],
+            self.prompt_lengths[index],
+            pick(self.old_log_prob),
+            pick(self.ref_log_prob),
+            routes,
+        )
 
 
-def pack_rollouts(samples: list[RolloutSample], rewards: torch.Tensor, advantages: torch.Tensor, pad_id: int,
-                  multiple: int = 8) -> RolloutBatch:
+def pack_rollouts(
+    samples: list[RolloutSample], rewards: torch.Tensor, advantages: torch.Tensor, pad_id: int, multiple: int = 8
+) -> RolloutBatch:
     """Pack samples (in group order) into right-padded tensors; S is rounded up to `multiple`."""
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     seq_len = -(-max(lengths) // multiple) * multiple
@@ -65,23 +75,33 @@ def pack_rollouts(samples: list[RolloutSample], rewards: torch.Tensor, advantage
     for i, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
         tokens[i, :p] = torch.tensor(s.prompt_ids)
-        tokens[i, p:p + r] = torch.tensor(s.response_ids, dtype=torch.long)
+        tokens[i, p : p + r] = torch.tensor(s.response_ids, dtype=torch.long)
         # response token j sits at column p + j and is predicted at column p + j - 1
-        mask[i, p - 1:p + r - 1] = 1.0
-        rollout_lp[i, p - 1:p + r - 1] = s.logprobs.float()
-        adv[i, p - 1:p + r - 1] = float(advantages[i])
+        mask[i, p - 1 : p + r - 1] = 1.0
+        rollout_lp[i, p - 1 : p + r - 1] = s.logprobs.float()
+        adv[i, p - 1 : p + r - 1] = float(advantages[i])
     routes = [s.routed_experts for s in samples]
     return RolloutBatch(
-        tokens=tokens, loss_mask=mask, rollout_log_prob=rollout_lp, advantages=adv, rewards=rewards.float(),
+        tokens=tokens,
+        loss_mask=mask,
+        rollout_log_prob=rollout_lp,
+        advantages=adv,
+        rewards=rewards.float(),
         response_lengths=torch.tensor([len(s.response_ids) for s in samples]),
         prompt_lengths=torch.tensor([len(s.prompt_ids) for s in samples]),
         routed_experts=routes if all(r is not None for r in routes) else None,
     )
 
 
-def split_for_rank(batch: RolloutBatch, num_mini_batches: int, dp_size: int, dp_rank: int,
-                   micro_batch_size: int, max_len: Optional[int] = None,
-                   pack_routes_for_experts: Optional[int] = None) -> list[tuple[GlobalCounts, list[MicroBatch]]]:
+def split_for_rank(
+    batch: RolloutBatch,
+    num_mini_batches: int,
+    dp_size: int,
+    dp_rank: int,
+    micro_batch_size: int,
+    max_len: Optional[int] = None,
+    pack_routes_for_experts: Optional[int] = None,
+) -> list[tuple[GlobalCounts, list[MicroBatch]]]:
     """For each mini-batch: its global counts and this DP rank's micro-batches.
 
     max_len: the Dr.GRPO denominator L_max (the configured generation length keeps it constant).
@@ -94,7 +114,8 @@ def split_for_rank(batch: RolloutBatch, num_mini_batches: int, dp_size: int, dp_
         raise ValueError(
             f"global batch of {batch.size} sequences does not split into {num_mini_batches} mini-batches x "
             f"{dp_size} data-parallel ranks x micro-batches of {micro_batch_size}: choose data.prompts_per_step x "
-            f"rollout.n divisible by algo.mini_batches x dp x actor.parallel.micro_batch_size")
+            f"rollout.n divisible by algo.mini_batches x dp x actor.parallel.micro_batch_size"
+        )
     out = []
     for m in range(num_mini_batches):
         mini = batch.rows(slice(m * per_mini, (m + 1) * per_mini))
@@ -103,8 +124,11 @@ def split_for_rank(batch: RolloutBatch, num_mini_batches: int, dp_size: int, dp_
         micro = []
         for start in range(0, per_rank, micro_batch_size):
             part = mine.rows(slice(start, start + micro_batch_size))
-            extras = {"loss_mask": part.loss_mask, "advantages": part.advantages,
-                      "rollout_log_prob": part.rollout_log_prob}
+            extras = {
+                "loss_mask": part.loss_mask,
+                "advantages": part.advantages,
+                "rollout_log_prob": part.rollout_log_prob,
+            }
             if part.old_log_prob is not None:
                 extras["old_log_prob"] = part.old_log_prob
             if part.ref_log_prob is not None:
@@ -113,10 +137,13 @@ def split_for_rank(batch: RolloutBatch, num_mini_batches: int, dp_size: int, dp_
                 from mcore_rl.megatron.routing_replay import pack_rollout_routes
 
                 if part.routed_experts is None:
-                    raise ValueError("algo.routing_replay=r3 needs the experts the engine chose, but this engine "
-                                     "returned none (vLLM returns them only on GPU/NPU): use r2 or the embedded engine")
+                    raise ValueError(
+                        "algo.routing_replay=r3 needs the experts the engine chose, but this engine "
+                        "returned none (vLLM returns them only on GPU/NPU): use r2 or the embedded engine"
+                    )
                 extras["routed_experts"], extras["route_valid"] = pack_rollout_routes(
-                    part.routed_experts, part.tokens.shape[1], pack_routes_for_experts)
+                    part.routed_experts, part.tokens.shape[1], pack_routes_for_experts
+                )
             micro.append(MicroBatch(tokens=part.tokens, extras=extras))
         out.append((counts, micro))
     return out

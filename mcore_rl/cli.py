@@ -30,18 +30,24 @@ def model_dims(cfg: Config, model_config: Optional[str] = None) -> ModelDims:
     """Dimensions from --model-config (a config.json) or from model.path's config.json."""
     source = model_config or cfg.model.path
     if not source:
-        raise ConfigError("model.path is empty and no --model-config given: set model.path or pass --model-config CONFIG_JSON")
+        raise ConfigError(
+            "model.path is empty and no --model-config given: set model.path or pass --model-config CONFIG_JSON"
+        )
     path = Path(source)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
         flag = "--model-config" if model_config else "model.path"
-        raise ConfigError(f"{flag} = {source} has no config.json: point it at a Hugging Face checkpoint folder or pass "
-                          f"--model-config with the model's config.json (e.g. configs/qwen3_30b_a3b/config.json)")
+        raise ConfigError(
+            f"{flag} = {source} has no config.json: point it at a Hugging Face checkpoint folder or pass "
+            f"--model-config with the model's config.json (e.g. configs/qwen3_30b_a3b/config.json)"
+        )
     return ModelDims.from_hf(path)
 
 
-def preflight(cfg: Config, world_size: int, model_config: Optional[str] = None, platform: Optional[str] = None) -> DerivedLayout:
+def preflight(
+    cfg: Config, world_size: int, model_config: Optional[str] = None, platform: Optional[str] = None
+) -> DerivedLayout:
     """Config is already validated by load_config; check the layout and batch split for `world_size`."""
     return validate_run(cfg, world_size, model_dims(cfg, model_config), platform=platform)
 
@@ -53,16 +59,23 @@ def describe(cfg: Config, layout: DerivedLayout, nnodes: int, nproc: int) -> str
         f"world {layout.world_size} ({nnodes} node(s) x {nproc} processes)",
         f"actor: tp{layout.tp} pp{layout.pp} cp{layout.cp} dp{layout.dp} | ep{layout.ep} etp{layout.etp} edp{layout.edp}"
         f" | sequence_parallel {'on' if layout.sequence_parallel else 'off'} | layers per stage {list(layout.layers_per_stage)}"
-        + (f" x vpp{layout.vpp}" if layout.vpp else "") + f" | vocab {layout.padded_vocab_size}",
+        + (f" x vpp{layout.vpp}" if layout.vpp else "")
+        + f" | vocab {layout.padded_vocab_size}",
         f"batch: {cfg.data.prompts_per_step} prompts x n {cfg.rollout.n} = {samples} samples/step -> {cfg.algo.mini_batches} "
         f"mini-batch(es) of {per_rank} per DP rank, micro-batch {layout.micro_batch_size}",
-        f"rollout: {cfg.rollout.engine}" + (f" tp{cfg.rollout.tp} x {layout.world_size // cfg.rollout.tp} replicas" if cfg.rollout.engine == "vllm" else ""),
+        f"rollout: {cfg.rollout.engine}"
+        + (
+            f" tp{cfg.rollout.tp} x {layout.world_size // cfg.rollout.tp} replicas"
+            if cfg.rollout.engine == "vllm"
+            else ""
+        ),
         f"algo: {cfg.algo.loss} ({cfg.algo.agg_mode}), adv {cfg.algo.adv_estimator}, routing replay {cfg.algo.routing_replay or 'off'}",
     ]
     return "\n".join(lines + [f"warning: {w}" for w in layout.warnings])
 
 
 # ---------------------------------------------------------------------------------------------- commands
+
 
 def cmd_make_tiny(args) -> int:
     from mcore_rl.models.tiny import make_tiny_checkpoint
@@ -75,7 +88,9 @@ def cmd_make_tiny(args) -> int:
 def cmd_make_task(args) -> int:
     from mcore_rl.data.task import make_task_dataset
 
-    train, val = make_task_dataset(args.out, train_size=args.train_size, val_size=args.val_size, seed=args.seed, fmt=args.format)
+    train, val = make_task_dataset(
+        args.out, train_size=args.train_size, val_size=args.val_size, seed=args.seed, fmt=args.format
+    )
     print(f"task data written: {train} {val}")
     return 0
 
@@ -126,8 +141,10 @@ def check_inputs(cfg: Config) -> None:
         try:
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         except Exception as e:
-            raise ValueError(f"model.path = {cfg.model.path}: cannot load its tokenizer ({type(e).__name__}: {e}); "
-                             f"the folder needs tokenizer files next to config.json") from e
+            raise ValueError(
+                f"model.path = {cfg.model.path}: cannot load its tokenizer ({type(e).__name__}: {e}); "
+                f"the folder needs tokenizer files next to config.json"
+            ) from e
         paths = [cfg.data.train_path] + ([cfg.data.val_path] if cfg.trainer.val_every > 0 else [])
         for path in paths:
             load_prompt_dataset(path, tokenizer, cfg.data.max_prompt_len, cfg.data.prompt_key)
@@ -144,15 +161,27 @@ def cmd_train(args) -> int:
         run(cfg)
         return 0
     if cfg.trainer.nnodes > 1:
-        raise ConfigError(f"trainer.nnodes = {cfg.trainer.nnodes}: `mcore-rl train` starts one machine; start every node with "
-                          f"launch/torchrun_multinode.sh (or launch/ray_launch.py), or set trainer.nnodes=1")
+        raise ConfigError(
+            f"trainer.nnodes = {cfg.trainer.nnodes}: `mcore-rl train` starts one machine; start every node with "
+            f"launch/torchrun_multinode.sh (or launch/ray_launch.py), or set trainer.nnodes=1"
+        )
     platform = _resolve_platform(cfg)
     layout = preflight(cfg, cfg.trainer.nproc, platform=platform)
     check_inputs(cfg)
     for warning in layout.warnings:
         print(f"mcore-rl: warning: {warning}", file=sys.stderr)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.trainer.nproc}",
-           "-m", "mcore_rl.cli", "train", args.config, *args.overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={cfg.trainer.nproc}",
+        "-m",
+        "mcore_rl.cli",
+        "train",
+        args.config,
+        *args.overrides,
+    ]
     print(f"mcore-rl: {cfg.trainer.nproc} process(es) on {platform}: {' '.join(cmd[1:])}", flush=True)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # without it every rank spins all cores (0.5 s stalls on small CPUs)
@@ -188,7 +217,9 @@ def cmd_convert(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mcore-rl", description="Megatron-Core RL post-training (GRPO / GSPO / SAPO) for MoE models")
+    parser = argparse.ArgumentParser(
+        prog="mcore-rl", description="Megatron-Core RL post-training (GRPO / GSPO / SAPO) for MoE models"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("make-tiny", help="write the tiny Qwen3-MoE checkpoint + tokenizer")
@@ -204,8 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("parquet", "jsonl"), default="parquet")
     p.set_defaults(func=cmd_make_task)
 
-    for name, func, text in (("check", cmd_check, "validate a config and its layout without starting anything"),
-                             ("train", cmd_train, "train (starts torchrun with trainer.nproc processes, or runs inside one)")):
+    for name, func, text in (
+        ("check", cmd_check, "validate a config and its layout without starting anything"),
+        ("train", cmd_train, "train (starts torchrun with trainer.nproc processes, or runs inside one)"),
+    ):
         p = sub.add_parser(name, help=text)
         p.add_argument("config")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.loss=sapo actor.parallel.tp=2")

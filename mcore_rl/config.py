@@ -69,7 +69,9 @@ class ActorConfig:
 @dataclass
 class AlgoConfig:
     loss: str = "gspo"  # grpo | gspo | gspo_token | sapo
-    agg_mode: str = "seq-mean-token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
+    agg_mode: str = (
+        "seq-mean-token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
+    )
     adv_estimator: str = "grpo"  # grpo (std-normalised) | drgrpo (no std division)
     clip_low: float = 0.2
     clip_high: float = 0.28
@@ -216,7 +218,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if value is None:
         if _is_optional(tp):
             return None
-        raise ConfigError(f"{key}: null is not allowed, expected {_type_name(tp)}: give it a value or remove the key for its default")
+        raise ConfigError(
+            f"{key}: null is not allowed, expected {_type_name(tp)}: give it a value or remove the key for its default"
+        )
     base = _inner(tp)
     origin = get_origin(base)
     if origin in (list, tuple):
@@ -244,7 +248,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, str):
             return value
     example = {bool: "true", int: "2", float: "0.5", str: "text"}.get(base, "...")
-    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__}): write e.g. {key}={example}")
+    raise ConfigError(
+        f"{key}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__}): write e.g. {key}={example}"
+    )
 
 
 def _unknown_key(key: str, section_cls: type, prefix: str) -> ConfigError:
@@ -306,7 +312,9 @@ def apply_override(data: dict, override: str) -> None:
         last = i == len(parts) - 1
         if is_dataclass(tp):
             if last:
-                raise ConfigError(f"'{dotted}' is a section, not a value: set one of its keys, e.g. {dotted}.{fields(tp)[0].name}=...")
+                raise ConfigError(
+                    f"'{dotted}' is a section, not a value: set one of its keys, e.g. {dotted}.{fields(tp)[0].name}=..."
+                )
             sub = node.get(part)
             if sub is None:
                 sub = node[part] = {}
@@ -323,7 +331,9 @@ def _read_yaml(path: str | os.PathLike) -> dict:
     import yaml
 
     if not os.path.isfile(path):
-        raise ConfigError(f"config file {path} does not exist: pass the path of a YAML file, e.g. configs/tiny/gspo_cpu.yaml")
+        raise ConfigError(
+            f"config file {path} does not exist: pass the path of a YAML file, e.g. configs/tiny/gspo_cpu.yaml"
+        )
     with open(path) as f:
         try:
             data = yaml.safe_load(f)
@@ -332,7 +342,9 @@ def _read_yaml(path: str | os.PathLike) -> dict:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of sections (platform, model, actor, algo, ...), got {type(data).__name__}")
+        raise ConfigError(
+            f"config file {path} must hold a mapping of sections (platform, model, actor, algo, ...), got {type(data).__name__}"
+        )
     return data
 
 
@@ -391,66 +403,114 @@ def _check_choices(cfg: Config) -> None:
 def _check_ranges(cfg: Config) -> None:
     a, r, o = cfg.algo, cfg.rollout, cfg.actor.optim
     positive_ints = {
-        "algo.ppo_epochs": a.ppo_epochs, "algo.mini_batches": a.mini_batches, "rollout.n": r.n,
-        "rollout.max_new_tokens": r.max_new_tokens, "rollout.tp": r.tp, "data.max_prompt_len": cfg.data.max_prompt_len,
-        "data.prompts_per_step": cfg.data.prompts_per_step, "checkpoint.keep_last": cfg.checkpoint.keep_last,
-        "trainer.steps": cfg.trainer.steps, "trainer.nproc": cfg.trainer.nproc, "trainer.nnodes": cfg.trainer.nnodes,
-        "trainer.log_every": cfg.trainer.log_every, "trainer.val_prompts": cfg.trainer.val_prompts,
+        "algo.ppo_epochs": a.ppo_epochs,
+        "algo.mini_batches": a.mini_batches,
+        "rollout.n": r.n,
+        "rollout.max_new_tokens": r.max_new_tokens,
+        "rollout.tp": r.tp,
+        "data.max_prompt_len": cfg.data.max_prompt_len,
+        "data.prompts_per_step": cfg.data.prompts_per_step,
+        "checkpoint.keep_last": cfg.checkpoint.keep_last,
+        "trainer.steps": cfg.trainer.steps,
+        "trainer.nproc": cfg.trainer.nproc,
+        "trainer.nnodes": cfg.trainer.nnodes,
+        "trainer.log_every": cfg.trainer.log_every,
+        "trainer.val_prompts": cfg.trainer.val_prompts,
     }
     for key, v in positive_ints.items():
         _require(v >= 1, f"{key} = {v} must be >= 1: set it to 1 or more")
     non_negative = {
-        "algo.kl_coef": a.kl_coef, "actor.optim.weight_decay": o.weight_decay, "actor.optim.clip_grad": o.clip_grad,
-        "actor.optim.warmup_steps": o.warmup_steps, "actor.optim.min_lr": o.min_lr, "reward.overlong_buffer": cfg.reward.overlong_buffer,
-        "reward.overlong_penalty": cfg.reward.overlong_penalty, "rollout.verify_every": r.verify_every,
-        "checkpoint.save_every": cfg.checkpoint.save_every, "trainer.val_every": cfg.trainer.val_every,
+        "algo.kl_coef": a.kl_coef,
+        "actor.optim.weight_decay": o.weight_decay,
+        "actor.optim.clip_grad": o.clip_grad,
+        "actor.optim.warmup_steps": o.warmup_steps,
+        "actor.optim.min_lr": o.min_lr,
+        "reward.overlong_buffer": cfg.reward.overlong_buffer,
+        "reward.overlong_penalty": cfg.reward.overlong_penalty,
+        "rollout.verify_every": r.verify_every,
+        "checkpoint.save_every": cfg.checkpoint.save_every,
+        "trainer.val_every": cfg.trainer.val_every,
     }
     for key, v in non_negative.items():
         _require(v >= 0, f"{key} = {v} must be >= 0 (0 turns it off where that applies)")
-    positive = {"actor.optim.lr": o.lr, "actor.optim.adam_eps": o.adam_eps, "algo.temperature": a.temperature,
-                "rollout.temperature": r.temperature, "rollout.sync_bucket_mb": r.sync_bucket_mb,
-                "rollout.verify_tolerance": r.verify_tolerance, "algo.tau_pos": a.tau_pos, "algo.tau_neg": a.tau_neg,
-                "algo.rollout_is_cap": a.rollout_is_cap}
+    positive = {
+        "actor.optim.lr": o.lr,
+        "actor.optim.adam_eps": o.adam_eps,
+        "algo.temperature": a.temperature,
+        "rollout.temperature": r.temperature,
+        "rollout.sync_bucket_mb": r.sync_bucket_mb,
+        "rollout.verify_tolerance": r.verify_tolerance,
+        "algo.tau_pos": a.tau_pos,
+        "algo.tau_neg": a.tau_neg,
+        "algo.rollout_is_cap": a.rollout_is_cap,
+    }
     for key, v in positive.items():
         _require(v > 0, f"{key} = {v} must be > 0")
     for key, v in {"actor.optim.adam_beta1": o.adam_beta1, "actor.optim.adam_beta2": o.adam_beta2}.items():
         _require(0 <= v < 1, f"{key} = {v} must lie in [0, 1)")
     _require(0 < r.top_p <= 1, f"rollout.top_p = {r.top_p} must lie in (0, 1]; 1 disables nucleus sampling")
     _require(r.top_k == -1 or r.top_k >= 1, f"rollout.top_k = {r.top_k} must be -1 (off) or >= 1")
-    _require(0 < r.gpu_memory_utilization <= 1, f"rollout.gpu_memory_utilization = {r.gpu_memory_utilization} must lie in (0, 1]")
+    _require(
+        0 < r.gpu_memory_utilization <= 1,
+        f"rollout.gpu_memory_utilization = {r.gpu_memory_utilization} must lie in (0, 1]",
+    )
     _require(o.min_lr <= o.lr, f"actor.optim.min_lr = {o.min_lr} exceeds actor.optim.lr = {o.lr}: lower min_lr")
-    _require(o.decay_steps is None or o.decay_steps >= 1, f"actor.optim.decay_steps = {o.decay_steps} must be >= 1 or null (null: trainer.steps)")
+    _require(
+        o.decay_steps is None or o.decay_steps >= 1,
+        f"actor.optim.decay_steps = {o.decay_steps} must be >= 1 or null (null: trainer.steps)",
+    )
 
 
 def _check_combinations(cfg: Config) -> list[str]:
     a, r = cfg.algo, cfg.rollout
     warnings: list[str] = []
-    _require(a.temperature == r.temperature,
-             f"algo.temperature = {a.temperature} differs from rollout.temperature = {r.temperature}: the trainer's log-probs "
-             f"must use the sampling temperature; set both to the same value")
-    _require(0 <= a.clip_low < 1, f"algo.clip_low = {a.clip_low} must lie in [0, 1) (ratio lower bound is 1 - clip_low)")
+    _require(
+        a.temperature == r.temperature,
+        f"algo.temperature = {a.temperature} differs from rollout.temperature = {r.temperature}: the trainer's log-probs "
+        f"must use the sampling temperature; set both to the same value",
+    )
+    _require(
+        0 <= a.clip_low < 1, f"algo.clip_low = {a.clip_low} must lie in [0, 1) (ratio lower bound is 1 - clip_low)"
+    )
     _require(a.clip_high >= 0, f"algo.clip_high = {a.clip_high} must be >= 0 (ratio upper bound is 1 + clip_high)")
     if a.dual_clip is not None:
         _require(a.dual_clip > 1, f"algo.dual_clip = {a.dual_clip} must be > 1 (commonly 3) or null to disable it")
-        _require(a.loss != "sapo", "algo.dual_clip is set but loss=sapo has no clipping (soft gate): set algo.dual_clip=null")
-    _require(r.n >= 2, f"rollout.n = {r.n}: group advantages ({a.adv_estimator}) need at least 2 samples per prompt; set rollout.n >= 2")
+        _require(
+            a.loss != "sapo", "algo.dual_clip is set but loss=sapo has no clipping (soft gate): set algo.dual_clip=null"
+        )
+    _require(
+        r.n >= 2,
+        f"rollout.n = {r.n}: group advantages ({a.adv_estimator}) need at least 2 samples per prompt; set rollout.n >= 2",
+    )
     if a.loss == "gspo" and a.clip_low > 0.01:
-        warnings.append(f"loss=gspo clips a length-normalised sequence ratio; clip_low={a.clip_low} is a token-level range "
-                        f"(the GSPO paper uses 3e-4 / 4e-4)")
+        warnings.append(
+            f"loss=gspo clips a length-normalised sequence ratio; clip_low={a.clip_low} is a token-level range "
+            f"(the GSPO paper uses 3e-4 / 4e-4)"
+        )
     if a.rollout_is == "icepop":
-        _require(0 <= a.rollout_is_low < 1 < a.rollout_is_high,
-                 f"algo.rollout_is=icepop needs rollout_is_low < 1 < rollout_is_high, got [{a.rollout_is_low}, {a.rollout_is_high}]")
+        _require(
+            0 <= a.rollout_is_low < 1 < a.rollout_is_high,
+            f"algo.rollout_is=icepop needs rollout_is_low < 1 < rollout_is_high, got [{a.rollout_is_low}, {a.rollout_is_high}]",
+        )
     if a.routing_replay == "r2" and a.use_rollout_logprobs_as_old:
-        raise ConfigError("algo.routing_replay=r2 records the experts in the old-log-prob pass, which "
-                          "algo.use_rollout_logprobs_as_old skips: use algo.routing_replay=r3 (the engine's routes) or "
-                          "set algo.use_rollout_logprobs_as_old=false")
+        raise ConfigError(
+            "algo.routing_replay=r2 records the experts in the old-log-prob pass, which "
+            "algo.use_rollout_logprobs_as_old skips: use algo.routing_replay=r3 (the engine's routes) or "
+            "set algo.use_rollout_logprobs_as_old=false"
+        )
     if a.rollout_is is not None and a.use_rollout_logprobs_as_old:
-        raise ConfigError("algo.rollout_is corrects old-policy vs rollout log-probs, but algo.use_rollout_logprobs_as_old makes them "
-                          "identical (weight 1): set algo.rollout_is=null or algo.use_rollout_logprobs_as_old=false")
+        raise ConfigError(
+            "algo.rollout_is corrects old-policy vs rollout log-probs, but algo.use_rollout_logprobs_as_old makes them "
+            "identical (weight 1): set algo.rollout_is=null or algo.use_rollout_logprobs_as_old=false"
+        )
     if a.loss == "sapo" and a.tau_neg < a.tau_pos:
-        warnings.append(f"sapo with tau_neg={a.tau_neg} < tau_pos={a.tau_pos}: the paper damps negative updates harder (tau_neg > tau_pos)")
-    _require(re.fullmatch(r"task|math|[\w.]+:\w+", cfg.reward.fn) is not None,
-             f"reward.fn = {cfg.reward.fn!r}: use 'task', 'math' or 'package.module:function'")
+        warnings.append(
+            f"sapo with tau_neg={a.tau_neg} < tau_pos={a.tau_pos}: the paper damps negative updates harder (tau_neg > tau_pos)"
+        )
+    _require(
+        re.fullmatch(r"task|math|[\w.]+:\w+", cfg.reward.fn) is not None,
+        f"reward.fn = {cfg.reward.fn!r}: use 'task', 'math' or 'package.module:function'",
+    )
     return warnings
 
 
@@ -464,12 +524,25 @@ def validate_config(cfg: Config) -> list[str]:
 def check_paths(cfg: Config) -> None:
     """Inputs that must exist before training starts (not needed for `mcore-rl check`)."""
     path = cfg.model.path
-    _require(bool(path), "model.path is empty: set it to a Hugging Face checkpoint folder (mcore-rl make-tiny --out DIR makes one)")
-    _require(os.path.isfile(os.path.join(path, "config.json")),
-             f"model.path = {path} has no config.json: point it at a Hugging Face checkpoint folder")
-    _require(bool(cfg.data.train_path), "data.train_path is empty: set it to a parquet/jsonl prompt file (mcore-rl make-task --out DIR)")
-    _require(os.path.exists(cfg.data.train_path), f"data.train_path = {cfg.data.train_path} does not exist: fix the path or run mcore-rl make-task")
+    _require(
+        bool(path),
+        "model.path is empty: set it to a Hugging Face checkpoint folder (mcore-rl make-tiny --out DIR makes one)",
+    )
+    _require(
+        os.path.isfile(os.path.join(path, "config.json")),
+        f"model.path = {path} has no config.json: point it at a Hugging Face checkpoint folder",
+    )
+    _require(
+        bool(cfg.data.train_path),
+        "data.train_path is empty: set it to a parquet/jsonl prompt file (mcore-rl make-task --out DIR)",
+    )
+    _require(
+        os.path.exists(cfg.data.train_path),
+        f"data.train_path = {cfg.data.train_path} does not exist: fix the path or run mcore-rl make-task",
+    )
     if cfg.trainer.val_every > 0:
-        _require(bool(cfg.data.val_path) and os.path.exists(cfg.data.val_path),
-                 f"trainer.val_every = {cfg.trainer.val_every} needs data.val_path, but {cfg.data.val_path!r} does not exist: "
-                 f"fix the path or set trainer.val_every=0")
+        _require(
+            bool(cfg.data.val_path) and os.path.exists(cfg.data.val_path),
+            f"trainer.val_every = {cfg.trainer.val_every} needs data.val_path, but {cfg.data.val_path!r} does not exist: "
+            f"fix the path or set trainer.val_every=0",
+        )

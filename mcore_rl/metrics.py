@@ -83,8 +83,14 @@ def _first(metrics: Mapping[str, Any], keys: tuple[str, ...]) -> Optional[float]
 class MetricsLogger:
     """Rank 0 writes; on other ranks every method is a no-op, so the trainer calls it unconditionally."""
 
-    def __init__(self, run_dir: str | os.PathLike, cfg=None, rank: Optional[int] = None, start_step: int = 0,
-                 progress: Optional[bool] = None):
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        cfg=None,
+        rank: Optional[int] = None,
+        start_step: int = 0,
+        progress: Optional[bool] = None,
+    ):
         if rank is None:
             import torch.distributed as dist
 
@@ -117,14 +123,22 @@ class MetricsLogger:
         try:
             import wandb
         except ImportError:
-            log.warning("trainer.wandb=true but wandb is not installed (pip install 'mcore-rl[wandb]'): logging to JSONL/TensorBoard only")
+            log.warning(
+                "trainer.wandb=true but wandb is not installed (pip install 'mcore-rl[wandb]'): logging to JSONL/TensorBoard only"
+            )
             return None
         # A stable id in the run dir makes a resumed run continue the same W&B run.
         id_file = self.run_dir / "wandb_id"
         run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
         id_file.write_text(run_id)
-        return wandb.init(project=cfg.trainer.wandb_project, name=self.run_dir.name, id=run_id, resume="allow",
-                          dir=str(self.run_dir), config=asdict(cfg))
+        return wandb.init(
+            project=cfg.trainer.wandb_project,
+            name=self.run_dir.name,
+            id=run_id,
+            resume="allow",
+            dir=str(self.run_dir),
+            config=asdict(cfg),
+        )
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict:
         """Record one step; returns the JSON record written (empty on non-zero ranks)."""

@@ -35,7 +35,12 @@ def numeric_series(records: list[dict]) -> dict[str, tuple[list[int], list[float
     for r in records:
         step = r.get("step")
         for key, value in r.items():
-            if key in SKIP or isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            if (
+                key in SKIP
+                or isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+            ):
                 continue
             xs, ys = series.setdefault(key, ([], []))
             xs.append(step)
@@ -83,7 +88,7 @@ def plot_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = Non
         ax.grid(alpha=0.3)
         if len(keys) > 1 or keys[0] != title:
             ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(groups):]:
+    for ax in list(axes.flat)[len(groups) :]:
         ax.axis("off")
     fig.suptitle(run_dir.name)
     fig.tight_layout()

@@ -107,8 +107,14 @@ class CheckpointManager:
         done = self.complete()
         return done[-1] if done else None
 
-    def save(self, step: int, write_fn: Callable[[Path], None], meta: Optional[dict] = None,
-             rank: Optional[int] = None, barrier: Optional[Callable[[], None]] = None) -> Checkpoint:
+    def save(
+        self,
+        step: int,
+        write_fn: Callable[[Path], None],
+        meta: Optional[dict] = None,
+        rank: Optional[int] = None,
+        barrier: Optional[Callable[[], None]] = None,
+    ) -> Checkpoint:
         """Collective: every rank calls this with the same step; write_fn(tmp_dir) writes this rank's part.
 
         `rank`/`barrier` default to torch.distributed's (or 0 / no-op without a process group).

@@ -85,8 +85,9 @@ class Trainer:
         load = lambda path: load_prompt_dataset(path, self.tokenizer, cfg.data.max_prompt_len, cfg.data.prompt_key)
         self.train_set = load(cfg.data.train_path)
         self.val_set = load(cfg.data.val_path) if cfg.data.val_path and cfg.trainer.val_every > 0 else None
-        self.sampler = EpochSampler(len(self.train_set), cfg.data.prompts_per_step, seed=cfg.data.seed,
-                                    shuffle=cfg.data.shuffle)
+        self.sampler = EpochSampler(
+            len(self.train_set), cfg.data.prompts_per_step, seed=cfg.data.seed, shuffle=cfg.data.shuffle
+        )
 
         self.platform.adapt_megatron()
         self.actor = Actor(cfg, self.platform)
@@ -99,8 +100,11 @@ class Trainer:
         # The KL reference is the initial policy: a second, frozen copy of the model in the same layout.
         self.ref_actor = Actor(cfg, self.platform, with_optimizer=False) if cfg.algo.kl_coef > 0 else None
         # vLLM sizes its KV cache for the longest sequence it may see; the model's maximum wastes memory.
-        engine_args = ({"max_model_len": cfg.data.max_prompt_len + cfg.rollout.max_new_tokens}
-                       if cfg.rollout.engine == "vllm" else {})
+        engine_args = (
+            {"max_model_len": cfg.data.max_prompt_len + cfg.rollout.max_new_tokens}
+            if cfg.rollout.engine == "vllm"
+            else {}
+        )
         self.engine = make_engine(cfg.rollout, cfg.model.path, self.platform, dtype=cfg.model.dtype, **engine_args)
         self.stop_ids = [self.tokenizer.eos_token_id]
         # T = 1: the check is about weights, and engines score T = 1 cheapest (vLLM: no full-vocab fetch).
@@ -126,8 +130,13 @@ class Trainer:
         samples = [s for group in groups for s in group]
         texts = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
         expanded = [ex for ex in examples for _ in range(n)]
-        scored = self.reward_fn(texts, [ex.ground_truth for ex in expanded], [ex.data_source for ex in expanded],
-                                [ex.extra_info for ex in expanded], [len(s.response_ids) for s in samples])
+        scored = self.reward_fn(
+            texts,
+            [ex.ground_truth for ex in expanded],
+            [ex.data_source for ex in expanded],
+            [ex.extra_info for ex in expanded],
+            [len(s.response_ids) for s in samples],
+        )
         return samples, scored
 
     def _tp_group(self):
@@ -135,8 +144,9 @@ class Trainer:
 
         return mpu.get_tensor_model_parallel_group()
 
-    def token_log_probs(self, micro_batches, with_entropy: bool = False,
-                        temperature: Optional[float] = None) -> list[torch.Tensor]:
+    def token_log_probs(
+        self, micro_batches, with_entropy: bool = False, temperature: Optional[float] = None
+    ) -> list[torch.Tensor]:
         """Actor log-probs ([2, b, s] with entropy when asked) aligned like the loss mask."""
         from mcore_rl.megatron.policy_loss import make_log_prob_fn
 
@@ -151,9 +161,9 @@ class Trainer:
         seq_len = -(-max(map(len, sequences)) // multiple) * multiple
         tokens = torch.zeros(len(sequences), seq_len, dtype=torch.long)
         for i, s in enumerate(sequences):
-            tokens[i, :len(s)] = torch.tensor(s)
+            tokens[i, : len(s)] = torch.tensor(s)
         (lp,) = self.token_log_probs([MicroBatch(tokens=tokens)], temperature=temperature)
-        return [lp[i, p - 1:len(s) - 1].cpu() for i, (s, p) in enumerate(zip(sequences, prompt_lens))]
+        return [lp[i, p - 1 : len(s) - 1].cpu() for i, (s, p) in enumerate(zip(sequences, prompt_lens))]
 
     def sync_weights(self, verify: bool) -> dict:
         from mcore_rl.rollout.weight_sync import sync_weights, verify_sync
@@ -162,12 +172,23 @@ class Trainer:
         stats = sync_weights(self.actor.export_hf_weights(), self.engine, self.cfg.rollout.sync_bucket_mb)
         out = {"sync/seconds": stats.seconds, "sync/gb_per_s": stats.gb_per_s}
         if verify:
-            report = verify_sync(self.engine, self.probe_log_probs, self.probe, self.cfg.rollout.verify_tolerance,
-                                 fallback=self.cfg.rollout.verify_fallback, export_fn=self.actor.export_hf_weights)
+            report = verify_sync(
+                self.engine,
+                self.probe_log_probs,
+                self.probe,
+                self.cfg.rollout.verify_tolerance,
+                fallback=self.cfg.rollout.verify_fallback,
+                export_fn=self.actor.export_hf_weights,
+            )
             if self.rank == 0 and (report.rebuilt or self.step <= self.cfg.rollout.verify_every):
                 log.info(report.summary())
-            out.update({"sync/verify_max_diff": report.max_diff, "sync/verify_mean_diff": report.mean_diff,
-                        "sync/rebuilt": float(report.rebuilt)})
+            out.update(
+                {
+                    "sync/verify_max_diff": report.max_diff,
+                    "sync/verify_mean_diff": report.mean_diff,
+                    "sync/rebuilt": float(report.rebuilt),
+                }
+            )
         return out
 
     def train_step(self) -> dict:
@@ -180,17 +201,23 @@ class Trainer:
         step_start = time.perf_counter()
         examples = [self.train_set[i] for i in self.sampler.next_batch()]
         with timer("rollout"):
-            samples, scored = self.rollout(examples, cfg.rollout.n, cfg.rollout.temperature,
-                                           seed=cfg.trainer.seed * 1_000_003 + self.step * 7919)
+            samples, scored = self.rollout(
+                examples, cfg.rollout.n, cfg.rollout.temperature, seed=cfg.trainer.seed * 1_000_003 + self.step * 7919
+            )
         self.engine.sleep()  # free the engine's memory for the actor's passes (a no-op where unsupported)
         rewards = torch.tensor(scored.rewards, dtype=torch.float32)
         advantages = group_advantages(rewards, cfg.rollout.n, cfg.algo.adv_estimator)
-        batch = pack_rollouts(samples, rewards, advantages, self.tokenizer.pad_token_id,
-                              multiple=8 * self.info.tp)
+        batch = pack_rollouts(samples, rewards, advantages, self.tokenizer.pad_token_id, multiple=8 * self.info.tp)
         replay = cfg.algo.routing_replay
-        parts = split_for_rank(batch, cfg.algo.mini_batches, self.info.dp, self.info.dp_rank,
-                               cfg.actor.parallel.micro_batch_size, max_len=cfg.rollout.max_new_tokens,
-                               pack_routes_for_experts=self.actor.bridge.hf_config.num_experts if replay == "r3" else None)
+        parts = split_for_rank(
+            batch,
+            cfg.algo.mini_batches,
+            self.info.dp,
+            self.info.dp_rank,
+            cfg.actor.parallel.micro_batch_size,
+            max_len=cfg.rollout.max_new_tokens,
+            pack_routes_for_experts=self.actor.bridge.hf_config.num_experts if replay == "r3" else None,
+        )
         micro_all = [mb for _, mbs in parts for mb in mbs]
         entropy_sum, routes = None, None
         with timer("old_logprob"):
@@ -199,7 +226,7 @@ class Trainer:
                     mb.extras["old_log_prob"] = mb.extras["rollout_log_prob"]
             else:
                 # R2: the experts chosen here (old policy) are replayed in the update.
-                with (self.replay.recording() if replay == "r2" else nullcontext()) as recorded:
+                with self.replay.recording() if replay == "r2" else nullcontext() as recorded:
                     outputs = self.token_log_probs(micro_all, with_entropy=True)
                 for mb, out in zip(micro_all, outputs):
                     mb.extras["old_log_prob"] = out[0]
@@ -208,8 +235,9 @@ class Trainer:
                 if replay == "r2":
                     routes = self.replay.with_valid(recorded.routes, [mb.extras["loss_mask"] > 0 for mb in micro_all])
         if replay == "r3":  # the rollout engine's own routes
-            routes = self.replay.routes_from_rollout([mb.extras["routed_experts"] for mb in micro_all],
-                                                     [mb.extras["route_valid"] for mb in micro_all])
+            routes = self.replay.routes_from_rollout(
+                [mb.extras["routed_experts"] for mb in micro_all], [mb.extras["route_valid"] for mb in micro_all]
+            )
         if self.ref_actor is not None:
             with timer("ref_logprob"):
                 post = make_log_prob_fn(cfg.algo.temperature, self._tp_group())
@@ -221,8 +249,11 @@ class Trainer:
             for _ in range(cfg.algo.ppo_epochs):
                 first = 0
                 for counts, micro in parts:
-                    replaying = (self.replay.replaying(routes[first:first + len(micro)]) if routes is not None
-                                 else nullcontext())
+                    replaying = (
+                        self.replay.replaying(routes[first : first + len(micro)])
+                        if routes is not None
+                        else nullcontext()
+                    )
                     with replaying:
                         result = self.actor.train_step(micro, make_policy_loss_fn(cfg.algo, counts, tp_group))
                     first += len(micro)
@@ -239,9 +270,11 @@ class Trainer:
         num_tokens = int(response_lengths.sum())
         elapsed = time.perf_counter() - step_start
         metrics = {
-            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
             "reward/errors": scored.errors,
-            "response/length_mean": float(response_lengths.mean()), "response/length_max": float(response_lengths.max()),
+            "response/length_mean": float(response_lengths.mean()),
+            "response/length_max": float(response_lengths.max()),
             "response/clip_ratio": float(np.mean([s.finish_reason == "length" for s in samples])),
             "perf/tokens_per_s": num_tokens / max(elapsed, 1e-9),
             "perf/rollout_tokens_per_s": num_tokens / max(timer.seconds["rollout"], 1e-9),
@@ -275,8 +308,7 @@ class Trainer:
 
         def write(tmp_dir: Path) -> None:
             save_checkpoint(self.actor, tmp_dir / "actor")
-            state = {"step": self.step, "sampler": self.sampler.state_dict(),
-                     "rng": _rng_state()}
+            state = {"step": self.step, "sampler": self.sampler.state_dict(), "rng": _rng_state()}
             torch.save(state, tmp_dir / f"trainer_state_rank{self.rank}.pt")
 
         ckpt = self.ckpt.save(self.step, write, meta={"step": self.step})
@@ -289,8 +321,10 @@ class Trainer:
         load_checkpoint(self.actor, Path(path) / "actor")
         state_file = Path(path) / f"trainer_state_rank{self.rank}.pt"
         if not state_file.exists():
-            raise FileNotFoundError(f"{state_file} missing: the checkpoint was written by a run with a different world "
-                                    f"size; resume with the same number of processes")
+            raise FileNotFoundError(
+                f"{state_file} missing: the checkpoint was written by a run with a different world "
+                f"size; resume with the same number of processes"
+            )
         state = torch.load(state_file, weights_only=False)
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
@@ -329,8 +363,11 @@ class Trainer:
             from mcore_rl.plot import plot_run
 
             pngs = plot_run(self.run_dir)
-            log.info("training done: metrics %s, plots %s", self.run_dir / "metrics.jsonl",
-                     pngs[0].parent if pngs else "(none)")
+            log.info(
+                "training done: metrics %s, plots %s",
+                self.run_dir / "metrics.jsonl",
+                pngs[0].parent if pngs else "(none)",
+            )
 
 
 def _setup_logging() -> None:

@@ -18,7 +18,7 @@ CLAMP = 20.0
 def ref_advantages(rewards, g, estimator, eps=1e-6):
     out = []
     for k in range(0, len(rewards), g):
-        grp = rewards[k:k + g]
+        grp = rewards[k : k + g]
         if g == 1 or max(grp) == min(grp):
             out += [0.0] * g
             continue
@@ -204,8 +204,14 @@ def test_dual_clip(loss):
     compare(cfg, seed=2)
     # a negative-advantage token with ratio > c: loss -cA, no gradient
     lp = torch.tensor([[0.0]], dtype=torch.float64, requires_grad=True)
-    loss_v, m = policy_loss(lp, torch.tensor([[-1.0]], dtype=torch.float64), torch.tensor([[-2.0]], dtype=torch.float64),
-                            torch.ones(1, 1), cfg, GlobalCounts(1, 1, 1))
+    loss_v, m = policy_loss(
+        lp,
+        torch.tensor([[-1.0]], dtype=torch.float64),
+        torch.tensor([[-2.0]], dtype=torch.float64),
+        torch.ones(1, 1),
+        cfg,
+        GlobalCounts(1, 1, 1),
+    )
     loss_v.backward()
     assert float(loss_v.detach()) == pytest.approx(3.0) and float(lp.grad) == 0.0 and float(m["dual_clipfrac"]) == 1.0
 
@@ -217,7 +223,7 @@ def test_kl_penalty(kl_type):
     lp = torch.zeros_like(x)
     got = kl_estimate(lp, x, kl_type)
     xc = x.clamp(-20, 20)
-    want = {"k1": -xc, "k2": xc ** 2 / 2, "k3": xc.exp() - xc - 1}[kl_type]
+    want = {"k1": -xc, "k2": xc**2 / 2, "k3": xc.exp() - xc - 1}[kl_type]
     torch.testing.assert_close(got, want)
 
 
@@ -228,7 +234,9 @@ def test_entropy_bonus():
 
 @pytest.mark.parametrize("mode", ["token", "sequence", "icepop"])
 def test_rollout_importance_correction(mode):
-    compare(AlgoConfig(loss="grpo", rollout_is=mode, rollout_is_cap=1.5, rollout_is_low=0.8, rollout_is_high=1.25), seed=4)
+    compare(
+        AlgoConfig(loss="grpo", rollout_is=mode, rollout_is_cap=1.5, rollout_is_low=0.8, rollout_is_high=1.25), seed=4
+    )
 
 
 # ---------------------------------------------------------------- edge cases
@@ -243,7 +251,9 @@ def test_tie_at_clip_boundary_takes_unclipped_gradient():
     assert float(lp.grad) == pytest.approx(-r, rel=1e-6)  # d(-A r)/d lp = -A r
     assert float(m["clipfrac_upper"]) == 0.0
     lp.grad = None
-    policy_loss(lp + 1e-3, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), cfg, GlobalCounts(1, 1, 1))[0].backward()
+    policy_loss(lp + 1e-3, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), cfg, GlobalCounts(1, 1, 1))[
+        0
+    ].backward()
     assert float(lp.grad) == 0.0  # just outside: clipped, no gradient
 
 
@@ -251,7 +261,9 @@ def test_zero_advantages_give_zero_loss_and_gradient():
     lp, old, adv, mask, *_ = make_batch(5)
     for loss_name in ("grpo", "gspo", "gspo_token", "sapo"):
         x = lp.clone().requires_grad_(True)
-        loss, _ = policy_loss(x, old, torch.zeros_like(adv), mask, AlgoConfig(loss=loss_name), GlobalCounts.from_mask(mask))
+        loss, _ = policy_loss(
+            x, old, torch.zeros_like(adv), mask, AlgoConfig(loss=loss_name), GlobalCounts.from_mask(mask)
+        )
         loss.backward()
         assert float(loss.detach()) == 0.0 and torch.all(x.grad == 0)
 
@@ -269,9 +281,10 @@ def test_huge_log_ratios_stay_finite():
     lp = torch.tensor([[0.0, 0.0]], requires_grad=True)
     old = torch.tensor([[-200.0, 200.0]])
     for loss_name in ("grpo", "gspo", "gspo_token", "sapo"):
-        loss, metrics = policy_loss(lp, old, torch.tensor([[1.0, -1.0]]), torch.ones(1, 2), AlgoConfig(loss=loss_name),
-                                    GlobalCounts(2, 1, 2))
-        g, = torch.autograd.grad(loss, lp)
+        loss, metrics = policy_loss(
+            lp, old, torch.tensor([[1.0, -1.0]]), torch.ones(1, 2), AlgoConfig(loss=loss_name), GlobalCounts(2, 1, 2)
+        )
+        (g,) = torch.autograd.grad(loss, lp)
         assert torch.isfinite(loss) and torch.isfinite(g).all(), loss_name
         assert all(torch.isfinite(v) for v in metrics.values())
 
@@ -322,20 +335,29 @@ def test_metrics_match_reference_counts():
             w_sum += min(math.exp(-x), 1.5)
     n = counts.num_tokens
     assert up > 0 and lo > 0
-    for key, want in [("clipfrac_upper", up / n), ("clipfrac_lower", lo / n), ("entropy", ent_sum / n),
-                      ("approx_kl_old", kl_old / n), ("rollout_mismatch_k3", mism / n), ("is_weight_mean", w_sum / n)]:
+    for key, want in [
+        ("clipfrac_upper", up / n),
+        ("clipfrac_lower", lo / n),
+        ("entropy", ent_sum / n),
+        ("approx_kl_old", kl_old / n),
+        ("rollout_mismatch_k3", mism / n),
+        ("is_weight_mean", w_sum / n),
+    ]:
         assert float(m[key]) == pytest.approx(want, rel=1e-9), key
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(loss="ppo"), "algo.loss='ppo' is unknown"),
-    (dict(agg_mode="mean"), "agg_mode='mean' is unknown"),
-    (dict(dual_clip=0.5), "must be > 1"),
-    (dict(loss="sapo", dual_clip=3.0), "has no clipping"),
-    (dict(kl_coef=0.1), "needs ref_log_prob"),
-    (dict(rollout_is="token"), "needs rollout_log_prob"),
-    (dict(rollout_is="icepop", rollout_is_low=1.5), "icepop needs"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(loss="ppo"), "algo.loss='ppo' is unknown"),
+        (dict(agg_mode="mean"), "agg_mode='mean' is unknown"),
+        (dict(dual_clip=0.5), "must be > 1"),
+        (dict(loss="sapo", dual_clip=3.0), "has no clipping"),
+        (dict(kl_coef=0.1), "needs ref_log_prob"),
+        (dict(rollout_is="token"), "needs rollout_log_prob"),
+        (dict(rollout_is="icepop", rollout_is_low=1.5), "icepop needs"),
+    ],
+)
 def test_bad_config_is_rejected(bad, match):
     lp, old, adv, mask, *_ = make_batch(0)
     with pytest.raises(ValueError, match=match):

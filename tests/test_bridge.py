@@ -33,11 +33,14 @@ def test_rmsnorm_matches_hf_qwen3_moe_norm():
     assert ours.weight.sequence_parallel is True  # Megatron all-reduces its grad over TP
 
 
-@pytest.mark.parametrize("name,shape,dim", [
-    ("decoder.layers.0.mlp.experts.linear_fc1.weight3", (8, 6), 0),  # gated: [gate; up]
-    ("decoder.layers.0.self_attention.linear_qkv.weight", (8, 6), 0),
-    ("decoder.layers.0.self_attention.linear_proj.weight", (6, 8), 1),
-])
+@pytest.mark.parametrize(
+    "name,shape,dim",
+    [
+        ("decoder.layers.0.mlp.experts.linear_fc1.weight3", (8, 6), 0),  # gated: [gate; up]
+        ("decoder.layers.0.self_attention.linear_qkv.weight", (8, 6), 0),
+        ("decoder.layers.0.self_attention.linear_proj.weight", (6, 8), 1),
+    ],
+)
 def test_split_merge_round_trip(name, shape, dim):
     full = torch.arange(48.0).reshape(shape)
     parts = _split(name, full, 2, dim, gated=True)
@@ -56,8 +59,23 @@ def test_hf_to_megatron_to_hf_round_trip(tiny_model_dir, tmp_path):
     tool = REPO / "tools" / "convert_checkpoint.py"
     mcore, hf_out = tmp_path / "mcore", tmp_path / "hf"
     run_torchrun(tool, 2, "hf-to-mcore", "--hf", tiny_model_dir, "--out", mcore, "--tp", 2, "--platform", "cpu")
-    run_torchrun(tool, 2, "mcore-to-hf", "--hf", tiny_model_dir, "--ckpt", mcore, "--out", hf_out, "--ep", 2,
-                 "--platform", "cpu", "--max-shard-gb", 0.0002)
+    run_torchrun(
+        tool,
+        2,
+        "mcore-to-hf",
+        "--hf",
+        tiny_model_dir,
+        "--ckpt",
+        mcore,
+        "--out",
+        hf_out,
+        "--ep",
+        2,
+        "--platform",
+        "cpu",
+        "--max-shard-gb",
+        0.0002,
+    )
     index = json.loads((hf_out / "model.safetensors.index.json").read_text())
     got = {}
     for shard in sorted(set(index["weight_map"].values())):

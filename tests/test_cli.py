@@ -18,8 +18,14 @@ QWEN_JSON = PRESET_DIR / "config.json"
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "mcore_rl.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "mcore_rl.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=REPO,
+    )
 
 
 def one_line_error(proc: subprocess.CompletedProcess) -> str:
@@ -64,11 +70,29 @@ def test_check_every_preset_at_its_world_size(preset):
 
 
 def test_check_rejects_32_device_recipe_on_2x8():
-    proc = cli("check", PRESET_DIR / "npu32_tp4_pp4_ep8.yaml", "--nnodes", 2, "--nproc-per-node", 8, "--model-config", QWEN_JSON)
+    proc = cli(
+        "check",
+        PRESET_DIR / "npu32_tp4_pp4_ep8.yaml",
+        "--nnodes",
+        2,
+        "--nproc-per-node",
+        8,
+        "--model-config",
+        QWEN_JSON,
+    )
     msg = one_line_error(proc)
     assert "ep*etp = 8*1 = 8 must divide tp*cp*dp = 4*1*1 = 4" in msg and "multiple of 32" in msg
     # and at its own 4 x 8 it passes, with the derived sizes printed
-    proc = cli("check", PRESET_DIR / "npu32_tp4_pp4_ep8.yaml", "--nnodes", 4, "--nproc-per-node", 8, "--model-config", QWEN_JSON)
+    proc = cli(
+        "check",
+        PRESET_DIR / "npu32_tp4_pp4_ep8.yaml",
+        "--nnodes",
+        4,
+        "--nproc-per-node",
+        8,
+        "--model-config",
+        QWEN_JSON,
+    )
     assert proc.returncode == 0 and "tp4 pp4 cp1 dp2 | ep8 etp1 edp1" in proc.stdout
 
 
@@ -82,12 +106,15 @@ def test_check_overrides_before_and_after_options(tiny_model_dir, tmp_path):
     assert "tp = 4 must divide the model's 2 query groups" in msg
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["algo.los=sapo"], "Did you mean 'algo.loss'?"),
-    (["actor.parallel.tp=two"], "actor.parallel.tp: expected int, got 'two'"),
-    (["algo.loss=ppo"], "algo.loss = 'ppo' is not one of: grpo, gspo, gspo_token, sapo"),
-    (["algo.temperature=0.5"], "differs from rollout.temperature"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["algo.los=sapo"], "Did you mean 'algo.loss'?"),
+        (["actor.parallel.tp=two"], "actor.parallel.tp: expected int, got 'two'"),
+        (["algo.loss=ppo"], "algo.loss = 'ppo' is not one of: grpo, gspo, gspo_token, sapo"),
+        (["algo.temperature=0.5"], "differs from rollout.temperature"),
+    ],
+)
 def test_bad_config_errors(tmp_path, args, expected):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("model:\n  path: nowhere\n")
@@ -105,8 +132,10 @@ def test_train_fails_fast_before_starting_processes(tmp_path, tiny_model_dir):
     data = tmp_path / "train.jsonl"
     data.write_text("{}\n")
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(f"platform: cpu\nmodel:\n  path: {tiny_model_dir}\ndata:\n  train_path: {data}\n"
-                   f"trainer:\n  nproc: 3\n  run_dir: {tmp_path / 'run'}\n")
+    cfg.write_text(
+        f"platform: cpu\nmodel:\n  path: {tiny_model_dir}\ndata:\n  train_path: {data}\n"
+        f"trainer:\n  nproc: 3\n  run_dir: {tmp_path / 'run'}\n"
+    )
     start = time.time()
     msg = one_line_error(cli("train", cfg))
     assert "world size 3" not in msg and "a step's 64 samples" in msg  # 8 prompts x 8 over dp 3

@@ -6,7 +6,13 @@ import pytest
 import yaml
 
 from mcore_rl.config import (
-    CHOICES, Config, ConfigError, check_paths, load_config, save_config, validate_config,
+    CHOICES,
+    Config,
+    ConfigError,
+    check_paths,
+    load_config,
+    save_config,
+    validate_config,
 )
 
 
@@ -25,11 +31,24 @@ def error(*overrides: str, path=None) -> str:
 
 def test_yaml_and_typed_overrides(tmp_path):
     path = write(tmp_path, "algo:\n  loss: grpo\n  kl_coef: 1e-3\nactor:\n  parallel:\n    tp: 2\n    ep: 2\n")
-    cfg = load_config(path, ["algo.loss=gspo_token", "actor.parallel.tp=1", "actor.optim.lr=3e-6", "algo.dual_clip=3",
-                             "algo.rollout_is=null", "algo.routing_replay=r2", "trainer.tensorboard=false",
-                             "model.path=123", "trainer.run_dir=runs/1e3"])
+    cfg = load_config(
+        path,
+        [
+            "algo.loss=gspo_token",
+            "actor.parallel.tp=1",
+            "actor.optim.lr=3e-6",
+            "algo.dual_clip=3",
+            "algo.rollout_is=null",
+            "algo.routing_replay=r2",
+            "trainer.tensorboard=false",
+            "model.path=123",
+            "trainer.run_dir=runs/1e3",
+        ],
+    )
     assert cfg.algo.loss == "gspo_token" and cfg.actor.parallel.tp == 1 and cfg.actor.parallel.ep == 2
-    assert cfg.algo.kl_coef == pytest.approx(1e-3) and isinstance(cfg.algo.kl_coef, float)  # YAML 1.1 "1e-3" is a string
+    assert cfg.algo.kl_coef == pytest.approx(1e-3) and isinstance(
+        cfg.algo.kl_coef, float
+    )  # YAML 1.1 "1e-3" is a string
     assert cfg.actor.optim.lr == pytest.approx(3e-6)
     assert cfg.algo.dual_clip == 3.0 and isinstance(cfg.algo.dual_clip, float)
     assert cfg.algo.rollout_is is None and cfg.algo.routing_replay == "r2"
@@ -41,7 +60,9 @@ def test_yaml_and_typed_overrides(tmp_path):
 
 def test_unknown_keys_list_valid_keys_and_hint(tmp_path):
     msg = error("algo.los=sapo")
-    assert "unknown key 'algo.los'" in msg and "valid keys: loss, agg_mode" in msg and "Did you mean 'algo.loss'?" in msg
+    assert (
+        "unknown key 'algo.los'" in msg and "valid keys: loss, agg_mode" in msg and "Did you mean 'algo.loss'?" in msg
+    )
     msg = error(path=write(tmp_path, "actor:\n  paralel:\n    tp: 2\n"))
     assert "unknown key 'actor.paralel'" in msg and "Did you mean 'actor.parallel'?" in msg
     assert "unknown key 'modell'" in error("modell.path=x") and "Did you mean 'model'?" in error("modell.path=x")
@@ -68,32 +89,41 @@ def test_every_enum_field_checked(key):
     assert f"{key} = 'not_a_choice' is not one of" in msg
     for choice in CHOICES[key]:
         if choice is not None:
-            load_config(None, [f"{key}={choice}"] + (["algo.use_rollout_logprobs_as_old=false"] if key == "algo.rollout_is" else []))
+            load_config(
+                None,
+                [f"{key}={choice}"] + (["algo.use_rollout_logprobs_as_old=false"] if key == "algo.rollout_is" else []),
+            )
 
 
 def test_close_choice_hint():
     assert "Did you mean 'gspo'?" in error("algo.loss=gpso")
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    (["algo.temperature=0.7"], "algo.temperature = 0.7 differs from rollout.temperature = 1.0"),
-    (["algo.kl_coef=-0.1"], "algo.kl_coef = -0.1 must be >= 0"),
-    (["algo.clip_low=1.2"], "algo.clip_low = 1.2 must lie in [0, 1)"),
-    (["algo.clip_high=-0.1"], "algo.clip_high = -0.1 must be >= 0"),
-    (["algo.loss=sapo", "algo.dual_clip=3"], "loss=sapo has no clipping"),
-    (["algo.dual_clip=0.5"], "algo.dual_clip = 0.5 must be > 1"),
-    (["rollout.n=1"], "rollout.n = 1: group advantages (grpo) need at least 2 samples"),
-    (["algo.rollout_is=icepop", "algo.rollout_is_low=1.5"], "needs rollout_is_low < 1 < rollout_is_high"),
-    (["algo.rollout_is=token", "algo.use_rollout_logprobs_as_old=true"], "use_rollout_logprobs_as_old makes them identical"),
-    (["rollout.top_p=0"], "rollout.top_p = 0.0 must lie in (0, 1]"),
-    (["rollout.top_k=0"], "rollout.top_k = 0 must be -1 (off) or >= 1"),
-    (["actor.optim.lr=0"], "actor.optim.lr = 0.0 must be > 0"),
-    (["actor.optim.min_lr=1", "actor.optim.lr=0.1"], "min_lr = 1.0 exceeds actor.optim.lr = 0.1"),
-    (["actor.optim.adam_beta2=1"], "adam_beta2 = 1.0 must lie in [0, 1)"),
-    (["actor.optim.decay_steps=0"], "actor.optim.decay_steps = 0 must be >= 1 or null"),
-    (["checkpoint.keep_last=0"], "checkpoint.keep_last = 0 must be >= 1"),
-    (["reward.fn=not a function"], "use 'task', 'math' or 'package.module:function'"),
-])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["algo.temperature=0.7"], "algo.temperature = 0.7 differs from rollout.temperature = 1.0"),
+        (["algo.kl_coef=-0.1"], "algo.kl_coef = -0.1 must be >= 0"),
+        (["algo.clip_low=1.2"], "algo.clip_low = 1.2 must lie in [0, 1)"),
+        (["algo.clip_high=-0.1"], "algo.clip_high = -0.1 must be >= 0"),
+        (["algo.loss=sapo", "algo.dual_clip=3"], "loss=sapo has no clipping"),
+        (["algo.dual_clip=0.5"], "algo.dual_clip = 0.5 must be > 1"),
+        (["rollout.n=1"], "rollout.n = 1: group advantages (grpo) need at least 2 samples"),
+        (["algo.rollout_is=icepop", "algo.rollout_is_low=1.5"], "needs rollout_is_low < 1 < rollout_is_high"),
+        (
+            ["algo.rollout_is=token", "algo.use_rollout_logprobs_as_old=true"],
+            "use_rollout_logprobs_as_old makes them identical",
+        ),
+        (["rollout.top_p=0"], "rollout.top_p = 0.0 must lie in (0, 1]"),
+        (["rollout.top_k=0"], "rollout.top_k = 0 must be -1 (off) or >= 1"),
+        (["actor.optim.lr=0"], "actor.optim.lr = 0.0 must be > 0"),
+        (["actor.optim.min_lr=1", "actor.optim.lr=0.1"], "min_lr = 1.0 exceeds actor.optim.lr = 0.1"),
+        (["actor.optim.adam_beta2=1"], "adam_beta2 = 1.0 must lie in [0, 1)"),
+        (["actor.optim.decay_steps=0"], "actor.optim.decay_steps = 0 must be >= 1 or null"),
+        (["checkpoint.keep_last=0"], "checkpoint.keep_last = 0 must be >= 1"),
+        (["reward.fn=not a function"], "use 'task', 'math' or 'package.module:function'"),
+    ],
+)
 def test_impossible_combinations_rejected(overrides, expected):
     assert expected in error(*overrides)
 
@@ -128,7 +158,9 @@ def test_defaults_match_dataclasses_and_every_field_is_loadable():
                 yield f"{prefix}{f.name}", value
 
     # Writing each default back through an override yields the same config (types parse back exactly).
-    overrides = [f"{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}" for k, v in leaves(Config())]
+    overrides = [
+        f"{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}" for k, v in leaves(Config())
+    ]
     assert load_config(None, overrides) == Config()
 
 
@@ -142,7 +174,9 @@ def test_check_paths(tmp_path, tiny_model_dir):
     with pytest.raises(ConfigError, match="data.train_path = .* does not exist"):
         check_paths(cfg)
     (tmp_path / "train.jsonl").write_text("{}\n")
-    cfg = load_config(None, [f"model.path={tiny_model_dir}", f"data.train_path={tmp_path}/train.jsonl", "trainer.val_every=5"])
+    cfg = load_config(
+        None, [f"model.path={tiny_model_dir}", f"data.train_path={tmp_path}/train.jsonl", "trainer.val_every=5"]
+    )
     with pytest.raises(ConfigError, match="trainer.val_every = 5 needs data.val_path"):
         check_paths(cfg)
     check_paths(load_config(None, [f"model.path={tiny_model_dir}", f"data.train_path={tmp_path}/train.jsonl"]))

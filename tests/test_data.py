@@ -17,8 +17,12 @@ def tokenizer():
 
 
 def row(content, truth="1", source="unit", **extra):
-    return {"prompt": [{"role": "user", "content": content}], "reward_model": {"ground_truth": truth},
-            "data_source": source, **extra}
+    return {
+        "prompt": [{"role": "user", "content": content}],
+        "reward_model": {"ground_truth": truth},
+        "data_source": source,
+        **extra,
+    }
 
 
 def expected_ids(tokenizer, content):
@@ -62,18 +66,23 @@ def test_parquet_and_jsonl_give_the_same_examples(tmp_path, tokenizer):
     assert a[3].prompt_ids == expected_ids(tokenizer, "q3")
 
 
-@pytest.mark.parametrize("case,match", [
-    ("missing", "does not exist; expected a .parquet or .jsonl"),
-    ("empty", "is empty"),
-    ("all_bad", r"all 2 rows are malformed \(e.g. row 0: .reward_model.ground_truth. is missing\)"),
-    ("all_long", r"longer than data.max_prompt_len=10 tokens \(shortest 2\d\); raise data.max_prompt_len"),
-    ("suffix", "unknown file type '.csv'"),
-])
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("missing", "does not exist; expected a .parquet or .jsonl"),
+        ("empty", "is empty"),
+        ("all_bad", r"all 2 rows are malformed \(e.g. row 0: .reward_model.ground_truth. is missing\)"),
+        ("all_long", r"longer than data.max_prompt_len=10 tokens \(shortest 2\d\); raise data.max_prompt_len"),
+        ("suffix", "unknown file type '.csv'"),
+    ],
+)
 def test_unusable_datasets_fail_with_a_clear_message(tmp_path, tokenizer, case, match):
     path = {
         "missing": tmp_path / "nope.parquet",
         "empty": write_jsonl(tmp_path / "e.jsonl", []),
-        "all_bad": write_jsonl(tmp_path / "b.jsonl", [{"prompt": [{"role": "user", "content": "a"}], "data_source": "s"}] * 2),
+        "all_bad": write_jsonl(
+            tmp_path / "b.jsonl", [{"prompt": [{"role": "user", "content": "a"}], "data_source": "s"}] * 2
+        ),
         "all_long": write_jsonl(tmp_path / "l.jsonl", [row("abcdef")]),
         "suffix": write_jsonl(tmp_path / "d.csv", [row("a")]),
     }[case]
@@ -97,7 +106,7 @@ def test_batches_cross_epoch_boundaries():
     batches = [s.next_batch() for _ in range(5)]  # 15 indices = 3 full epochs
     flat = sum(batches, [])
     for e in range(3):
-        assert sorted(flat[5 * e:5 * e + 5]) == list(range(5))
+        assert sorted(flat[5 * e : 5 * e + 5]) == list(range(5))
     assert s.state_dict()["epoch"] == 2 and s.state_dict()["position"] == 5
 
 

@@ -26,8 +26,9 @@ def hf_model(tiny_model_dir):
 def prompts(engine):
     out = []
     for c in CONTENTS:
-        ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
-                                                   tokenize=True)
+        ids = engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True
+        )
         out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
     assert len({len(p) for p in out}) > 1  # different lengths: left padding is exercised
     return out
@@ -38,7 +39,7 @@ def hf_reference(model, sequence, prompt_len, temperature=1.0):
     with torch.no_grad():
         out = model(torch.tensor([sequence]), output_router_logits=True)
     logp = torch.log_softmax(out.logits[0].float() / temperature, -1)[:-1]
-    logp = logp.gather(-1, torch.tensor(sequence[1:])[:, None]).squeeze(-1)[prompt_len - 1:]
+    logp = logp.gather(-1, torch.tensor(sequence[1:])[:, None]).squeeze(-1)[prompt_len - 1 :]
     k = model.config.num_experts_per_tok
     routes = torch.stack([torch.topk(r.float(), k, -1).indices for r in out.router_logits], 1)
     return logp, routes
@@ -103,8 +104,10 @@ def test_top_k_1_is_greedy_and_logprobs_are_unfiltered(engine, hf_model, prompts
 
 def test_sampled_tokens_respect_top_k_and_top_p(engine, hf_model, prompts):
     """Every drawn token lies in the top-k set / the nucleus of the HF model's temperature-scaled distribution."""
-    cases = [(SamplingParams(temperature=1.5, top_k=3, max_new_tokens=12, seed=5), "k"),
-             (SamplingParams(temperature=1.5, top_p=0.3, max_new_tokens=12, seed=5), "p")]
+    cases = [
+        (SamplingParams(temperature=1.5, top_k=3, max_new_tokens=12, seed=5), "k"),
+        (SamplingParams(temperature=1.5, top_p=0.3, max_new_tokens=12, seed=5), "p"),
+    ]
     for params, kind in cases:
         seen = set()
         for s in (s for g in engine.generate(prompts, 4, params) for s in g):
@@ -145,8 +148,9 @@ def test_bad_inputs_fail_with_clear_errors(engine, prompts):
 
 
 def test_load_weights_in_place_and_errors(tiny_model_dir, tmp_path):
-    from mcore_rl.models.tiny import make_tiny_checkpoint
     from safetensors import safe_open
+
+    from mcore_rl.models.tiny import make_tiny_checkpoint
 
     other = make_tiny_checkpoint(tmp_path / "seed1", seed=1)
     engine = EmbeddedEngine(tiny_model_dir)

@@ -20,26 +20,57 @@ def load_ray_launch():
 
 
 def run_script(*args, **env):
-    full_env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
-                    MODEL_CONFIG=str(PRESETS / "config.json"), **{k: str(v) for k, v in env.items()})
-    return subprocess.run(["bash", str(SCRIPT), *map(str, args)], capture_output=True, text=True, env=full_env, cwd=REPO, timeout=120)
+    full_env = dict(
+        os.environ,
+        PYTHON=sys.executable,
+        PYTHONPATH=str(REPO),
+        OMP_NUM_THREADS="1",
+        MODEL_CONFIG=str(PRESETS / "config.json"),
+        **{k: str(v) for k, v in env.items()},
+    )
+    return subprocess.run(
+        ["bash", str(SCRIPT), *map(str, args)], capture_output=True, text=True, env=full_env, cwd=REPO, timeout=120
+    )
 
 
 def test_multinode_script_builds_torchrun_command():
-    proc = run_script(PRESETS / "npu32_tp4_pp4_ep8.yaml", "algo.loss=sapo", NNODES=4, NODE_RANK=2, MASTER_ADDR="10.0.0.1",
-                      MASTER_PORT=29511, NPROC_PER_NODE=8, DRY_RUN=1)
+    proc = run_script(
+        PRESETS / "npu32_tp4_pp4_ep8.yaml",
+        "algo.loss=sapo",
+        NNODES=4,
+        NODE_RANK=2,
+        MASTER_ADDR="10.0.0.1",
+        MASTER_PORT=29511,
+        NPROC_PER_NODE=8,
+        DRY_RUN=1,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "OK:" in proc.stdout and "tp4 pp4 cp1 dp2 | ep8" in proc.stdout
     cmd = proc.stdout.strip().splitlines()[-1]
-    for part in ("-m torch.distributed.run", "--nnodes 4", "--node_rank 2", "--nproc_per_node 8", "--master_addr 10.0.0.1",
-                 "--master_port 29511", "-m mcore_rl.cli train", "algo.loss=sapo", "trainer.nnodes=4", "trainer.nproc=8"):
+    for part in (
+        "-m torch.distributed.run",
+        "--nnodes 4",
+        "--node_rank 2",
+        "--nproc_per_node 8",
+        "--master_addr 10.0.0.1",
+        "--master_port 29511",
+        "-m mcore_rl.cli train",
+        "algo.loss=sapo",
+        "trainer.nnodes=4",
+        "trainer.nproc=8",
+    ):
         assert part in cmd, (part, cmd)
 
 
 def test_multinode_script_rejects_layout_on_every_node_before_torchrun():
-    proc = run_script(PRESETS / "npu32_tp4_pp4_ep8.yaml", NNODES=2, NODE_RANK=1, MASTER_ADDR="10.0.0.1", NPROC_PER_NODE=8)
+    proc = run_script(
+        PRESETS / "npu32_tp4_pp4_ep8.yaml", NNODES=2, NODE_RANK=1, MASTER_ADDR="10.0.0.1", NPROC_PER_NODE=8
+    )
     assert proc.returncode == 2
-    assert "ep*etp = 8*1 = 8 must divide tp*cp*dp = 4*1*1 = 4" in proc.stderr and "torch.distributed.run" not in proc.stdout
+    assert (
+        "ep*etp = 8*1 = 8 must divide tp*cp*dp = 4*1*1 = 4" in proc.stderr
+        and "torch.distributed.run" not in proc.stdout
+    )
     proc = run_script(PRESETS / "npu32_tp4_pp4_ep8.yaml", NNODES=4, NODE_RANK=4)
     assert proc.returncode == 2 and "NODE_RANK=4 must lie in [0, NNODES=4)" in proc.stderr
 
@@ -50,7 +81,12 @@ def test_assign_ranks_contiguous_per_node_ordered_by_device():
     infos = [("10.0.0.2", ["3"]), ("10.0.0.1", ["1"]), ("10.0.0.2", ["0"]), ("10.0.0.1", ["0"])]
     placements = rl.assign_ranks(infos)
     got = [(p.rank, p.local_rank, p.node_rank, p.local_world_size, p.visible_devices) for p in placements]
-    assert got == [(1, 1, 0, 2, ("0", "3")), (3, 1, 1, 2, ("0", "1")), (0, 0, 0, 2, ("0", "3")), (2, 0, 1, 2, ("0", "1"))]
+    assert got == [
+        (1, 1, 0, 2, ("0", "3")),
+        (3, 1, 1, 2, ("0", "1")),
+        (0, 0, 0, 2, ("0", "3")),
+        (2, 0, 1, 2, ("0", "1")),
+    ]
     # CPU bundles: no device ids, bundle order decides
     cpu = rl.assign_ranks([("h", []), ("h", [])])
     assert [(p.rank, p.local_rank, p.visible_devices) for p in cpu] == [(0, 0, ()), (1, 1, ())]
@@ -58,17 +94,36 @@ def test_assign_ranks_contiguous_per_node_ordered_by_device():
 
 def test_rank_env_and_bundles():
     rl = load_ray_launch()
-    p = rl.RankPlacement(rank=5, local_rank=1, local_world_size=4, node_rank=1, node_ip="h2", visible_devices=("0", "1", "2", "3"))
+    p = rl.RankPlacement(
+        rank=5, local_rank=1, local_world_size=4, node_rank=1, node_ip="h2", visible_devices=("0", "1", "2", "3")
+    )
     env = rl.rank_env(p, 8, "h1", 1234, "NPU")
     assert env["RANK"] == "5" and env["WORLD_SIZE"] == "8" and env["LOCAL_RANK"] == "1" and env["GROUP_RANK"] == "1"
     assert env["MASTER_ADDR"] == "h1" and env["MASTER_PORT"] == "1234" and env["ASCEND_RT_VISIBLE_DEVICES"] == "0,1,2,3"
-    assert "CUDA_VISIBLE_DEVICES" in rl.rank_env(p, 8, "h1", 1, "GPU") and "CUDA_VISIBLE_DEVICES" not in rl.rank_env(p, 8, "h1", 1, "CPU")
+    assert "CUDA_VISIBLE_DEVICES" in rl.rank_env(p, 8, "h1", 1, "GPU") and "CUDA_VISIBLE_DEVICES" not in rl.rank_env(
+        p, 8, "h1", 1, "CPU"
+    )
     assert rl.bundles(2, "NPU", 0.25) == [{"CPU": 0.25, "NPU": 1}] * 2 and rl.bundles(1, "CPU", 1) == [{"CPU": 1}]
 
 
 def test_ray_launch_preflight_fails_without_ray():
     # Bad layout: rejected before Ray is imported or started (this venv has no Ray at all).
-    proc = subprocess.run([sys.executable, str(REPO / "launch" / "ray_launch.py"), str(PRESETS / "npu32_tp4_pp4_ep8.yaml"),
-                           "--nnodes", "2", "--nproc-per-node", "8", "--model-config", str(PRESETS / "config.json")],
-                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "launch" / "ray_launch.py"),
+            str(PRESETS / "npu32_tp4_pp4_ep8.yaml"),
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "8",
+            "--model-config",
+            str(PRESETS / "config.json"),
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        cwd=REPO,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "ray_launch: error: ep*etp = 8*1 = 8 must divide" in proc.stderr

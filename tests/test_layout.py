@@ -10,8 +10,16 @@ from mcore_rl.config import ParallelConfig, load_config
 from mcore_rl.megatron.layout import LayoutError, ModelDims, validate_layout, validate_rollout_tp, validate_run
 
 # Qwen3-30B-A3B
-QWEN = ModelDims(num_layers=48, num_attention_heads=32, num_query_groups=4, num_experts=128,
-                 vocab_size=151936, hidden=2048, moe_ffn_hidden_size=768, moe_top_k=8)
+QWEN = ModelDims(
+    num_layers=48,
+    num_attention_heads=32,
+    num_query_groups=4,
+    num_experts=128,
+    vocab_size=151936,
+    hidden=2048,
+    moe_ffn_hidden_size=768,
+    moe_top_k=8,
+)
 DENSE = ModelDims(num_layers=4, num_attention_heads=8, num_query_groups=8, num_experts=0, vocab_size=1000, hidden=64)
 
 
@@ -77,7 +85,9 @@ def test_uneven_stages_allow_pp_not_dividing_layers():
 
 def test_virtual_pp_divides_stage_layers():
     assert validate_layout(ParallelConfig(pp=4, virtual_pp=3), 4, QWEN).vpp == 3
-    assert "virtual_pp = 5 must divide the layers of every pipeline stage [12, 12, 12, 12]" in err(ParallelConfig(pp=4, virtual_pp=5), 4)
+    assert "virtual_pp = 5 must divide the layers of every pipeline stage [12, 12, 12, 12]" in err(
+        ParallelConfig(pp=4, virtual_pp=5), 4
+    )
     assert "needs pp >= 2" in err(ParallelConfig(pp=1, virtual_pp=2), 1)
 
 
@@ -87,8 +97,15 @@ def test_ep_divides_experts():
 
 
 def test_etp_must_divide_expert_ffn_size():
-    dims = ModelDims(num_layers=2, num_attention_heads=4, num_query_groups=4, num_experts=8, vocab_size=128,
-                     hidden=64, moe_ffn_hidden_size=90)
+    dims = ModelDims(
+        num_layers=2,
+        num_attention_heads=4,
+        num_query_groups=4,
+        num_experts=8,
+        vocab_size=128,
+        hidden=64,
+        moe_ffn_hidden_size=90,
+    )
     assert "etp = 4 must divide the expert FFN size 90" in err(ParallelConfig(tp=4, etp=4), 4, dims)
 
 
@@ -124,8 +141,16 @@ def test_model_dims_from_hf_config_object_and_files(tmp_path, tiny_model_dir):
 
     tiny = ModelDims.from_hf(AutoConfig.from_pretrained(tiny_model_dir))
     assert tiny == ModelDims.from_hf(tiny_model_dir) == ModelDims.from_hf(f"{tiny_model_dir}/config.json")
-    assert (tiny.num_layers, tiny.num_attention_heads, tiny.num_query_groups, tiny.num_experts, tiny.vocab_size) == (2, 4, 2, 8, 128)
-    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 3, "num_attention_heads": 2, "vocab_size": 10, "hidden_size": 8}))
+    assert (tiny.num_layers, tiny.num_attention_heads, tiny.num_query_groups, tiny.num_experts, tiny.vocab_size) == (
+        2,
+        4,
+        2,
+        8,
+        128,
+    )
+    (tmp_path / "config.json").write_text(
+        json.dumps({"num_hidden_layers": 3, "num_attention_heads": 2, "vocab_size": 10, "hidden_size": 8})
+    )
     dense = ModelDims.from_hf(tmp_path)
     assert dense.num_query_groups == 2 and dense.num_experts == 0
     with pytest.raises(LayoutError, match="does not exist"):
@@ -169,7 +194,10 @@ def test_run_batch_split_rules():
     with pytest.raises(LayoutError, match=r"6 samples .* must split evenly over dp 4 x algo.mini_batches 1 = 4"):
         validate_run(cfg, 4, QWEN)
     cfg = load_config(None, ["data.prompts_per_step=4", "rollout.n=3", "actor.parallel.micro_batch_size=4"])
-    with pytest.raises(LayoutError, match=r"mini-batch of 6 samples must split into micro-batches of .* = 4: use a micro_batch_size in \[1, 2, 3, 6\]"):
+    with pytest.raises(
+        LayoutError,
+        match=r"mini-batch of 6 samples must split into micro-batches of .* = 4: use a micro_batch_size in \[1, 2, 3, 6\]",
+    ):
         validate_run(cfg, 2, QWEN)
     cfg = load_config(None, ["rollout.engine=vllm", "rollout.tp=3"])
     with pytest.raises(LayoutError, match="rollout.tp = 3"):

@@ -12,7 +12,6 @@ linear in the gradient, so a wrong gradient scale cannot hide behind Adam's norm
 """
 
 import pytest
-
 from torchrun_util import REPO, run_torchrun
 
 WORKER = REPO / "tests/workers/loss_layouts.py"
@@ -27,8 +26,9 @@ def reference(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp, pp, ep, n_micro", [(2, 1, 1, 4), (1, 1, 2, 1), (1, 2, 1, 2)],
-                         ids=["tp2-sp-4micro", "ep2-dp2", "pp2-2micro"])
+@pytest.mark.parametrize(
+    "tp, pp, ep, n_micro", [(2, 1, 1, 4), (1, 1, 2, 1), (1, 2, 1, 2)], ids=["tp2-sp-4micro", "ep2-dp2", "pp2-2micro"]
+)
 def test_loss_and_update_match_world1(reference, tiny_model_dir, tp, pp, ep, n_micro):
     log = run_torchrun(WORKER, 2, reference, tiny_model_dir, tp, pp, ep, n_micro, "check", timeout=240)
     for loss in ("grpo", "gspo", "sapo"):

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from torchrun_util import REPO, run_torchrun
 
 from mcore_rl.megatron.logprobs import vocab_parallel_log_probs
-from torchrun_util import REPO, run_torchrun
 
 
 def reference(logits, target, temperature):
@@ -17,7 +17,7 @@ def reference(logits, target, temperature):
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_matches_log_softmax_values_and_gradients(chunk, temperature):
     g = torch.Generator().manual_seed(1)
-    logits = (torch.randn(3, 7, 50, generator=g, dtype=torch.float64) * 5)
+    logits = torch.randn(3, 7, 50, generator=g, dtype=torch.float64) * 5
     target = torch.randint(0, 50, (3, 7), generator=g)
     g_lp, g_h = torch.randn(3, 7, generator=g, dtype=torch.float64), torch.randn(3, 7, generator=g, dtype=torch.float64)
     a = logits.clone().requires_grad_(True)

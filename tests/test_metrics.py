@@ -34,8 +34,11 @@ def cfg_for(tmp_path, *overrides):
 
 def test_jsonl_survives_sigkill(tmp_path):
     signal_file = tmp_path / "signal"
-    proc = subprocess.Popen([sys.executable, "-c", LOGGING_CHILD, str(tmp_path), str(signal_file)],
-                            env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LOGGING_CHILD, str(tmp_path), str(signal_file)],
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        cwd=REPO,
+    )
     try:
         deadline = time.time() + 120
         while not signal_file.exists():
@@ -71,7 +74,9 @@ def test_resume_drops_steps_after_checkpoint(tmp_path):
         for step in range(1, 6):
             m.log(step, {"reward_mean": step})
     # Crash after step 5, checkpoint at step 3: steps 4, 5 will be replayed.
-    with MetricsLogger(tmp_path, cfg_for(tmp_path, "trainer.tensorboard=false"), rank=0, start_step=3, progress=False) as m:
+    with MetricsLogger(
+        tmp_path, cfg_for(tmp_path, "trainer.tensorboard=false"), rank=0, start_step=3, progress=False
+    ) as m:
         m.log(4, {"reward_mean": 40})
     assert [(r["step"], r["reward_mean"]) for r in read_metrics(tmp_path)] == [(1, 1), (2, 2), (3, 3), (4, 40)]
 
@@ -86,12 +91,15 @@ def test_other_ranks_write_nothing(tmp_path):
 def test_wandb_enabled(tmp_path, caplog, monkeypatch):
     try:
         import wandb  # noqa: F401  (an optional extra; the default venv does not have it)
+
         installed = True
         monkeypatch.setenv("WANDB_MODE", "offline")
     except ImportError:
         installed = False
     with caplog.at_level(logging.WARNING):
-        with MetricsLogger(tmp_path, cfg_for(tmp_path, "trainer.wandb=true", "trainer.tensorboard=false"), rank=0, progress=False) as m:
+        with MetricsLogger(
+            tmp_path, cfg_for(tmp_path, "trainer.wandb=true", "trainer.tensorboard=false"), rank=0, progress=False
+        ) as m:
             m.log(1, {"reward_mean": 1.0})
     assert read_metrics(tmp_path)[0]["reward_mean"] == 1.0
     if installed:
@@ -101,7 +109,9 @@ def test_wandb_enabled(tmp_path, caplog, monkeypatch):
 
 
 def test_progress_line_and_bar(tmp_path, capsys):
-    with MetricsLogger(tmp_path, cfg_for(tmp_path, "trainer.log_every=2", "trainer.tensorboard=false"), rank=0, progress=False) as m:
+    with MetricsLogger(
+        tmp_path, cfg_for(tmp_path, "trainer.log_every=2", "trainer.tensorboard=false"), rank=0, progress=False
+    ) as m:
         m.log(1, {"reward_mean": 0.1, "tokens_per_s": 10.0})
         m.log(2, {"reward_mean": 0.5, "tokens_per_s": 1234.4})
     out = capsys.readouterr().out
@@ -117,9 +127,22 @@ def test_plot_run_writes_pngs(tmp_path):
 
     with MetricsLogger(tmp_path, cfg_for(tmp_path, "trainer.tensorboard=false"), rank=0, progress=False) as m:
         for step in range(1, 8):
-            m.log(step, {"reward_mean": step / 7, "val_reward_mean": step / 8, "response_len_mean": 10 + step,
-                         "pg_loss": 1 / step, "clipfrac_upper": 0.01, "clipfrac_lower": 0.02, "grad_norm": 0.5,
-                         "tokens_per_s": 1000.0 + step, "time_rollout_s": 1.0, "time_update_s": 0.5, "custom_thing": step})
+            m.log(
+                step,
+                {
+                    "reward_mean": step / 7,
+                    "val_reward_mean": step / 8,
+                    "response_len_mean": 10 + step,
+                    "pg_loss": 1 / step,
+                    "clipfrac_upper": 0.01,
+                    "clipfrac_lower": 0.02,
+                    "grad_norm": 0.5,
+                    "tokens_per_s": 1000.0 + step,
+                    "time_rollout_s": 1.0,
+                    "time_update_s": 0.5,
+                    "custom_thing": step,
+                },
+            )
     paths = plot_run(tmp_path)
     names = {p.name for p in paths}
     assert "overview.png" in names and "reward_mean.png" in names and "custom_thing.png" in names
@@ -129,8 +152,20 @@ def test_plot_run_writes_pngs(tmp_path):
 
 
 def test_group_metrics():
-    groups = group_metrics(["reward_mean", "val_reward_mean", "clipfrac_upper", "clipfrac_lower", "tokens_per_s",
-                            "time_sync_s", "kl_ref", "approx_kl_old", "rollout_mismatch_k3", "weird"])
+    groups = group_metrics(
+        [
+            "reward_mean",
+            "val_reward_mean",
+            "clipfrac_upper",
+            "clipfrac_lower",
+            "tokens_per_s",
+            "time_sync_s",
+            "kl_ref",
+            "approx_kl_old",
+            "rollout_mismatch_k3",
+            "weird",
+        ]
+    )
     assert groups["reward"] == ["reward_mean", "val_reward_mean"]
     assert groups["clip fractions"] == ["clipfrac_lower", "clipfrac_upper"]
     assert groups["tokens / s"] == ["tokens_per_s"] and groups["seconds per phase"] == ["time_sync_s"]

@@ -36,8 +36,14 @@ def test_cuda_requested_without_cuda_is_rejected():
 def site_output():
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), WORLD_SIZE="1", RANK="0")
     env.pop("MASTER_PORT", None)
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "workers" / "actor_platform_sites.py")],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "workers" / "actor_platform_sites.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=REPO,
+    )
     return proc.stdout + proc.stderr
 
 

@@ -23,8 +23,22 @@ def launch(tmp_path, tiny_model_dir, entry, *overrides):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"platform: cpu\nmodel:\n  path: {tiny_model_dir}\nrollout:\n  n: 2\ndata:\n  prompts_per_step: 2\n")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), RAY_AUTH_MODE="disabled")
-    cmd = [sys.executable, str(REPO / "launch" / "ray_launch.py"), str(cfg), "--accelerator", "CPU", "--num-cpus", "2",
-           "--cpus-per-rank", "1", "--entry", entry, "trainer.nproc=2", f"trainer.run_dir={tmp_path / 'run'}", *overrides]
+    cmd = [
+        sys.executable,
+        str(REPO / "launch" / "ray_launch.py"),
+        str(cfg),
+        "--accelerator",
+        "CPU",
+        "--num-cpus",
+        "2",
+        "--cpus-per-rank",
+        "1",
+        "--entry",
+        entry,
+        "trainer.nproc=2",
+        f"trainer.run_dir={tmp_path / 'run'}",
+        *overrides,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=240)
 
 

@@ -10,24 +10,37 @@ from mcore_rl.rewards import math as math_reward
 from mcore_rl.rewards import task as task_reward
 
 
-@pytest.mark.parametrize("response,expected", [
-    ("7<|im_end|>", 1.0), ("7", 1.0), (" 7\n<|im_end|>", 1.0), ("\n7 ", 1.0),
-    ("8<|im_end|>", 0.0), ("77", 0.0), ("7x<|im_end|>", 0.0), ("", 0.0), ("<|im_end|>7", 0.0),
-    ("7<|im_end|>garbage after the end", 1.0),
-])
+@pytest.mark.parametrize(
+    "response,expected",
+    [
+        ("7<|im_end|>", 1.0),
+        ("7", 1.0),
+        (" 7\n<|im_end|>", 1.0),
+        ("\n7 ", 1.0),
+        ("8<|im_end|>", 0.0),
+        ("77", 0.0),
+        ("7x<|im_end|>", 0.0),
+        ("", 0.0),
+        ("<|im_end|>7", 0.0),
+        ("7<|im_end|>garbage after the end", 1.0),
+    ],
+)
 def test_task_reward_is_all_or_nothing_on_the_answer(response, expected):
     assert task_reward.score(response, "7", "mcore_rl/copy_kth", None) == expected
 
 
-@pytest.mark.parametrize("response,truth,expected", [
-    ("so the answer is \\boxed{3/4}", "3/4", 1.0),
-    ("0.75", "\\frac{3}{4}", 1.0),
-    ("first 2, finally \\boxed{\\frac{1}{2}}", "0.5", 1.0),
-    ("\\boxed{5}<|im_end|>", "5", 1.0),
-    ("The answer is 5", "6", 0.0),
-    ("\\boxed{2x+2}", "2(x+1)", 1.0),
-    ("I do not know", "2", 0.0),
-])
+@pytest.mark.parametrize(
+    "response,truth,expected",
+    [
+        ("so the answer is \\boxed{3/4}", "3/4", 1.0),
+        ("0.75", "\\frac{3}{4}", 1.0),
+        ("first 2, finally \\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("\\boxed{5}<|im_end|>", "5", 1.0),
+        ("The answer is 5", "6", 0.0),
+        ("\\boxed{2x+2}", "2(x+1)", 1.0),
+        ("I do not know", "2", 0.0),
+    ],
+)
 def test_math_reward_uses_math_verify_equivalence(response, truth, expected):
     assert math_reward.score(response, truth) == expected
 
@@ -51,11 +64,14 @@ def test_builtin_names_and_module_function_resolve():
     assert resolve_reward_fn("mcore_rl.rewards.task:score") is task_reward.score
 
 
-@pytest.mark.parametrize("name,match", [
-    ("no_such_module_xyz:score", "cannot import module 'no_such_module_xyz'"),
-    ("mcore_rl.rewards.task:nope", "has no callable 'nope'"),
-    ("tasks", "neither a built-in reward"),
-])
+@pytest.mark.parametrize(
+    "name,match",
+    [
+        ("no_such_module_xyz:score", "cannot import module 'no_such_module_xyz'"),
+        ("mcore_rl.rewards.task:nope", "has no callable 'nope'"),
+        ("tasks", "neither a built-in reward"),
+    ],
+)
 def test_bad_reward_names_fail_at_start_up(name, match):
     with pytest.raises(ValueError, match=match):
         RewardScorer.from_config(RewardConfig(fn=name), max_new_tokens=8)
@@ -63,12 +79,14 @@ def test_bad_reward_names_fail_at_start_up(name, match):
 
 @pytest.fixture
 def user_reward_module(tmp_path, monkeypatch):
-    (tmp_path / "my_rewards.py").write_text(textwrap.dedent("""
+    (tmp_path / "my_rewards.py").write_text(
+        textwrap.dedent("""
         def length_or_fail(response, ground_truth, data_source, extra):
             if response == "boom":
                 raise RuntimeError("user reward exploded")
             return float(len(response) == int(ground_truth))
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     return "my_rewards:length_or_fail"
 
@@ -81,7 +99,9 @@ def test_raising_reward_is_counted_and_scored_zero(user_reward_module):
 
 
 def test_scorer_adds_overlong_penalty_to_task_reward():
-    scorer = RewardScorer.from_config(RewardConfig(fn="task", overlong_buffer=2, overlong_penalty=1.0), max_new_tokens=4)
+    scorer = RewardScorer.from_config(
+        RewardConfig(fn="task", overlong_buffer=2, overlong_penalty=1.0), max_new_tokens=4
+    )
     out = scorer(["1", "1", "2"], ["1", "1", "1"], ["s"] * 3, response_lengths=[2, 3, 4])
     assert out.task_rewards == [1.0, 1.0, 0.0]
     assert out.rewards == pytest.approx([1.0, 0.5, -1.0])

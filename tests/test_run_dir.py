@@ -38,6 +38,7 @@ CheckpointManager(run_dir, keep_last=2).save(step, write)
 def write_payload(text: str):
     def write(tmp: Path) -> None:
         (tmp / "weights.bin").write_text(text)
+
     return write
 
 
@@ -45,8 +46,11 @@ def test_kill_during_write_keeps_previous_checkpoint(tmp_path):
     manager = CheckpointManager(tmp_path, keep_last=2)
     manager.save(10, write_payload("weights at 10"))
     signal_file = tmp_path / "signal"
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(tmp_path), str(signal_file), "20"],
-                            env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_WRITER, str(tmp_path), str(signal_file), "20"],
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        cwd=REPO,
+    )
     try:
         deadline = time.time() + 60
         while not signal_file.exists():

@@ -20,11 +20,14 @@ def test_shm_gather_equals_all_gather(nproc, mode):
     assert f"SHM_GATHER_OK {mode}" in out
 
 
-@pytest.mark.parametrize("name,shape,dim", [
-    ("decoder.layers.0.mlp.experts.linear_fc1.weight3", (8, 6), 0),  # gated: [gate; up]
-    ("decoder.layers.0.self_attention.linear_qkv.weight", (8, 6), 0),
-    ("decoder.layers.0.self_attention.linear_proj.weight", (6, 8), 1),
-])
+@pytest.mark.parametrize(
+    "name,shape,dim",
+    [
+        ("decoder.layers.0.mlp.experts.linear_fc1.weight3", (8, 6), 0),  # gated: [gate; up]
+        ("decoder.layers.0.self_attention.linear_qkv.weight", (8, 6), 0),
+        ("decoder.layers.0.self_attention.linear_proj.weight", (6, 8), 1),
+    ],
+)
 def test_shard_views_are_where_split_takes_shards_from(name, shape, dim):
     full = torch.arange(48.0).reshape(shape)
     views = _shard_views(name, full, 2, dim, gated=True)
@@ -45,7 +48,11 @@ def test_rounds_respect_the_chunk_limit_and_alignment():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc,tp,ep,etp", [(2, 1, 2, 1), (2, 2, 1, 2), (4, 2, 2, 2)], ids=["ep2", "tp2", "tp2-ep2-etp2"])
+@pytest.mark.parametrize(
+    "nproc,tp,ep,etp", [(2, 1, 2, 1), (2, 2, 1, 2), (4, 2, 2, 2)], ids=["ep2", "tp2", "tp2-ep2-etp2"]
+)
 def test_export_over_shared_memory_is_bit_exact(tiny_model_dir, nproc, tp, ep, etp):
-    out = run_torchrun(REPO / "tests" / "workers" / "shm_export_check.py", nproc, tiny_model_dir, tp, ep, etp, timeout=240)
+    out = run_torchrun(
+        REPO / "tests" / "workers" / "shm_export_check.py", nproc, tiny_model_dir, tp, ep, etp, timeout=240
+    )
     assert f"SHM_EXPORT_OK {tp} {ep} {etp}" in out

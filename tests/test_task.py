@@ -23,8 +23,15 @@ def independent_answer(row) -> str:
     return symbols[int(k) - 1]
 
 
-@pytest.mark.parametrize("spec", [TaskSpec(), TaskSpec(kind="majority", length=16, count=12),
-                                  TaskSpec(kind="copy_kth", length=4), TaskSpec(kind="copy_kth", length=4, fixed_k=2)])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        TaskSpec(),
+        TaskSpec(kind="majority", length=16, count=12),
+        TaskSpec(kind="copy_kth", length=4),
+        TaskSpec(kind="copy_kth", length=4, fixed_k=2),
+    ],
+)
 def test_ground_truth_is_the_answer_found_in_the_prompt(spec):
     rows = make_rows(300, seed=5, spec=spec)
     assert all(r["reward_model"]["ground_truth"] == independent_answer(r) for r in rows)
@@ -68,8 +75,9 @@ def test_guessing_scores_the_stated_chance_level():
     rows = make_rows(4000, seed=9, spec=spec)
     rng = random.Random(0)
     guesses = [rng.choice(spec.alphabet) for _ in rows]
-    out = RewardScorer("task", max_new_tokens=1)(guesses, [r["reward_model"]["ground_truth"] for r in rows],
-                                                 [r["data_source"] for r in rows])
+    out = RewardScorer("task", max_new_tokens=1)(
+        guesses, [r["reward_model"]["ground_truth"] for r in rows], [r["data_source"] for r in rows]
+    )
     mean = sum(out.rewards) / len(rows)
     assert abs(mean - chance_reward(spec)["uniform_over_alphabet"]) < 0.02
 
@@ -80,12 +88,15 @@ def test_cli_backend_writes_both_files(tmp_path, capsys):
     assert "chance reward" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(kind="sum"), "choose one of majority, copy_kth"),
-    (dict(length=5, count=2), "strict majority"),
-    (dict(alphabet="11"), "distinct symbols"),
-    (dict(kind="copy_kth", length=3, fixed_k=4), "fixed_k=4"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(kind="sum"), "choose one of majority, copy_kth"),
+        (dict(length=5, count=2), "strict majority"),
+        (dict(alphabet="11"), "distinct symbols"),
+        (dict(kind="copy_kth", length=3, fixed_k=4), "fixed_k=4"),
+    ],
+)
 def test_bad_task_specs_are_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):
         TaskSpec(**kwargs)
@@ -96,8 +107,9 @@ def test_tiny_model_learns_the_task_from_scratch(tmp_path):
     """The learnability benchmark, cut short: reward starts near 1/128 and climbs well above 1/10 chance."""
     from benchmarks.task_learnability import main as learnability
 
-    result = learnability(["--steps", "120", "--target", "0.5", "--seed", "1", "--model-seed", "0",
-                           "--out", str(tmp_path / "curve.json")])
+    result = learnability(
+        ["--steps", "120", "--target", "0.5", "--seed", "1", "--model-seed", "0", "--out", str(tmp_path / "curve.json")]
+    )
     rewards = [c["reward"] for c in result["curve"]]
     assert sum(rewards[:10]) / 10 < 0.05
     assert result["reached_target_at_step"] is not None, rewards[-20:]

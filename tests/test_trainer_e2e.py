@@ -35,10 +35,20 @@ def task(tmp_path_factory):
 
 
 def overrides(model_dir, task, run_dir, **extra):
-    base = {"model.path": model_dir, "data.train_path": task[0], "data.val_path": task[1],
-            "trainer.run_dir": str(run_dir), "trainer.steps": 4, "trainer.val_every": 2, "trainer.val_prompts": 16,
-            "checkpoint.save_every": 2, "data.prompts_per_step": 4, "rollout.n": 4,
-            "actor.parallel.micro_batch_size": 4, "rollout.verify_every": 2}
+    base = {
+        "model.path": model_dir,
+        "data.train_path": task[0],
+        "data.val_path": task[1],
+        "trainer.run_dir": str(run_dir),
+        "trainer.steps": 4,
+        "trainer.val_every": 2,
+        "trainer.val_prompts": 16,
+        "checkpoint.save_every": 2,
+        "data.prompts_per_step": 4,
+        "rollout.n": 4,
+        "actor.parallel.micro_batch_size": 4,
+        "rollout.verify_every": 2,
+    }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
 
@@ -48,8 +58,14 @@ def train_cmd(preset: str, args: list[str]) -> list[str]:
 
 
 def run_train(preset: str, args: list[str], timeout: float = 300) -> str:
-    proc = subprocess.run(train_cmd(preset, args), capture_output=True, text=True, cwd=REPO, timeout=timeout,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run(
+        train_cmd(preset, args),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=timeout,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     return out
@@ -70,20 +86,35 @@ def load_hf(run_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("preset, extra", [
-    ("gspo_cpu.yaml", {"algo.routing_replay": "r3"}),
-    ("sapo_cpu.yaml", {"algo.kl_coef": 0.01, "algo.entropy_coef": 0.001, "algo.routing_replay": "r2"}),
-])
+@pytest.mark.parametrize(
+    "preset, extra",
+    [
+        ("gspo_cpu.yaml", {"algo.routing_replay": "r3"}),
+        ("sapo_cpu.yaml", {"algo.kl_coef": 0.01, "algo.entropy_coef": 0.001, "algo.routing_replay": "r2"}),
+    ],
+)
 def test_short_run(tiny_model_dir, task, tmp_path, preset, extra):
     run_dir = tmp_path / "run"
     out = run_train(preset, overrides(tiny_model_dir, task, run_dir, **extra))
     assert "step 4/4 reward " in out and "tok/s" in out  # the progress line a person watches
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    clip_keys = ("train/clipfrac_upper", "train/clipfrac_lower") if preset.startswith("gspo") else ()  # SAPO never clips
-    for key in ("reward/mean", "train/loss", "train/grad_norm", *clip_keys, "train/approx_kl_old",
-                "train/entropy_old", "response/length_mean", "perf/tokens_per_s", "time/rollout", "time/update",
-                "time/sync"):
+    clip_keys = (
+        ("train/clipfrac_upper", "train/clipfrac_lower") if preset.startswith("gspo") else ()
+    )  # SAPO never clips
+    for key in (
+        "reward/mean",
+        "train/loss",
+        "train/grad_norm",
+        *clip_keys,
+        "train/approx_kl_old",
+        "train/entropy_old",
+        "response/length_mean",
+        "perf/tokens_per_s",
+        "time/rollout",
+        "time/update",
+        "time/sync",
+    ):
         assert all(key in r for r in rows), key
     assert all(0.0 <= r["reward/mean"] <= 1.0 for r in rows)
     assert "val/reward_mean" in rows[1] and "sync/verify_max_diff" in rows[1]
@@ -104,7 +135,9 @@ def test_short_run(tiny_model_dir, task, tmp_path, preset, extra):
 
     trained = AutoModelForCausalLM.from_pretrained(run_dir / "hf")
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    moved = max((a - b).abs().max().item() for a, b in zip(trained.state_dict().values(), initial.state_dict().values()))
+    moved = max(
+        (a - b).abs().max().item() for a, b in zip(trained.state_dict().values(), initial.state_dict().values())
+    )
     had_gradient = any(r["train/grad_norm"] > 0 for r in rows)
     assert (moved > 0) == had_gradient, (moved, [r["train/grad_norm"] for r in rows])
     if "algo.entropy_coef" in extra:
@@ -148,9 +181,14 @@ def test_kill_during_checkpoint_write_then_exact_resume(tiny_model_dir, task, tm
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, straight))
 
-    proc = subprocess.Popen(train_cmd("gspo_cpu.yaml", overrides(tiny_model_dir, task, resumed)), cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.Popen(
+        train_cmd("gspo_cpu.yaml", overrides(tiny_model_dir, task, resumed)),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     try:
         _wait_for_checkpoint_write(proc, resumed, 4, timeout=240)
     finally:

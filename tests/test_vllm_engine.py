@@ -18,10 +18,11 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make setup-vllm creates .venv-vllm)")
 
+from torchrun_util import run_torchrun  # noqa: E402
+
 from mcore_rl.config import RolloutConfig  # noqa: E402
 from mcore_rl.rollout.base import SamplingParams  # noqa: E402
 from mcore_rl.rollout.vllm_engine import ReplicaLayout, VllmEngine  # noqa: E402
-from torchrun_util import run_torchrun  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -31,7 +32,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU (
 PROMPTS = [[1, 44, 45, 46, 3, 12], [1, 50, 51], [1, 20, 21, 22, 23, 24, 25, 26, 27]]
 
 
-def hf_logprobs(model_dir: str, sequences: list[list[int]], prompt_lens: list[int], temperature: float) -> list[torch.Tensor]:
+def hf_logprobs(
+    model_dir: str, sequences: list[list[int]], prompt_lens: list[int], temperature: float
+) -> list[torch.Tensor]:
     """Independent reference: a Hugging Face forward of each whole sequence, log_softmax(logits / T)."""
     from transformers import AutoModelForCausalLM
 
@@ -41,7 +44,7 @@ def hf_logprobs(model_dir: str, sequences: list[list[int]], prompt_lens: list[in
         for seq, p in zip(sequences, prompt_lens):
             ids = torch.tensor([seq])
             logp = torch.log_softmax(model(ids).logits[0, :-1].float() / temperature, -1)
-            out.append(logp.gather(-1, ids[0, 1:, None])[p - 1:, 0])
+            out.append(logp.gather(-1, ids[0, 1:, None])[p - 1 :, 0])
     return out
 
 
@@ -147,14 +150,18 @@ def test_logprobs_match_hf(engine, tiny_model_dir):
     assert max_diff(ref, ref1) > 0.05  # the temperature matters, so the checks above can tell T apart
 
 
-def perturbed_checkpoint(src: str, dst: Path, scale: float, seed: int, which=lambda name: True) -> dict[str, torch.Tensor]:
+def perturbed_checkpoint(
+    src: str, dst: Path, scale: float, seed: int, which=lambda name: True
+) -> dict[str, torch.Tensor]:
     """A copy of the checkpoint folder with the selected tensors moved by Gaussian noise; returns all tensors."""
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(src, dst)
     gen = torch.Generator().manual_seed(seed)
-    weights = {k: v + scale * torch.randn(v.shape, generator=gen) if which(k) else v
-               for k, v in load_file(f"{src}/model.safetensors").items()}
+    weights = {
+        k: v + scale * torch.randn(v.shape, generator=gen) if which(k) else v
+        for k, v in load_file(f"{src}/model.safetensors").items()
+    }
     save_file(weights, str(dst / "model.safetensors"))
     return weights
 
@@ -252,8 +259,9 @@ def test_rebuild_mode_buffers_a_sync_and_rebuilds_once_complete(engine, tiny_mod
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc,tp", [(2, 1), (2, 2)])
 def test_spmd_external_launcher(tiny_model_dir, nproc, tp):
-    out = run_torchrun(WORKERS / "vllm_spmd.py", nproc, tiny_model_dir, str(tp), timeout=600,
-                       env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    out = run_torchrun(
+        WORKERS / "vllm_spmd.py", nproc, tiny_model_dir, str(tp), timeout=600, env={"VLLM_CPU_KVCACHE_SPACE": "1"}
+    )
     print("\n".join(line for line in out.splitlines() if line.startswith("rank ")))
     assert f"VLLM_SPMD_OK tp={tp} replicas={nproc // tp}" in out, out[-3000:]
 
@@ -274,10 +282,20 @@ def test_repeated_sync_from_megatron_actor(tiny_model_dir, actor_dir, layout, ro
     the trainer's process groups working (vLLM's shutdown used to destroy the default group)."""
     from vllm.platforms import current_platform
 
-    out = run_torchrun(WORKERS / "vllm_sync_megatron.py", 2, layout, str(rollout_tp), tiny_model_dir, actor_dir,
-                       reload, "3", timeout=600, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    out = run_torchrun(
+        WORKERS / "vllm_sync_megatron.py",
+        2,
+        layout,
+        str(rollout_tp),
+        tiny_model_dir,
+        actor_dir,
+        reload,
+        "3",
+        timeout=600,
+        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
     line = next(l for l in out.splitlines() if l.startswith("RESULT "))
-    r = json.loads(line[len("RESULT "):])
+    r = json.loads(line[len("RESULT ") :])
     print(r)
     assert r["replicas"] == 2 // rollout_tp
     cpu = current_platform.is_cpu()

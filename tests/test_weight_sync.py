@@ -23,10 +23,12 @@ def actor_dir(tmp_path_factory):
 
 def export_from(path):
     """A fresh stream of (HF name, tensor) from a checkpoint folder, one tensor at a time."""
+
     def stream():
         with safe_open(f"{path}/model.safetensors", "pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
     return stream
 
 
@@ -36,8 +38,9 @@ def reference_fn(model):
         with torch.no_grad():
             for s, p in zip(sequences, prompt_lens):
                 logits = model(torch.tensor([s])).logits[0].float() / temperature
-                out.append(torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(s[1:])[:, None])[p - 1:, 0])
+                out.append(torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(s[1:])[:, None])[p - 1 :, 0])
         return out
+
     return logprobs
 
 
@@ -120,8 +123,9 @@ def test_rebuild_that_cannot_fix_it_raises(tiny_model_dir, actor_dir):
     actor = AutoModelForCausalLM.from_pretrained(actor_dir, dtype=torch.float32).eval()
     wrong_export = export_from(tiny_model_dir)  # rebuilding from the wrong weights cannot match the actor
     with pytest.raises(SyncVerificationError, match="still above tolerance after the rebuild"):
-        verify_sync(engine, reference_fn(actor), ProbeBatch.random(128), tol=1e-3, fallback="rebuild",
-                    export_fn=wrong_export)
+        verify_sync(
+            engine, reference_fn(actor), ProbeBatch.random(128), tol=1e-3, fallback="rebuild", export_fn=wrong_export
+        )
     with pytest.raises(ValueError, match="needs export_fn"):
         verify_sync(engine, reference_fn(actor), ProbeBatch.random(128), tol=1e-3, fallback="rebuild")
 

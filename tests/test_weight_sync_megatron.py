@@ -27,7 +27,7 @@ def actor_dir(tmp_path_factory):
 def test_sync_from_megatron_actor(layout, tiny_model_dir, actor_dir):
     out = run_torchrun(WORKER, 2, layout, tiny_model_dir, actor_dir, timeout=240)
     line = next(l for l in out.splitlines() if l.startswith("RESULT "))
-    r = json.loads(line[len("RESULT "):])
+    r = json.loads(line[len("RESULT ") :])
     assert r["unsynced_error_names_tensors"]
     assert r["largest"] > r["bucket_bytes"] and r["num_buckets"] > 1
     assert r["verify_max_diff"] <= 1e-4

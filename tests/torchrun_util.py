@@ -17,15 +17,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_torchrun(script: str | os.PathLike, nproc: int, *args: str, timeout: float = 300, env: dict | None = None) -> str:
+def run_torchrun(
+    script: str | os.PathLike, nproc: int, *args: str, timeout: float = 300, env: dict | None = None
+) -> str:
     """Start `nproc` processes running `script args...`; return combined output, raise on failure."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nproc_per_node={nproc}", "--nnodes=1",
-        "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-        str(script), *map(str, args),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--nnodes=1",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(script),
+        *map(str, args),
     ]
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    full_env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    )
     full_env.update(env or {})
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
     out = proc.stdout + "\n" + proc.stderr

@@ -20,7 +20,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("direction", choices=["hf-to-mcore", "mcore-to-hf"])
-    parser.add_argument("--hf", required=True, help="HF checkpoint folder (source for hf-to-mcore; config/tokenizer source for mcore-to-hf)")
+    parser.add_argument(
+        "--hf",
+        required=True,
+        help="HF checkpoint folder (source for hf-to-mcore; config/tokenizer source for mcore-to-hf)",
+    )
     parser.add_argument("--ckpt", help="Megatron checkpoint folder to read (mcore-to-hf)")
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--tp", type=int, default=1)
@@ -38,13 +42,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    import torch
+
     from mcore_rl.config import Config, ModelConfig, ParallelConfig
     from mcore_rl.megatron.actor import Actor
     from mcore_rl.megatron.checkpoint import load_checkpoint, save_checkpoint
     from mcore_rl.models.bridge import save_hf_checkpoint
     from mcore_rl.platform import get_platform
-
-    import torch
 
     platform = get_platform(args.platform)
     platform.adapt_megatron()
@@ -58,8 +62,13 @@ def main(argv=None) -> None:
         load_checkpoint(actor, args.ckpt, load_optimizer=False)
         tensors = actor.export_hf_weights()
         if torch.distributed.get_rank() == 0:
-            save_hf_checkpoint(tensors, args.out, actor.bridge.hf_config, source_dir=args.hf,
-                               max_shard_bytes=int(args.max_shard_gb * (1 << 30)))
+            save_hf_checkpoint(
+                tensors,
+                args.out,
+                actor.bridge.hf_config,
+                source_dir=args.hf,
+                max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
+            )
         else:
             for _ in tensors:  # collective: every rank walks the export
                 pass

@@ -7,7 +7,9 @@ import torch
 ADV_ESTIMATORS = ("grpo", "drgrpo")
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, estimator: str = "grpo", eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, estimator: str = "grpo", eps: float = 1e-6
+) -> torch.Tensor:
     """Per-response advantages from rewards laid out as consecutive groups of `group_size`.
 
     grpo: (R - mean_group) / (std_group + eps); drgrpo: R - mean_group (no std division).
@@ -30,5 +32,5 @@ def group_advantages(rewards: torch.Tensor, group_size: int, estimator: str = "g
         std = r.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(r[:, :1])
         centred = centred / (std + eps)
     # exact zeros for groups without signal (all equal rewards, or a single response)
-    no_signal = (r.max(dim=1, keepdim=True).values == r.min(dim=1, keepdim=True).values)
+    no_signal = r.max(dim=1, keepdim=True).values == r.min(dim=1, keepdim=True).values
     return torch.where(no_signal, torch.zeros_like(centred), centred).view_as(rewards)

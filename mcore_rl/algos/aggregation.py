@@ -55,8 +55,13 @@ def sequence_lengths(mask: torch.Tensor) -> torch.Tensor:
     return mask.sum(dim=-1)
 
 
-def aggregate(token_values: torch.Tensor, mask: torch.Tensor, mode: str, counts: GlobalCounts,
-              seq_lens: torch.Tensor | None = None) -> torch.Tensor:
+def aggregate(
+    token_values: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    counts: GlobalCounts,
+    seq_lens: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Partial sum of masked [batch, tokens] values over global denominators (see module docstring).
 
     seq_lens: per-row valid-token counts n_i; defaults to mask row sums. Pass them explicitly when a

@@ -64,8 +64,15 @@ def pg_token_loss(log_prob, old_log_prob, advantages, mask, algo: AlgoConfig):
         seq_adv = _masked_seq_mean(advantages, mask)
         loss, up, lo, dual = ppo_clip_token_loss(seq_ratio, seq_adv, algo)
         shape = log_prob.shape
-        return (loss.expand(shape), seq_ratio.expand(shape),
-                {"clipfrac_upper": up.expand(shape), "clipfrac_lower": lo.expand(shape), "dual_clipfrac": dual.expand(shape)})
+        return (
+            loss.expand(shape),
+            seq_ratio.expand(shape),
+            {
+                "clipfrac_upper": up.expand(shape),
+                "clipfrac_lower": lo.expand(shape),
+                "dual_clipfrac": dual.expand(shape),
+            },
+        )
     if algo.loss == "gspo_token":
         # value s_i, gradient through each token: lp - sg(lp) + sg(log s_i)
         log_s = _sequence_log_ratio(log_prob, old_log_prob, mask).detach()
@@ -108,7 +115,9 @@ def validate_algo(algo: AlgoConfig) -> None:
     if algo.rollout_is not in ROLLOUT_IS_MODES:
         raise ValueError(f"algo.rollout_is={algo.rollout_is!r} is unknown; use one of {ROLLOUT_IS_MODES}")
     if not (0.0 <= algo.clip_low < 1.0) or algo.clip_high < 0.0:
-        raise ValueError(f"clip range needs 0 <= clip_low < 1 and clip_high >= 0, got clip_low={algo.clip_low}, clip_high={algo.clip_high}")
+        raise ValueError(
+            f"clip range needs 0 <= clip_low < 1 and clip_high >= 0, got clip_low={algo.clip_low}, clip_high={algo.clip_high}"
+        )
     if algo.dual_clip is not None and algo.dual_clip <= 1.0:
         raise ValueError(f"algo.dual_clip={algo.dual_clip} must be > 1 (commonly 3) or None to disable it")
     if algo.dual_clip is not None and algo.loss not in ("grpo", "gspo", "gspo_token"):
@@ -116,7 +125,9 @@ def validate_algo(algo: AlgoConfig) -> None:
     if algo.tau_pos <= 0 or algo.tau_neg <= 0:
         raise ValueError(f"SAPO temperatures must be > 0, got tau_pos={algo.tau_pos}, tau_neg={algo.tau_neg}")
     if algo.rollout_is == "icepop" and not (0 < algo.rollout_is_low < 1 < algo.rollout_is_high):
-        raise ValueError(f"icepop needs 0 < rollout_is_low < 1 < rollout_is_high, got [{algo.rollout_is_low}, {algo.rollout_is_high}]")
+        raise ValueError(
+            f"icepop needs 0 < rollout_is_low < 1 < rollout_is_high, got [{algo.rollout_is_low}, {algo.rollout_is_high}]"
+        )
     if algo.rollout_is in ("token", "sequence") and algo.rollout_is_cap <= 0:
         raise ValueError(f"algo.rollout_is_cap={algo.rollout_is_cap} must be > 0")
     if algo.kl_coef < 0 or algo.entropy_coef < 0:
@@ -151,16 +162,30 @@ def policy_loss(
     validate_algo(algo)
     counts.validate()
     shape = log_prob.shape
-    for name, t in (("old_log_prob", old_log_prob), ("advantages", advantages), ("mask", mask),
-                    ("rollout_log_prob", rollout_log_prob), ("ref_log_prob", ref_log_prob), ("entropy", entropy)):
+    for name, t in (
+        ("old_log_prob", old_log_prob),
+        ("advantages", advantages),
+        ("mask", mask),
+        ("rollout_log_prob", rollout_log_prob),
+        ("ref_log_prob", ref_log_prob),
+        ("entropy", entropy),
+    ):
         if t is not None and t.shape != shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)} but log_prob has {tuple(shape)}; all must be [batch, tokens]")
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)} but log_prob has {tuple(shape)}; all must be [batch, tokens]"
+            )
     if algo.rollout_is is not None and rollout_log_prob is None:
-        raise ValueError(f"algo.rollout_is={algo.rollout_is!r} needs rollout_log_prob (the engine's sampled-token log-probs)")
+        raise ValueError(
+            f"algo.rollout_is={algo.rollout_is!r} needs rollout_log_prob (the engine's sampled-token log-probs)"
+        )
     if algo.kl_coef > 0 and ref_log_prob is None:
-        raise ValueError(f"algo.kl_coef={algo.kl_coef} needs ref_log_prob (a reference-model pass); set kl_coef=0 to skip it")
+        raise ValueError(
+            f"algo.kl_coef={algo.kl_coef} needs ref_log_prob (a reference-model pass); set kl_coef=0 to skip it"
+        )
     if algo.entropy_coef > 0 and entropy is None:
-        raise ValueError(f"algo.entropy_coef={algo.entropy_coef} needs the per-token entropy; compute it with the log-probs")
+        raise ValueError(
+            f"algo.entropy_coef={algo.entropy_coef} needs the per-token entropy; compute it with the log-probs"
+        )
 
     mask = mask.to(log_prob.dtype)
     advantages = advantages.to(log_prob.dtype)

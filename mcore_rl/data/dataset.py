@@ -20,8 +20,10 @@ from typing import Any, Iterator, Optional
 
 log = logging.getLogger(__name__)
 
-EXPECTED_LAYOUT = ('each row needs "prompt" (a non-empty list of {"role": str, "content": str}), '
-                   '"reward_model": {"ground_truth": ...}, "data_source" (str) and optionally "extra_info" (dict)')
+EXPECTED_LAYOUT = (
+    'each row needs "prompt" (a non-empty list of {"role": str, "content": str}), '
+    '"reward_model": {"ground_truth": ...}, "data_source" (str) and optionally "extra_info" (dict)'
+)
 
 
 @dataclass
@@ -46,9 +48,11 @@ class DatasetSummary:
     longest_kept: int = 0
 
     def __str__(self) -> str:
-        text = (f"{self.path}: {self.kept}/{self.rows} prompts kept, {self.too_long} longer than "
-                f"{self.max_prompt_len} tokens filtered, {self.malformed} malformed rows skipped; longest kept prompt "
-                f"{self.longest_kept} tokens")
+        text = (
+            f"{self.path}: {self.kept}/{self.rows} prompts kept, {self.too_long} longer than "
+            f"{self.max_prompt_len} tokens filtered, {self.malformed} malformed rows skipped; longest kept prompt "
+            f"{self.longest_kept} tokens"
+        )
         return text + (f" (e.g. {self.malformed_example})" if self.malformed_example else "")
 
 
@@ -73,8 +77,10 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, Any]]:
     """(row number, row) pairs; a JSON line that does not parse is yielded as an Exception to be counted."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"dataset {path} does not exist; expected a .parquet or .jsonl file where {EXPECTED_LAYOUT} "
-                                "(`mcore-rl make-task` writes one)")
+        raise FileNotFoundError(
+            f"dataset {path} does not exist; expected a .parquet or .jsonl file where {EXPECTED_LAYOUT} "
+            "(`mcore-rl make-task` writes one)"
+        )
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -91,7 +97,9 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, Any]]:
                 except json.JSONDecodeError as e:
                     yield i, ValueError(f"not valid JSON ({e})")
     else:
-        raise ValueError(f"dataset {path}: unknown file type {path.suffix!r}; use .parquet or .jsonl (one JSON object per line)")
+        raise ValueError(
+            f"dataset {path}: unknown file type {path.suffix!r}; use .parquet or .jsonl (one JSON object per line)"
+        )
 
 
 def _parquet_batches(pf) -> Iterator[tuple[int, Any]]:
@@ -130,8 +138,9 @@ def tokenize_prompt(tokenizer, messages: list[dict]) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def load_prompt_dataset(path: str | Path, tokenizer, max_prompt_len: int, prompt_key: str = "prompt",
-                        progress_every: int = 50_000) -> PromptDataset:
+def load_prompt_dataset(
+    path: str | Path, tokenizer, max_prompt_len: int, prompt_key: str = "prompt", progress_every: int = 50_000
+) -> PromptDataset:
     """Read, validate, tokenise and length-filter one dataset file; log a summary."""
     if max_prompt_len < 1:
         raise ValueError(f"data.max_prompt_len={max_prompt_len} must be >= 1")
@@ -154,18 +163,29 @@ def load_prompt_dataset(path: str | Path, tokenizer, max_prompt_len: int, prompt
             shortest_too_long = min(shortest_too_long or len(ids), len(ids))
             continue
         summary.longest_kept = max(summary.longest_kept, len(ids))
-        examples.append(PromptExample(index=i, prompt_ids=ids, ground_truth=row["reward_model"]["ground_truth"],
-                                      data_source=row["data_source"], raw_prompt=row[prompt_key],
-                                      extra_info=row.get("extra_info") or {}))
+        examples.append(
+            PromptExample(
+                index=i,
+                prompt_ids=ids,
+                ground_truth=row["reward_model"]["ground_truth"],
+                data_source=row["data_source"],
+                raw_prompt=row[prompt_key],
+                extra_info=row.get("extra_info") or {},
+            )
+        )
     summary.kept = len(examples)
     if summary.rows == 0:
         raise ValueError(f"dataset {path} is empty; {EXPECTED_LAYOUT}")
     if summary.malformed == summary.rows:
-        raise ValueError(f"dataset {path}: all {summary.rows} rows are malformed (e.g. {summary.malformed_example}); "
-                         f"{EXPECTED_LAYOUT}")
+        raise ValueError(
+            f"dataset {path}: all {summary.rows} rows are malformed (e.g. {summary.malformed_example}); "
+            f"{EXPECTED_LAYOUT}"
+        )
     if not examples:
-        raise ValueError(f"dataset {path}: all {summary.too_long} well-formed prompts are longer than data.max_prompt_len="
-                         f"{max_prompt_len} tokens (shortest {shortest_too_long}); raise data.max_prompt_len")
+        raise ValueError(
+            f"dataset {path}: all {summary.too_long} well-formed prompts are longer than data.max_prompt_len="
+            f"{max_prompt_len} tokens (shortest {shortest_too_long}); raise data.max_prompt_len"
+        )
     if summary.malformed:
         log.warning("%s: skipped %d malformed rows, e.g. %s", path, summary.malformed, summary.malformed_example)
     log.info("%s", summary)
@@ -181,7 +201,9 @@ class EpochSampler:
 
     def __init__(self, num_examples: int, batch_size: int, seed: int = 1, shuffle: bool = True):
         if num_examples < 1 or batch_size < 1:
-            raise ValueError(f"EpochSampler needs num_examples >= 1 and batch_size >= 1, got {num_examples}, {batch_size}")
+            raise ValueError(
+                f"EpochSampler needs num_examples >= 1 and batch_size >= 1, got {num_examples}, {batch_size}"
+            )
         self.num_examples, self.batch_size, self.seed, self.shuffle = num_examples, batch_size, seed, shuffle
         self.epoch, self.position = 0, 0
         self._order = self._epoch_order(0)
@@ -200,20 +222,29 @@ class EpochSampler:
                 self.epoch, self.position = self.epoch + 1, 0
                 self._order = self._epoch_order(self.epoch)
             take = min(self.batch_size - len(batch), self.num_examples - self.position)
-            batch += self._order[self.position:self.position + take]
+            batch += self._order[self.position : self.position + take]
             self.position += take
         return batch
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "num_examples": self.num_examples, "shuffle": self.shuffle}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "num_examples": self.num_examples,
+            "shuffle": self.shuffle,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         for key in ("seed", "num_examples", "shuffle"):
             if state[key] != getattr(self, key):
-                raise ValueError(f"cannot resume the data sampler: saved {key}={state[key]} but this run has "
-                                 f"{key}={getattr(self, key)}; resume with the same dataset and data.seed")
+                raise ValueError(
+                    f"cannot resume the data sampler: saved {key}={state[key]} but this run has "
+                    f"{key}={getattr(self, key)}; resume with the same dataset and data.seed"
+                )
         if not 0 <= state["position"] <= self.num_examples:
-            raise ValueError(f"cannot resume the data sampler: position {state['position']} is outside 0..{self.num_examples}")
+            raise ValueError(
+                f"cannot resume the data sampler: position {state['position']} is outside 0..{self.num_examples}"
+            )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = self._epoch_order(self.epoch)

@@ -39,11 +39,15 @@ class TaskSpec:
         if self.kind not in TASK_KINDS:
             raise ValueError(f"TaskSpec.kind={self.kind!r}; choose one of {', '.join(TASK_KINDS)}")
         if self.length < 1 or len(set(self.alphabet)) != len(self.alphabet) or len(self.alphabet) < 2:
-            raise ValueError(f"TaskSpec needs length >= 1 and an alphabet of >= 2 distinct symbols, "
-                             f"got length={self.length}, alphabet={self.alphabet!r}")
+            raise ValueError(
+                f"TaskSpec needs length >= 1 and an alphabet of >= 2 distinct symbols, "
+                f"got length={self.length}, alphabet={self.alphabet!r}"
+            )
         if self.kind == "majority" and self.count and not self.length // 2 < self.count <= self.length:
-            raise ValueError(f"TaskSpec.count={self.count} must be a strict majority of length={self.length} "
-                             f"(in {self.length // 2 + 1}..{self.length}) or 0")
+            raise ValueError(
+                f"TaskSpec.count={self.count} must be a strict majority of length={self.length} "
+                f"(in {self.length // 2 + 1}..{self.length}) or 0"
+            )
         if not 0 <= self.fixed_k <= self.length:
             raise ValueError(f"TaskSpec.fixed_k={self.fixed_k} must be 0 (random) or in 1..length={self.length}")
 
@@ -104,8 +108,14 @@ def write_rows(rows: list[dict], path: Path) -> Path:
     return path
 
 
-def make_task_dataset(out_dir, train_size: int = 4096, val_size: int = 256, seed: int = 0,
-                      spec: TaskSpec = TaskSpec(), fmt: str = "parquet") -> tuple[Path, Path]:
+def make_task_dataset(
+    out_dir,
+    train_size: int = 4096,
+    val_size: int = 256,
+    seed: int = 0,
+    spec: TaskSpec = TaskSpec(),
+    fmt: str = "parquet",
+) -> tuple[Path, Path]:
     """Write train.<fmt>, val.<fmt> and task.json to out_dir; train and validation use different seeds."""
     if train_size < 1 or val_size < 1:
         raise ValueError(f"make_task_dataset needs train_size >= 1 and val_size >= 1, got {train_size}, {val_size}")
@@ -114,9 +124,19 @@ def make_task_dataset(out_dir, train_size: int = 4096, val_size: int = 256, seed
     out = Path(out_dir)
     train = write_rows(make_rows(train_size, seed, spec), out / f"train.{fmt}")
     val = write_rows(make_rows(val_size, seed + 1_000_003, spec), out / f"val.{fmt}")
-    (out / "task.json").write_text(json.dumps({"data_source": spec.data_source, "spec": asdict(spec), "seed": seed,
-                                               "train_size": train_size, "val_size": val_size,
-                                               "chance_reward": chance_reward(spec)}, indent=2))
+    (out / "task.json").write_text(
+        json.dumps(
+            {
+                "data_source": spec.data_source,
+                "spec": asdict(spec),
+                "seed": seed,
+                "train_size": train_size,
+                "val_size": val_size,
+                "chance_reward": chance_reward(spec),
+            },
+            indent=2,
+        )
+    )
     return train, val
 
 

@@ -52,8 +52,12 @@ class MicroBatch:
 
     def to(self, device) -> "MicroBatch":
         move = lambda t: t.to(device, non_blocking=True) if torch.is_tensor(t) else t
-        return MicroBatch(move(self.tokens), move(self.position_ids), move(self.attention_mask),
-                          {k: move(v) for k, v in self.extras.items()})
+        return MicroBatch(
+            move(self.tokens),
+            move(self.position_ids),
+            move(self.attention_mask),
+            {k: move(v) for k, v in self.extras.items()},
+        )
 
 
 PostFn = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
@@ -67,21 +71,38 @@ def _build_optimizer(chunks, optim: OptimConfig, dtype: torch.dtype, total_steps
     if optim.decay_style not in ("constant", "linear", "cosine"):
         raise ValueError(f"actor.optim.decay_style {optim.decay_style!r} unknown; choose constant, linear or cosine")
     config = OptimizerConfig(
-        optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
-        adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
-        clip_grad=optim.clip_grad, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        params_dtype=dtype, use_distributed_optimizer=optim.use_distributed_optimizer,
+        optimizer="adam",
+        lr=optim.lr,
+        min_lr=optim.min_lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        adam_eps=optim.adam_eps,
+        clip_grad=optim.clip_grad,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        params_dtype=dtype,
+        use_distributed_optimizer=optim.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(config, chunks)
     decay_steps = optim.decay_steps or total_steps
     if optim.warmup_steps >= max(decay_steps, 1) and optim.decay_style != "constant":
-        raise ValueError(f"actor.optim.warmup_steps = {optim.warmup_steps} must be < decay steps {decay_steps}: "
-                         f"lower warmup_steps or raise decay_steps / trainer.steps")
+        raise ValueError(
+            f"actor.optim.warmup_steps = {optim.warmup_steps} must be < decay steps {decay_steps}: "
+            f"lower warmup_steps or raise decay_steps / trainer.steps"
+        )
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
-        lr_warmup_steps=optim.warmup_steps, lr_decay_steps=max(decay_steps, optim.warmup_steps + 1),
-        lr_decay_style=optim.decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
-        wd_incr_steps=max(decay_steps, 1), wd_incr_style="constant",
+        optimizer,
+        init_lr=0.0 if optim.warmup_steps else optim.lr,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr,
+        lr_warmup_steps=optim.warmup_steps,
+        lr_decay_steps=max(decay_steps, optim.warmup_steps + 1),
+        lr_decay_style=optim.decay_style,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=max(decay_steps, 1),
+        wd_incr_style="constant",
     )
     return optimizer, scheduler
 
@@ -91,27 +112,36 @@ def _wrap_ddp(chunks, transformer_config, use_distributed_optimizer: bool, dtype
     from megatron.core.transformer.module import Float16Module
 
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_distributed_optimizer,
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
     )
     wrapped = []
     for i, chunk in enumerate(chunks):
         if dtype != torch.float32:  # casts inputs/outputs around a half-precision model
             chunk = Float16Module(transformer_config, chunk)
-        wrapped.append(DistributedDataParallel(config=transformer_config, ddp_config=ddp_config, module=chunk,
-                                               disable_bucketing=i > 0))
+        wrapped.append(
+            DistributedDataParallel(
+                config=transformer_config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0
+            )
+        )
     return wrapped
 
 
 class Actor:
     """Model chunks (DDP-wrapped) + Megatron optimizer + LR scheduler of one process."""
 
-    def __init__(self, cfg: Config, platform: Optional[Platform] = None, with_optimizer: bool = True, load_weights: bool = True):
+    def __init__(
+        self, cfg: Config, platform: Optional[Platform] = None, with_optimizer: bool = True, load_weights: bool = True
+    ):
         from megatron.core.distributed import finalize_model_grads
 
         self.cfg = cfg
         self.platform = platform or get_platform(cfg.platform)
         self.bridge = ModelBridge(cfg.model.path, self.platform)
-        self.info: ParallelInfo = init_parallel(cfg.actor.parallel, self.platform, self.bridge.hf_config, seed=cfg.trainer.seed)
+        self.info: ParallelInfo = init_parallel(
+            cfg.actor.parallel, self.platform, self.bridge.hf_config, seed=cfg.trainer.seed
+        )
         self.parallel = self.info.effective_parallel(cfg.actor.parallel)
         chunks = self.bridge.build_model(self.parallel, cfg.model, sequence_parallel=self.info.sequence_parallel)
         if load_weights:
@@ -123,7 +153,9 @@ class Actor:
         self.tf_config.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
         self.optimizer = self.scheduler = None
         if with_optimizer:
-            self.optimizer, self.scheduler = _build_optimizer(self.model, cfg.actor.optim, self.dtype, cfg.trainer.steps)
+            self.optimizer, self.scheduler = _build_optimizer(
+                self.model, cfg.actor.optim, self.dtype, cfg.trainer.steps
+            )
 
     # ---- helpers -----------------------------------------------------------------------------
     @property
@@ -137,8 +169,10 @@ class Actor:
         multiple = self.info.layout.seq_len_multiple
         for _, s in shapes:
             if s % multiple:
-                raise ValueError(f"sequence length {s} is not a multiple of {multiple} (sequence parallel over tp = "
-                                 f"{self.info.tp}): right-pad micro-batches to a multiple of {multiple}")
+                raise ValueError(
+                    f"sequence length {s} is not a multiple of {multiple} (sequence parallel over tp = "
+                    f"{self.info.tp}): right-pad micro-batches to a multiple of {multiple}"
+                )
         return max(s for _, s in shapes)
 
     def _run_schedule(self, micro_batches: list[MicroBatch], loss_func_for: Callable, forward_only: bool) -> list:
@@ -154,9 +188,13 @@ class Actor:
             return output, functools.partial(loss_func_for, mb)  # the schedule calls loss_func(output)
 
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=batches, model=self.model,
-            num_microbatches=len(micro_batches), seq_length=seq_len,
-            micro_batch_size=micro_batches[0].tokens.shape[0], forward_only=forward_only,
+            forward_step_func=forward_step,
+            data_iterator=batches,
+            model=self.model,
+            num_microbatches=len(micro_batches),
+            seq_length=seq_len,
+            micro_batch_size=micro_batches[0].tokens.shape[0],
+            forward_only=forward_only,
         )
 
     def _from_last_stage(self, obj):
@@ -225,8 +263,11 @@ class Actor:
         self.scheduler.step(increment=1)
         metrics = self._reduce_metrics(stored) if self.info.is_last_stage else None
         metrics = self._from_last_stage(metrics)
-        metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), lr=float(lr),
-                       update_successful=float(bool(update_successful)))
+        metrics.update(
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            lr=float(lr),
+            update_successful=float(bool(update_successful)),
+        )
         return metrics
 
     def _reduce_metrics(self, stored: list[dict]) -> dict[str, float]:

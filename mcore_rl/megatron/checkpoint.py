@@ -49,7 +49,9 @@ def _state(actor, is_loading: bool, with_optimizer: bool) -> dict:
     model_sd = _model_sharded_state_dict(actor)
     state = dict(model_sd)
     if with_optimizer and actor.optimizer is not None:
-        state["optimizer"] = actor.optimizer.sharded_state_dict(_flat_model_sd(model_sd), is_loading=is_loading, metadata=dict(_SHARDING))
+        state["optimizer"] = actor.optimizer.sharded_state_dict(
+            _flat_model_sd(model_sd), is_loading=is_loading, metadata=dict(_SHARDING)
+        )
     return state
 
 
@@ -114,11 +116,15 @@ def load_checkpoint(actor, directory: str, load_optimizer: bool = True) -> dict[
     from megatron.core import dist_checkpointing
 
     if not os.path.isdir(directory) or not os.path.exists(os.path.join(directory, "metadata.json")):
-        raise FileNotFoundError(f"{directory} is not a Megatron dist checkpoint (no metadata.json): check checkpoint.resume")
+        raise FileNotFoundError(
+            f"{directory} is not a Megatron dist checkpoint (no metadata.json): check checkpoint.resume"
+        )
     common = dist_checkpointing.load_common_state_dict(directory)
     with_optimizer = load_optimizer and actor.optimizer is not None
     if with_optimizer and "optimizer" not in common:
-        raise ValueError(f"{directory} holds no optimizer state (e.g. converted from HF): load it with load_optimizer=False")
+        raise ValueError(
+            f"{directory} holds no optimizer state (e.g. converted from HF): load it with load_optimizer=False"
+        )
     if with_optimizer:
         _prime_adam_state(actor.optimizer)
         _tolerate_absent_state_keys(actor.optimizer)

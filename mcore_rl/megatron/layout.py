@@ -58,7 +58,9 @@ class ModelDims:
             if os.path.isdir(path):
                 path = os.path.join(path, "config.json")
             if not os.path.isfile(path):
-                raise LayoutError(f"model config {path} does not exist: point model.path at a Hugging Face checkpoint folder with a config.json")
+                raise LayoutError(
+                    f"model config {path} does not exist: point model.path at a Hugging Face checkpoint folder with a config.json"
+                )
             with open(path) as f:
                 hf_config = json.load(f)
         get = hf_config.get if isinstance(hf_config, dict) else (lambda k, d=None: getattr(hf_config, k, d))
@@ -102,8 +104,15 @@ def _divisors(n: int) -> list[int]:
 
 
 def _check_sizes(p: ParallelConfig, world_size: int) -> None:
-    sizes = {"world_size": world_size, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "etp": p.expert_tp,
-             "micro_batch_size": p.micro_batch_size}
+    sizes = {
+        "world_size": world_size,
+        "tp": p.tp,
+        "pp": p.pp,
+        "cp": p.cp,
+        "ep": p.ep,
+        "etp": p.expert_tp,
+        "micro_batch_size": p.micro_batch_size,
+    }
     if p.virtual_pp is not None:
         sizes["virtual_pp"] = p.virtual_pp
     for name, value in sizes.items():
@@ -141,13 +150,19 @@ def _stage_layers(p: ParallelConfig, dims: ModelDims) -> tuple[int, ...]:
         stages = (n // p.pp,) * p.pp
     else:
         if p.pp < 2:
-            raise LayoutError(f"uneven pipeline stages (first={first}, last={last}) need pp >= 2, got pp = {p.pp}: remove them or raise pp")
+            raise LayoutError(
+                f"uneven pipeline stages (first={first}, last={last}) need pp >= 2, got pp = {p.pp}: remove them or raise pp"
+            )
         for name, v in (("num_layers_in_first_stage", first), ("num_layers_in_last_stage", last)):
             if v is not None and v < 1:
                 raise LayoutError(f"actor.parallel.{name} = {v} must be >= 1: give every stage at least one layer")
         middle_stages = p.pp - (first is not None) - (last is not None)
         middle_layers = n - (first or 0) - (last or 0)
-        if middle_layers < 0 or (middle_stages == 0) != (middle_layers == 0) or (middle_stages and middle_layers % middle_stages):
+        if (
+            middle_layers < 0
+            or (middle_stages == 0) != (middle_layers == 0)
+            or (middle_stages and middle_layers % middle_stages)
+        ):
             raise LayoutError(
                 f"uneven stages: {n} layers minus first={first} and last={last} leaves {middle_layers} layers for "
                 f"{middle_stages} middle stages, which must split evenly: adjust the first/last stage sizes"
@@ -156,7 +171,9 @@ def _stage_layers(p: ParallelConfig, dims: ModelDims) -> tuple[int, ...]:
         stages = ((first,) if first is not None else ()) + mid + ((last,) if last is not None else ())
     if p.virtual_pp is not None:
         if p.pp < 2:
-            raise LayoutError(f"virtual_pp = {p.virtual_pp} needs pp >= 2 (got pp = {p.pp}): remove virtual_pp or raise pp")
+            raise LayoutError(
+                f"virtual_pp = {p.virtual_pp} needs pp >= 2 (got pp = {p.pp}): remove virtual_pp or raise pp"
+            )
         bad = [s for s in stages if s % p.virtual_pp]
         if bad:
             raise LayoutError(
@@ -170,10 +187,14 @@ def _check_experts(p: ParallelConfig, dims: ModelDims) -> None:
     etp = p.expert_tp
     if dims.num_experts == 0:
         if p.ep > 1:
-            raise LayoutError(f"ep = {p.ep} needs a Mixture-of-Experts model, but this model is dense: set actor.parallel.ep = 1")
+            raise LayoutError(
+                f"ep = {p.ep} needs a Mixture-of-Experts model, but this model is dense: set actor.parallel.ep = 1"
+            )
         return
     if dims.num_experts % p.ep:
-        raise LayoutError(f"ep = {p.ep} must divide the model's {dims.num_experts} experts: use ep in {_divisors(dims.num_experts)}")
+        raise LayoutError(
+            f"ep = {p.ep} must divide the model's {dims.num_experts} experts: use ep in {_divisors(dims.num_experts)}"
+        )
     if dims.moe_ffn_hidden_size and dims.moe_ffn_hidden_size % etp:
         raise LayoutError(
             f"expert tensor parallel etp = {etp} must divide the expert FFN size {dims.moe_ffn_hidden_size}: "
@@ -229,7 +250,9 @@ def _check_context_parallel(p: ParallelConfig, platform: Optional[str]) -> None:
         )
 
 
-def validate_layout(parallel: ParallelConfig, world_size: int, dims: Any, platform: Optional[str] = None) -> DerivedLayout:
+def validate_layout(
+    parallel: ParallelConfig, world_size: int, dims: Any, platform: Optional[str] = None
+) -> DerivedLayout:
     """Check `parallel` for `world_size` processes and this model; raise LayoutError on the first violation.
 
     `dims` is a ModelDims or anything `ModelDims.from_hf` accepts (HF config object, dict, config.json path,
@@ -248,13 +271,26 @@ def validate_layout(parallel: ParallelConfig, world_size: int, dims: Any, platfo
     warnings: list[str] = []
     sp = _sequence_parallel(p, dims, warnings)
     if platform == "cpu" and p.expert_tp > 1 and p.ep > 1:
-        warnings.append(f"etp = {p.expert_tp} with ep > 1 on CPU: gloo rejects the uneven all-gather of the alltoall dispatcher; etp = 1 avoids it")
+        warnings.append(
+            f"etp = {p.expert_tp} with ep > 1 on CPU: gloo rejects the uneven all-gather of the alltoall dispatcher; etp = 1 avoids it"
+        )
     # Sequence parallel splits the sequence over TP; context parallel splits it into 2*cp load-balanced chunks.
     seq_multiple = (p.tp if sp else 1) * (2 * p.cp if p.cp > 1 else 1)
     return DerivedLayout(
-        world_size=world_size, tp=p.tp, pp=p.pp, cp=p.cp, dp=dp, ep=p.ep, etp=p.expert_tp, edp=edp,
-        vpp=p.virtual_pp, sequence_parallel=sp, micro_batch_size=p.micro_batch_size,
-        layers_per_stage=stages, padded_vocab_size=padded_vocab, seq_len_multiple=seq_multiple,
+        world_size=world_size,
+        tp=p.tp,
+        pp=p.pp,
+        cp=p.cp,
+        dp=dp,
+        ep=p.ep,
+        etp=p.expert_tp,
+        edp=edp,
+        vpp=p.virtual_pp,
+        sequence_parallel=sp,
+        micro_batch_size=p.micro_batch_size,
+        layers_per_stage=stages,
+        padded_vocab_size=padded_vocab,
+        seq_len_multiple=seq_multiple,
         warnings=tuple(warnings),
     )
 
@@ -285,9 +321,13 @@ def validate_rollout_tp(rollout_tp: int, world_size: int, dims: Any) -> RolloutL
             raise LayoutError(
                 f"rollout.tp = {rollout_tp} above the {kv} KV heads must be a multiple of them: use rollout.tp in {_divisors(kv)} or a multiple of {kv}"
             )
-        warnings = (f"rollout.tp = {rollout_tp} > {kv} KV heads: the engine replicates each KV head {rollout_tp // kv}x (memory and sync cost)",)
+        warnings = (
+            f"rollout.tp = {rollout_tp} > {kv} KV heads: the engine replicates each KV head {rollout_tp // kv}x (memory and sync cost)",
+        )
     elif kv % rollout_tp:
-        raise LayoutError(f"rollout.tp = {rollout_tp} must divide the model's {kv} KV heads: use rollout.tp in {_divisors(kv)}")
+        raise LayoutError(
+            f"rollout.tp = {rollout_tp} must divide the model's {kv} KV heads: use rollout.tp in {_divisors(kv)}"
+        )
     return RolloutLayout(tp=rollout_tp, dp=world_size // rollout_tp, warnings=warnings)
 
 

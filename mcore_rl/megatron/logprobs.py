@@ -70,7 +70,12 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             entropy[s:e] = log_z - mean_shifted  # H = log Z - E_p[z - m] (Z taken after the shift)
             maxes[s:e], log_zs[s:e] = m, log_z
         ctx.save_for_backward(logits, target, maxes, log_zs, entropy)
-        ctx.temperature, ctx.chunk_tokens, ctx.vocab_start, ctx.with_entropy = temperature, chunk_tokens, vocab_start, with_entropy
+        ctx.temperature, ctx.chunk_tokens, ctx.vocab_start, ctx.with_entropy = (
+            temperature,
+            chunk_tokens,
+            vocab_start,
+            with_entropy,
+        )
         ctx.mark_non_differentiable(target)
         return log_prob, entropy
 
@@ -119,7 +124,9 @@ def vocab_parallel_log_probs(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}; use the rollout's sampling temperature")
     if target.shape != logits.shape[:-1]:
-        raise ValueError(f"target shape {tuple(target.shape)} must equal logits shape without the vocab dim {tuple(logits.shape[:-1])}")
+        raise ValueError(
+            f"target shape {tuple(target.shape)} must equal logits shape without the vocab dim {tuple(logits.shape[:-1])}"
+        )
     if chunk_tokens is None:
         chunk_tokens = max(1, CHUNK_ELEMENTS // logits.shape[-1])
     if chunk_tokens < 1:
@@ -127,5 +134,6 @@ def vocab_parallel_log_probs(
     lead = target.shape
     flat_logits = logits.reshape(-1, logits.shape[-1])
     log_prob, entropy = _VocabParallelLogProbs.apply(
-        flat_logits, target.reshape(-1).long(), float(temperature), group, int(chunk_tokens), with_entropy)
+        flat_logits, target.reshape(-1).long(), float(temperature), group, int(chunk_tokens), with_entropy
+    )
     return log_prob.view(lead), (entropy.view(lead) if with_entropy else None)

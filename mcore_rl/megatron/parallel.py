@@ -58,7 +58,11 @@ def init_parallel(parallel: ParallelConfig, platform: Platform, hf_config, seed:
     Validation runs before any process group exists, so a bad layout fails in a second.
     Calling it again with the same layout is a no-op for the groups (Megatron keeps global state).
     """
-    world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = (
+        torch.distributed.get_world_size()
+        if torch.distributed.is_initialized()
+        else int(os.environ.get("WORLD_SIZE", "1"))
+    )
     layout = validate_layout(parallel, world_size, hf_config, platform=platform.name)
     for warning in layout.warnings:
         logger.warning("layout: %s", warning)
@@ -77,8 +81,11 @@ def init_parallel(parallel: ParallelConfig, platform: Platform, hf_config, seed:
             expert_model_parallel_size=parallel.ep,
             expert_tensor_parallel_size=parallel.expert_tp,
         )
-    elif (mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size(),
-          mpu.get_expert_model_parallel_world_size()) != (parallel.tp, parallel.pp, parallel.ep):
+    elif (
+        mpu.get_tensor_model_parallel_world_size(),
+        mpu.get_pipeline_model_parallel_world_size(),
+        mpu.get_expert_model_parallel_world_size(),
+    ) != (parallel.tp, parallel.pp, parallel.ep):
         raise RuntimeError("Megatron's process groups already exist with another layout; one layout per process")
 
     random.seed(seed)
@@ -86,9 +93,12 @@ def init_parallel(parallel: ParallelConfig, platform: Platform, hf_config, seed:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return ParallelInfo(
         rank=torch.distributed.get_rank(),
-        tp_rank=mpu.get_tensor_model_parallel_rank(), pp_rank=mpu.get_pipeline_model_parallel_rank(),
-        cp_rank=mpu.get_context_parallel_rank(), dp_rank=mpu.get_data_parallel_rank(),
-        ep_rank=mpu.get_expert_model_parallel_rank(), etp_rank=mpu.get_expert_tensor_parallel_rank(),
+        tp_rank=mpu.get_tensor_model_parallel_rank(),
+        pp_rank=mpu.get_pipeline_model_parallel_rank(),
+        cp_rank=mpu.get_context_parallel_rank(),
+        dp_rank=mpu.get_data_parallel_rank(),
+        ep_rank=mpu.get_expert_model_parallel_rank(),
+        etp_rank=mpu.get_expert_tensor_parallel_rank(),
         layout=layout,
     )
 

@@ -31,27 +31,42 @@ def next_token_targets(tokens: torch.Tensor) -> torch.Tensor:
     return torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)
 
 
-def token_log_probs(logits_shard: torch.Tensor, tokens: torch.Tensor, temperature: float, tp_group,
-                    with_entropy: bool = False):
+def token_log_probs(
+    logits_shard: torch.Tensor, tokens: torch.Tensor, temperature: float, tp_group, with_entropy: bool = False
+):
     """Log-probs (and entropy) of each next token from vocab-parallel logits [b, s, V/tp] -> [b, s]."""
-    return vocab_parallel_log_probs(logits_shard, next_token_targets(tokens), temperature, group=tp_group,
-                                    with_entropy=with_entropy)
+    return vocab_parallel_log_probs(
+        logits_shard, next_token_targets(tokens), temperature, group=tp_group, with_entropy=with_entropy
+    )
 
 
-def policy_extras(loss_mask: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
-                  rollout_log_prob: Optional[torch.Tensor] = None,
-                  ref_log_prob: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+def policy_extras(
+    loss_mask: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    rollout_log_prob: Optional[torch.Tensor] = None,
+    ref_log_prob: Optional[torch.Tensor] = None,
+) -> dict[str, torch.Tensor]:
     """The MicroBatch.extras the loss reads; all [b, s] aligned with the logits (module docstring)."""
     if loss_mask.dim() != 2:
         raise ValueError(f"loss_mask must be [batch, seq], got shape {tuple(loss_mask.shape)}")
     if bool(loss_mask[:, -1].any()):
-        raise ValueError("loss_mask[:, -1] is set, but the last position has no next token: shift the response mask "
-                         "left by one so that position t marks tokens[:, t + 1]")
-    extras = {"loss_mask": loss_mask, "old_log_prob": old_log_prob, "advantages": advantages,
-              "rollout_log_prob": rollout_log_prob, "ref_log_prob": ref_log_prob}
+        raise ValueError(
+            "loss_mask[:, -1] is set, but the last position has no next token: shift the response mask "
+            "left by one so that position t marks tokens[:, t + 1]"
+        )
+    extras = {
+        "loss_mask": loss_mask,
+        "old_log_prob": old_log_prob,
+        "advantages": advantages,
+        "rollout_log_prob": rollout_log_prob,
+        "ref_log_prob": ref_log_prob,
+    }
     for name, t in extras.items():
         if t is not None and t.shape != loss_mask.shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, loss_mask has {tuple(loss_mask.shape)}: all must be [batch, seq]")
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)}, loss_mask has {tuple(loss_mask.shape)}: all must be [batch, seq]"
+            )
     return {k: v for k, v in extras.items() if v is not None}
 
 
@@ -79,10 +94,19 @@ def make_policy_loss_fn(algo: AlgoConfig, counts: GlobalCounts, tp_group) -> Cal
         if missing:
             raise KeyError(f"micro-batch extras lack {missing}; build them with policy_extras(...)")
         ex = {k: (v.float() if k != "loss_mask" else v) for k, v in mb.extras.items()}
-        log_prob, entropy = token_log_probs(logits_shard, mb.tokens, algo.temperature, tp_group,
-                                            with_entropy=algo.entropy_coef > 0)
-        return policy_loss(log_prob, ex["old_log_prob"], ex["advantages"], ex["loss_mask"].float(), algo, counts,
-                           rollout_log_prob=ex.get("rollout_log_prob"), ref_log_prob=ex.get("ref_log_prob"),
-                           entropy=entropy)
+        log_prob, entropy = token_log_probs(
+            logits_shard, mb.tokens, algo.temperature, tp_group, with_entropy=algo.entropy_coef > 0
+        )
+        return policy_loss(
+            log_prob,
+            ex["old_log_prob"],
+            ex["advantages"],
+            ex["loss_mask"].float(),
+            algo,
+            counts,
+            rollout_log_prob=ex.get("rollout_log_prob"),
+            ref_log_prob=ex.get("ref_log_prob"),
+            entropy=entropy,
+        )
 
     return loss_fn

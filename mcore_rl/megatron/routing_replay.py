@@ -97,9 +97,11 @@ def _ids_from_map(routing_map: torch.Tensor, k: int) -> torch.Tensor:
     """[tokens, E] bool -> [tokens, k] expert ids (ascending)."""
     counts = routing_map.sum(dim=1)
     if routing_map.numel() and not bool((counts == k).all()):
-        raise RuntimeError(f"router chose {int(counts.min())}..{int(counts.max())} experts per token, expected "
-                           f"top-k = {k}: routing replay needs every token routed to exactly k experts "
-                           f"(no token dropping: set moe_expert_capacity_factor = None)")
+        raise RuntimeError(
+            f"router chose {int(counts.min())}..{int(counts.max())} experts per token, expected "
+            f"top-k = {k}: routing replay needs every token routed to exactly k experts "
+            f"(no token dropping: set moe_expert_capacity_factor = None)"
+        )
     return routing_map.to(torch.int8).topk(k, dim=1).indices.sort(dim=1).values
 
 
@@ -165,8 +167,9 @@ class _Replay:
 class RoutingReplay:
     """Record / replay the experts chosen by every MoE router of this rank's model chunks."""
 
-    def __init__(self, sites: list[_RouterSite], moe_layers: list[int], sequence_parallel: bool, top_k: int,
-                 recompute: bool):
+    def __init__(
+        self, sites: list[_RouterSite], moe_layers: list[int], sequence_parallel: bool, top_k: int, recompute: bool
+    ):
         self.sites = sites
         self.layers = [s.layer for s in sites]
         self.moe_layers = moe_layers  # global numbers of all MoE layers of the model (every PP stage)
@@ -182,23 +185,34 @@ class RoutingReplay:
         """Wrap the routing of every MoE router in `chunks` (DDP-wrapped or not). Collective over PP."""
         sites = _moe_router_sites(chunks)
         if not sites:
-            raise ValueError("RoutingReplay.install: no MoE router found in the model chunks (dense model?): "
-                             "routing replay needs an MoE model")
+            raise ValueError(
+                "RoutingReplay.install: no MoE router found in the model chunks (dense model?): "
+                "routing replay needs an MoE model"
+            )
         cfg = sites[0].router.config
         if getattr(cfg, "moe_expert_capacity_factor", None) is not None:
-            raise ValueError(f"routing replay needs dropless MoE, but moe_expert_capacity_factor = "
-                             f"{cfg.moe_expert_capacity_factor}: set it to None")
+            raise ValueError(
+                f"routing replay needs dropless MoE, but moe_expert_capacity_factor = "
+                f"{cfg.moe_expert_capacity_factor}: set it to None"
+            )
         if getattr(cfg, "moe_router_load_balancing_type", "aux_loss") == "sinkhorn":
             raise ValueError("routing replay supports top-k routers, not moe_router_load_balancing_type='sinkhorn'")
         if getattr(cfg, "moe_token_dispatcher_type", None) == "alltoall_seq":
-            raise ValueError("routing replay does not support moe_token_dispatcher_type='alltoall_seq' (its router "
-                             "gathers logits over TP inside routing): use 'alltoall' or 'allgather'")
+            raise ValueError(
+                "routing replay does not support moe_token_dispatcher_type='alltoall_seq' (its router "
+                "gathers logits over TP inside routing): use 'alltoall' or 'allgather'"
+            )
         if getattr(cfg, "context_parallel_size", 1) > 1:
-            raise ValueError(f"routing replay does not support context parallel (cp = {cfg.context_parallel_size}): "
-                             f"use cp = 1")
-        replay = cls(sites, _all_moe_layers([s.layer for s in sites]),
-                     sequence_parallel=bool(cfg.sequence_parallel) and cfg.tensor_model_parallel_size > 1,
-                     top_k=cfg.moe_router_topk, recompute=_recomputes_router(cfg))
+            raise ValueError(
+                f"routing replay does not support context parallel (cp = {cfg.context_parallel_size}): use cp = 1"
+            )
+        replay = cls(
+            sites,
+            _all_moe_layers([s.layer for s in sites]),
+            sequence_parallel=bool(cfg.sequence_parallel) and cfg.tensor_model_parallel_size > 1,
+            top_k=cfg.moe_router_topk,
+            recompute=_recomputes_router(cfg),
+        )
         for site in sites:
             if getattr(site.router, "_mcore_rl_replay", None) is not None:
                 raise RuntimeError(f"router of layer {site.layer} already has a RoutingReplay installed")
@@ -232,8 +246,10 @@ class RoutingReplay:
         for i, mb in enumerate(routes.micro_batches):
             missing = sorted(set(self.layers) - set(mb.ids))
             if missing:
-                raise ValueError(f"routes of micro-batch {i} lack layers {missing} of this rank (have "
-                                 f"{sorted(mb.ids)}): record them with the same model layout")
+                raise ValueError(
+                    f"routes of micro-batch {i} lack layers {missing} of this rank (have "
+                    f"{sorted(mb.ids)}): record them with the same model layout"
+                )
         self._replay = _Replay(routes, self.layers)
         config = self.sites[0].router.config
         fused = getattr(config, "moe_router_fusion", False)
@@ -253,8 +269,10 @@ class RoutingReplay:
         n = len(state.routes)
         unused = {l: c for l, c in state.next_forward.items() if c != n}
         if unused:
-            raise RuntimeError(f"routing replay: {n} micro-batches of routes given but layers consumed {unused}: "
-                               f"run exactly one forward per recorded micro-batch")
+            raise RuntimeError(
+                f"routing replay: {n} micro-batches of routes given but layers consumed {unused}: "
+                f"run exactly one forward per recorded micro-batch"
+            )
         pending = {l: len(v) for l, v in state.pending_recompute.items() if v}
         if pending:
             raise RuntimeError(f"routing replay: recomputation did not consume routes {pending} (backward not run?)")
@@ -269,9 +287,11 @@ class RoutingReplay:
             mb = self._next_routes(state, site.layer, recomputing)
             ids = mb.ids[site.layer].to(device=flat.device, dtype=torch.long)
             if ids.shape != (flat.shape[0], self.top_k):
-                raise ValueError(f"routing replay, layer {site.layer}: routes have shape {tuple(ids.shape)} but the "
-                                 f"router sees {flat.shape[0]} tokens x top-k {self.top_k}: the micro-batch or "
-                                 f"layout differs from the one the routes were recorded / packed for")
+                raise ValueError(
+                    f"routing replay, layer {site.layer}: routes have shape {tuple(ids.shape)} but the "
+                    f"router sees {flat.shape[0]} tokens x top-k {self.top_k}: the micro-batch or "
+                    f"layout differs from the one the routes were recorded / packed for"
+                )
             natural = routing_map
             replayed_probs, routing_map = _replayed_probs(site.router, flat, ids)
             if not recomputing:
@@ -289,8 +309,10 @@ class RoutingReplay:
             return state.routes.micro_batches[state.pending_recompute[layer].pop(0)]
         i = state.next_forward[layer]
         if i >= len(state.routes):
-            raise RuntimeError(f"routing replay, layer {layer}: forward call {i + 1} but only {len(state.routes)} "
-                               f"micro-batches of routes given: pass routes for every micro-batch of the pass")
+            raise RuntimeError(
+                f"routing replay, layer {layer}: forward call {i + 1} but only {len(state.routes)} "
+                f"micro-batches of routes given: pass routes for every micro-batch of the pass"
+            )
         state.next_forward[layer] = i + 1
         # the first forward of a recomputed layer runs under no_grad, so ask the router whether it trains
         if self.recompute and self._site(layer).router.training:
@@ -301,14 +323,16 @@ class RoutingReplay:
         return self.sites[self.layers.index(layer)]
 
     @staticmethod
-    def _count_mismatch(state: _Replay, layer: int, natural: torch.Tensor, replayed: torch.Tensor,
-                        valid: Optional[torch.Tensor]) -> None:
+    def _count_mismatch(
+        state: _Replay, layer: int, natural: torch.Tensor, replayed: torch.Tensor, valid: Optional[torch.Tensor]
+    ) -> None:
         with torch.no_grad():
             differ = natural & ~replayed  # experts the current router would pick but the replay did not
             if valid is not None:
                 differ = differ[valid.to(differ.device)]
-            counts = torch.tensor([float(differ.any(dim=1).sum()), float(differ.sum()), float(differ.shape[0])],
-                                  dtype=torch.float64)
+            counts = torch.tensor(
+                [float(differ.any(dim=1).sum()), float(differ.sum()), float(differ.shape[0])], dtype=torch.float64
+            )
         state.mismatch[layer] = state.mismatch.get(layer, torch.zeros(3, dtype=torch.float64)) + counts
 
     # ---- metrics -----------------------------------------------------------------------------
@@ -328,8 +352,10 @@ class RoutingReplay:
             table = table.cpu()
         total = table.sum(0)
         k = self.top_k
-        out = {f"{prefix}token_mismatch": float(total[0] / total[2].clamp(min=1)),
-               f"{prefix}expert_mismatch": float(total[1] / (total[2] * k).clamp(min=1))}
+        out = {
+            f"{prefix}token_mismatch": float(total[0] / total[2].clamp(min=1)),
+            f"{prefix}expert_mismatch": float(total[1] / (total[2] * k).clamp(min=1)),
+        }
         for i, layer in enumerate(self.moe_layers):
             out[f"{prefix}token_mismatch_layer{layer}"] = float(table[i, 0] / table[i, 2].clamp(min=1))
         return out
@@ -343,8 +369,10 @@ class RoutingReplay:
         rank = mpu.get_tensor_model_parallel_rank() if self.sequence_parallel else 0
         b, s = x.shape[:2]
         if s % tp:
-            raise ValueError(f"sequence length {s} is not a multiple of tp = {tp} (sequence parallel): pad to a multiple")
-        local = x[:, rank * s // tp:(rank + 1) * s // tp].transpose(0, 1)  # Megatron's [s, b] order
+            raise ValueError(
+                f"sequence length {s} is not a multiple of tp = {tp} (sequence parallel): pad to a multiple"
+            )
+        local = x[:, rank * s // tp : (rank + 1) * s // tp].transpose(0, 1)  # Megatron's [s, b] order
         return local.reshape(-1, *x.shape[2:])
 
     def routes_from_rollout(self, packed: list[torch.Tensor], valid: list[torch.Tensor]) -> RecordedRoutes:
@@ -358,9 +386,11 @@ class RoutingReplay:
         for i, (routes, mask) in enumerate(zip(packed, valid)):
             b, s, num_layers, k = routes.shape
             if num_layers != len(self.moe_layers) or k != self.top_k:
-                raise ValueError(f"rollout routes of micro-batch {i} are [b, s, {num_layers} layers, top-{k}] but the "
-                                 f"model has {len(self.moe_layers)} MoE layers with top-{self.top_k}: the engine "
-                                 f"served a different model config")
+                raise ValueError(
+                    f"rollout routes of micro-batch {i} are [b, s, {num_layers} layers, top-{k}] but the "
+                    f"model has {len(self.moe_layers)} MoE layers with top-{self.top_k}: the engine "
+                    f"served a different model config"
+                )
             if tuple(mask.shape) != (b, s):
                 raise ValueError(f"valid mask of micro-batch {i} has shape {tuple(mask.shape)}, routes need {(b, s)}")
             local = self._router_order(routes)  # [s_local * b, L, k]
@@ -373,11 +403,14 @@ class RoutingReplay:
         mismatch metric ignores padding (R2 records routes for every position, pads included)."""
         if len(valid) != len(routes):
             raise ValueError(f"with_valid: {len(valid)} masks for {len(routes)} micro-batches of routes")
-        return RecordedRoutes([MicroBatchRoutes(mb.ids, self._router_order(m.bool()))
-                               for mb, m in zip(routes.micro_batches, valid)])
+        return RecordedRoutes(
+            [MicroBatchRoutes(mb.ids, self._router_order(m.bool())) for mb, m in zip(routes.micro_batches, valid)]
+        )
 
 
-def pack_rollout_routes(per_sequence: list[torch.Tensor], seq_len: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_rollout_routes(
+    per_sequence: list[torch.Tensor], seq_len: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Engine routes of b sequences ([T_i, layers, k] each) -> ([b, seq_len, layers, k] ids, [b, seq_len] valid).
 
     Positions past T_i (right padding) get k distinct dummy experts, spread over the experts so padding
@@ -407,8 +440,10 @@ def _recomputes_router(cfg) -> bool:
     granularity = getattr(cfg, "recompute_granularity", None)
     if granularity == "full":
         if getattr(cfg, "recompute_method", None) != "uniform":
-            raise ValueError(f"routing replay with full recomputation needs recompute_method='uniform' (every layer "
-                             f"recomputed), got {cfg.recompute_method!r}")
+            raise ValueError(
+                f"routing replay with full recomputation needs recompute_method='uniform' (every layer "
+                f"recomputed), got {cfg.recompute_method!r}"
+            )
         return True
     return granularity == "selective" and "moe" in (getattr(cfg, "recompute_modules", None) or [])
 

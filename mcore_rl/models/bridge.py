@@ -32,9 +32,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 # Fused kernels that need Transformer Engine / Apex; the local spec must run without them.
 _NO_FUSION = dict(
-    bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
-    apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-    moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False,
+    bias_activation_fusion=False,
+    masked_softmax_fusion=False,
+    bias_dropout_fusion=False,
+    apply_rope_fusion=False,
+    gradient_accumulation_fusion=False,
+    persist_layer_norm=False,
+    moe_grouped_gemm=False,
+    moe_permute_fusion=False,
+    moe_router_fusion=False,
 )
 
 
@@ -204,7 +210,9 @@ class ModelBridge:
         self._gather = GroupGather()  # export's all-gathers: shared memory between ranks of one host (gloo)
 
     # ---- build -------------------------------------------------------------------------------
-    def megatron_config_overrides(self, parallel: ParallelConfig, model_cfg: ModelConfig, sequence_parallel: bool) -> dict:
+    def megatron_config_overrides(
+        self, parallel: ParallelConfig, model_cfg: ModelConfig, sequence_parallel: bool
+    ) -> dict:
         use_te = self.platform.name != "cpu"
         extra = dict(
             sequence_parallel=sequence_parallel,
@@ -224,7 +232,9 @@ class ModelBridge:
             extra.update(_NO_FUSION)
         return extra
 
-    def build_model(self, parallel: ParallelConfig, model_cfg: ModelConfig, sequence_parallel: Optional[bool] = None) -> list[torch.nn.Module]:
+    def build_model(
+        self, parallel: ParallelConfig, model_cfg: ModelConfig, sequence_parallel: Optional[bool] = None
+    ) -> list[torch.nn.Module]:
         """This rank's model chunks (several with virtual pipeline stages), on the platform's device."""
         from megatron.core import parallel_state as mpu
         from megatron.core import tensor_parallel
@@ -234,7 +244,9 @@ class ModelBridge:
         if sequence_parallel is None:
             sequence_parallel = parallel.sequence_parallel
         extra = self.megatron_config_overrides(parallel, model_cfg, sequence_parallel)
-        self._backend = _MbridgeBackend(self.hf_config, _DTYPES[model_cfg.dtype], extra, use_te=self.platform.name != "cpu")
+        self._backend = _MbridgeBackend(
+            self.hf_config, _DTYPES[model_cfg.dtype], extra, use_te=self.platform.name != "cpu"
+        )
         provider = self._backend.provider()
         vpp = parallel.virtual_pp
         chunks = []
@@ -244,7 +256,9 @@ class ModelBridge:
                 post = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
                 chunk = provider(pre_process=pre, post_process=post, vp_stage=vp_stage)
             elif vpp:
-                raise ValueError("virtual_pp needs megatron-core >= 0.13 (vp_stage-aware model building); unset actor.parallel.virtual_pp")
+                raise ValueError(
+                    "virtual_pp needs megatron-core >= 0.13 (vp_stage-aware model building); unset actor.parallel.virtual_pp"
+                )
             else:
                 chunk = provider(pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage())
             for p in chunk.parameters():
@@ -268,7 +282,11 @@ class ModelBridge:
         from megatron.core import parallel_state as mpu
 
         model = _unwrap(chunk)
-        layer_map = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)} if hasattr(model, "decoder") else {}
+        layer_map = (
+            {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
+            if hasattr(model, "decoder")
+            else {}
+        )
         num_experts = self.transformer_config.num_moe_experts or 0
         ep_size, ep_rank = mpu.get_expert_model_parallel_world_size(), mpu.get_expert_model_parallel_rank()
         infos = {}
@@ -276,7 +294,7 @@ class ModelBridge:
             canonical = name
             m = _LAYER.match(name)
             if m:
-                canonical = f"decoder.layers.{layer_map[int(m.group(1))]}." + name[m.end():]
+                canonical = f"decoder.layers.{layer_map[int(m.group(1))]}." + name[m.end() :]
             canonical = canonical.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
             is_expert = ".mlp.experts." in canonical
             e = _LOCAL_EXPERT.search(canonical)
@@ -313,14 +331,17 @@ class ModelBridge:
                 shard = _split(info.canonical, full, size, info.partition_dim, backend.gated())[rank]
                 param = params[name]
                 if shard.shape != param.shape:
-                    raise ValueError(f"{name}: checkpoint shard {tuple(shard.shape)} != model shard {tuple(param.shape)} "
-                                     f"(from {wanted[name]}); the checkpoint does not match config.json")
+                    raise ValueError(
+                        f"{name}: checkpoint shard {tuple(shard.shape)} != model shard {tuple(param.shape)} "
+                        f"(from {wanted[name]}); the checkpoint does not match config.json"
+                    )
                 param.copy_(shard)
 
     # ---- export ------------------------------------------------------------------------------
     @torch.no_grad()
-    def export_hf_weights(self, chunks: list[torch.nn.Module], gather_batch_mb: float = 64.0,
-                          receive: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    def export_hf_weights(
+        self, chunks: list[torch.nn.Module], gather_batch_mb: float = 64.0, receive: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (hf_name, full tensor) for the whole model, one parameter at a time.
 
         Collective: EVERY rank of the job must iterate it to the end, in step. Every rank receives
@@ -398,8 +419,10 @@ class ModelBridge:
             if x.is_expert:
                 prefix, gid = x.canonical.rsplit(".weight", 1)
                 names[i] = [f"{prefix}.weight{e * num_local + int(gid) % num_local}" for e in range(ep)]
-                full[i] = [x.tensor if e == ep_rank or not ep_receive else alloc(x.tensor.shape, x.tensor.dtype)
-                           for e in range(ep)]
+                full[i] = [
+                    x.tensor if e == ep_rank or not ep_receive else alloc(x.tensor.shape, x.tensor.dtype)
+                    for e in range(ep)
+                ]
                 if ep > 1:
                     ep_items.append((x.tensor, full[i] if ep_receive else None))
             elif x.pdim >= 0 and tp > 1:
@@ -411,7 +434,9 @@ class ModelBridge:
         self._all_gather_into(ep_items, ep_group, ep_receive)
         for i, x in enumerate(batch):
             if x.is_expert and x.pdim >= 0 and etp > 1:
-                merged = [alloc(_merged_shape(shard, etp, x.pdim), shard.dtype) if receive else None for shard in full[i]]
+                merged = [
+                    alloc(_merged_shape(shard, etp, x.pdim), shard.dtype) if receive else None for shard in full[i]
+                ]
                 for name, shard, m in zip(names[i], full[i], merged):
                     views = _shard_views(name, m, etp, x.pdim, gated) if receive else None
                     etp_items.append((_as_shard_view(name, shard, gated), views))
@@ -476,8 +501,9 @@ def _merged_shape(shard: torch.Tensor, parts: int, partition_dim: int) -> tuple[
     return tuple(shape)
 
 
-def save_hf_checkpoint(named_tensors, out_dir: str, hf_config, source_dir: Optional[str] = None,
-                       max_shard_bytes: int = 4 << 30) -> list[str]:
+def save_hf_checkpoint(
+    named_tensors, out_dir: str, hf_config, source_dir: Optional[str] = None, max_shard_bytes: int = 4 << 30
+) -> list[str]:
     """Write (hf_name, tensor) pairs as safetensors shards (+ index when more than one), config.json and,
     from `source_dir`, the tokenizer / generation files. Streams: at most one shard is held in memory."""
     import json
@@ -505,7 +531,9 @@ def save_hf_checkpoint(named_tensors, out_dir: str, hf_config, source_dir: Optio
         size += nbytes
     flush()
     total = len(shards)
-    final = ["model.safetensors"] if total == 1 else [f"model-{i + 1:05d}-of-{total:05d}.safetensors" for i in range(total)]
+    final = (
+        ["model.safetensors"] if total == 1 else [f"model-{i + 1:05d}-of-{total:05d}.safetensors" for i in range(total)]
+    )
     weight_map = {}
     for (tmp, names), dst in zip(shards, final):
         os.replace(os.path.join(out_dir, tmp), os.path.join(out_dir, dst))
@@ -516,6 +544,8 @@ def save_hf_checkpoint(named_tensors, out_dir: str, hf_config, source_dir: Optio
     hf_config.save_pretrained(out_dir)
     if source_dir:
         for fname in os.listdir(source_dir):
-            if fname.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template", "vocab", "merges")):
+            if fname.startswith(
+                ("tokenizer", "special_tokens", "generation_config", "chat_template", "vocab", "merges")
+            ):
                 shutil.copy2(os.path.join(source_dir, fname), os.path.join(out_dir, fname))
     return final

@@ -129,7 +129,11 @@ def make_tiny_checkpoint(out_dir: str | os.PathLike, seed: int = 0, shape: TinyM
     GenerationConfig(
         eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, bos_token_id=config.bos_token_id
     ).save_pretrained(out)
-    meta = {"maker": "mcore_rl.models.tiny", "seed": seed, "shape": shape.__dict__,
-            "num_parameters": sum(p.numel() for p in model.parameters())}
+    meta = {
+        "maker": "mcore_rl.models.tiny",
+        "seed": seed,
+        "shape": shape.__dict__,
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+    }
     (out / "mcore_rl_tiny.json").write_text(json.dumps(meta, indent=2))
     return out

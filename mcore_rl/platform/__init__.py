@@ -82,7 +82,9 @@ class Platform:
                 raise RuntimeError(f"WORLD_SIZE={world_size} but {missing} unset; start the job with torchrun")
             self.set_device()
             torch.distributed.init_process_group(
-                backend=self.dist_backend, rank=rank, world_size=world_size,
+                backend=self.dist_backend,
+                rank=rank,
+                world_size=world_size,
                 timeout=timedelta(minutes=timeout_minutes),
             )
         return DistInfo(torch.distributed.get_rank(), torch.distributed.get_world_size(), self.local_rank)
@@ -104,10 +106,13 @@ def _adapt_npu() -> None:
     in user code, or those names stay bound to the unpatched objects."""
     already = sorted(m for m in sys.modules if m.startswith("megatron.core."))
     if already and "mindspeed.megatron_adaptor" not in sys.modules:
-        logger.warning("megatron.core modules imported before MindSpeed's adaptor (%d modules); "
-                       "call get_platform().adapt_megatron() before importing Megatron", len(already))
-    import torch_npu  # noqa: F401
+        logger.warning(
+            "megatron.core modules imported before MindSpeed's adaptor (%d modules); "
+            "call get_platform().adapt_megatron() before importing Megatron",
+            len(already),
+        )
     import mindspeed.megatron_adaptor  # noqa: F401
+    import torch_npu  # noqa: F401
 
 
 def get_platform(name: str = "auto") -> Platform:

@@ -41,8 +41,21 @@ logger = logging.getLogger(__name__)
 _MARK = "_mcore_rl_cpu_patch"  # set on every replacement: makes apply() idempotent
 
 _FACTORIES = (
-    "tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint",
-    "empty_strided", "empty_like", "zeros_like", "ones_like", "full_like",
+    "tensor",
+    "as_tensor",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+    "rand",
+    "randn",
+    "randint",
+    "empty_strided",
+    "empty_like",
+    "zeros_like",
+    "ones_like",
+    "full_like",
 )
 
 
@@ -204,6 +217,7 @@ def _patch_megatron() -> None:
 
     move = moe_utils.maybe_move_tensor_to_cpu
     if not _is_patched(move):
+
         def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
             if torch.is_tensor(tensor) and as_numpy:
                 return tensor.detach().cpu().numpy()

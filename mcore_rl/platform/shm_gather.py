@@ -80,8 +80,13 @@ def _pieces(shard: torch.Tensor, dsts: Optional[Sequence[torch.Tensor]], max_byt
     out = []
     for start in range(0, shape[dim], rows):
         n = min(rows, shape[dim] - start)
-        out.append(_Piece(src.narrow(dim, start, n), None if dsts is None else [d.narrow(dim, start, n) for d in dsts],
-                          n * row_bytes))
+        out.append(
+            _Piece(
+                src.narrow(dim, start, n),
+                None if dsts is None else [d.narrow(dim, start, n) for d in dsts],
+                n * row_bytes,
+            )
+        )
     return out
 
 
@@ -134,8 +139,10 @@ class _ShmSegments:
             os.close(fd)
         try:
             dist.barrier(group=self.group)  # every rank's file exists
-            self.views[slot] = [torch.from_file(self._path(r, slot, self.generation), shared=True, size=capacity,
-                                                dtype=torch.uint8) for r in range(self.world)]
+            self.views[slot] = [
+                torch.from_file(self._path(r, slot, self.generation), shared=True, size=capacity, dtype=torch.uint8)
+                for r in range(self.world)
+            ]
             dist.barrier(group=self.group)  # every rank mapped every file: the names can go
         finally:
             os.unlink(mine)
@@ -166,13 +173,19 @@ class _ShmSegments:
         dist.all_gather_into_tensor(every, mine, group=self.group)
         every = every.view(self.world, 6)
         if not bool((every[:, :4] == every[0, :4]).all()):
-            rows = ", ".join(f"rank {r}: call {c} round {i} bytes {b}" for r, (c, i, b, *_) in enumerate(every.tolist()))
-            raise ValueError(f"shared-memory all_gather: the group's ranks gather different tensors ({rows}; equal "
-                             f"bytes with a different digest means other shapes/dtypes); every rank must pass shards "
-                             f"of the same shapes and dtypes, in the same order")
+            rows = ", ".join(
+                f"rank {r}: call {c} round {i} bytes {b}" for r, (c, i, b, *_) in enumerate(every.tolist())
+            )
+            raise ValueError(
+                f"shared-memory all_gather: the group's ranks gather different tensors ({rows}; equal "
+                f"bytes with a different digest means other shapes/dtypes); every rank must pass shards "
+                f"of the same shapes and dtypes, in the same order"
+            )
         receivers = every[:, 4].bool().tolist()
         self.peers_receive = any(receivers[r] for r in range(self.world) if r != self.rank)
-        missing = [r for r in range(self.world) if not every[r, 5] and any(receivers[q] for q in range(self.world) if q != r)]
+        missing = [
+            r for r in range(self.world) if not every[r, 5] and any(receivers[q] for q in range(self.world) if q != r)
+        ]
         if missing:  # too small a segment (same on every rank) or a stale guess that nobody reads: write now
             if nbytes > self.capacity[slot]:
                 self.grow(slot, nbytes, max_chunk_bytes)
@@ -185,7 +198,7 @@ class _ShmSegments:
     def _write(self, round_: list[_Piece], slot: int) -> None:
         own = self.views[slot][self.rank]
         for p in round_:
-            own[p.offset:p.offset + p.nbytes].view(p.src.dtype).view(p.src.shape).copy_(p.src)
+            own[p.offset : p.offset + p.nbytes].view(p.src.dtype).view(p.src.shape).copy_(p.src)
 
     def _copy_own(self, round_: list[_Piece]) -> None:
         for p in round_:
@@ -198,7 +211,7 @@ class _ShmSegments:
         for p in round_:
             for r, dst in enumerate(p.dsts):
                 if r != self.rank:
-                    dst.copy_(segments[r][p.offset:p.offset + p.nbytes].view(p.src.dtype).view(p.src.shape))
+                    dst.copy_(segments[r][p.offset : p.offset + p.nbytes].view(p.src.dtype).view(p.src.shape))
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -258,8 +271,10 @@ class Arena:
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         nbytes = _numel(shape) * dtype.itemsize
         if self.used + nbytes > self.storage.nbytes():
-            raise ValueError(f"arena of {self.storage.nbytes()} bytes cannot fit {nbytes} more after {self.used}; "
-                             f"size it with Arena.bytes_for")
+            raise ValueError(
+                f"arena of {self.storage.nbytes()} bytes cannot fit {nbytes} more after {self.used}; "
+                f"size it with Arena.bytes_for"
+            )
         out = torch.empty(0, dtype=torch.uint8).set_(self.storage, self.used, (nbytes,))
         self.used = _round_up(self.used + nbytes, _ALIGN)
         return out.view(dtype).view(tuple(shape))
@@ -296,10 +311,16 @@ class GroupGather:
         for shard, dsts in items:
             if not receive and dsts is None:
                 continue
-            if dsts is None or len(dsts) != world or any(d.shape != shard.shape or d.dtype != shard.dtype for d in dsts):
-                raise ValueError(f"all_gather_into: shard {tuple(shard.shape)} {shard.dtype} needs {world} destinations "
-                                 f"of that shape and dtype (views of a merged tensor may be strided), got "
-                                 f"{[(tuple(d.shape), d.dtype) for d in dsts]}")
+            if (
+                dsts is None
+                or len(dsts) != world
+                or any(d.shape != shard.shape or d.dtype != shard.dtype for d in dsts)
+            ):
+                raise ValueError(
+                    f"all_gather_into: shard {tuple(shard.shape)} {shard.dtype} needs {world} destinations "
+                    f"of that shape and dtype (views of a merged tensor may be strided), got "
+                    f"{[(tuple(d.shape), d.dtype) for d in dsts]}"
+                )
         segments = self.transport(group, items)
         if segments is not None:
             segments.gather(items, self.max_chunk_bytes, receive)

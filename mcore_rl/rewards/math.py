@@ -20,7 +20,9 @@ def _parse_gold(ground_truth: Any):
     return gold or parse(text)  # a plain expression that is not valid LaTeX
 
 
-def score(response_text: str, ground_truth: Any, data_source: Optional[str] = None, extra: Optional[dict] = None) -> float:
+def score(
+    response_text: str, ground_truth: Any, data_source: Optional[str] = None, extra: Optional[dict] = None
+) -> float:
     """1.0 when the response's final answer equals the ground truth mathematically, else 0.0."""
     from math_verify import parse, verify
 

@@ -20,8 +20,10 @@ class OverlongPenalty:
 
     def __post_init__(self):
         if not 0 < self.buffer <= self.max_new_tokens:
-            raise ValueError(f"reward.overlong_buffer={self.buffer} must be in 1..rollout.max_new_tokens={self.max_new_tokens}"
-                             " (0 turns the penalty off)")
+            raise ValueError(
+                f"reward.overlong_buffer={self.buffer} must be in 1..rollout.max_new_tokens={self.max_new_tokens}"
+                " (0 turns the penalty off)"
+            )
         if self.factor < 0:
             raise ValueError(f"reward.overlong_penalty={self.factor} must be >= 0")
 

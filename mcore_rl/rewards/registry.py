@@ -29,13 +29,17 @@ def resolve_reward_fn(name: str) -> RewardFn:
     target = BUILTIN_REWARDS.get(name, name)
     module_name, sep, fn_name = target.partition(":")
     if not sep or not module_name or not fn_name:
-        raise ValueError(f"reward.fn={name!r} is neither a built-in reward ({', '.join(sorted(BUILTIN_REWARDS))}) "
-                         "nor 'module:function'")
+        raise ValueError(
+            f"reward.fn={name!r} is neither a built-in reward ({', '.join(sorted(BUILTIN_REWARDS))}) "
+            "nor 'module:function'"
+        )
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # ImportError, or the module raising at import time
-        raise ValueError(f"reward.fn={name!r}: cannot import module {module_name!r} ({type(e).__name__}: {e}); "
-                         "check the module is on PYTHONPATH") from e
+        raise ValueError(
+            f"reward.fn={name!r}: cannot import module {module_name!r} ({type(e).__name__}: {e}); "
+            "check the module is on PYTHONPATH"
+        ) from e
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise ValueError(f"reward.fn={name!r}: module {module_name!r} has no callable {fn_name!r}")
@@ -54,23 +58,34 @@ class RewardBatch:
 class RewardScorer:
     """Scores responses with one reward function plus the optional overlong penalty."""
 
-    def __init__(self, fn: str | RewardFn, max_new_tokens: int, overlong_buffer: int = 0, overlong_penalty: float = 1.0):
+    def __init__(
+        self, fn: str | RewardFn, max_new_tokens: int, overlong_buffer: int = 0, overlong_penalty: float = 1.0
+    ):
         self.fn = resolve_reward_fn(fn) if isinstance(fn, str) else fn
-        self.overlong = OverlongPenalty(max_new_tokens, overlong_buffer, overlong_penalty) if overlong_buffer > 0 else None
+        self.overlong = (
+            OverlongPenalty(max_new_tokens, overlong_buffer, overlong_penalty) if overlong_buffer > 0 else None
+        )
 
     @classmethod
     def from_config(cls, reward_cfg, max_new_tokens: int) -> "RewardScorer":
         """From a `config.RewardConfig` and `rollout.max_new_tokens`."""
         return cls(reward_cfg.fn, max_new_tokens, reward_cfg.overlong_buffer, reward_cfg.overlong_penalty)
 
-    def __call__(self, responses: Sequence[str], ground_truths: Sequence[Any], data_sources: Sequence[Optional[str]],
-                 extras: Optional[Sequence[Optional[dict]]] = None,
-                 response_lengths: Optional[Sequence[int]] = None) -> RewardBatch:
+    def __call__(
+        self,
+        responses: Sequence[str],
+        ground_truths: Sequence[Any],
+        data_sources: Sequence[Optional[str]],
+        extras: Optional[Sequence[Optional[dict]]] = None,
+        response_lengths: Optional[Sequence[int]] = None,
+    ) -> RewardBatch:
         n = len(responses)
         extras = extras if extras is not None else [None] * n
         if not len(ground_truths) == len(data_sources) == len(extras) == n:
-            raise ValueError(f"reward batch sizes differ: {n} responses, {len(ground_truths)} ground truths, "
-                             f"{len(data_sources)} data sources, {len(extras)} extras")
+            raise ValueError(
+                f"reward batch sizes differ: {n} responses, {len(ground_truths)} ground truths, "
+                f"{len(data_sources)} data sources, {len(extras)} extras"
+            )
         if self.overlong is not None and (response_lengths is None or len(response_lengths) != n):
             raise ValueError("the overlong penalty needs response_lengths (in tokens), one per response")
         task, errors, first_error = [], 0, None
@@ -81,8 +96,11 @@ class RewardScorer:
                 errors += 1
                 if first_error is None:
                     first_error = f"{type(e).__name__}: {e}"
-                    log.warning("reward function raised on response %r: %s (scored 0; further errors only counted)",
-                                text[:80], first_error)
+                    log.warning(
+                        "reward function raised on response %r: %s (scored 0; further errors only counted)",
+                        text[:80],
+                        first_error,
+                    )
                 task.append(0.0)
         penalties = [self.overlong(l) for l in response_lengths] if self.overlong is not None else [0.0] * n
         return RewardBatch([r + p for r, p in zip(task, penalties)], task, errors, first_error, penalties)

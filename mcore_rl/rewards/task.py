@@ -20,5 +20,7 @@ def extract_answer(response_text: str) -> str:
     return response_text.split(END_OF_TURN, 1)[0].strip()
 
 
-def score(response_text: str, ground_truth: str, data_source: Optional[str] = None, extra: Optional[dict] = None) -> float:
+def score(
+    response_text: str, ground_truth: str, data_source: Optional[str] = None, extra: Optional[dict] = None
+) -> float:
     return 1.0 if extract_answer(response_text) == str(ground_truth).strip() else 0.0

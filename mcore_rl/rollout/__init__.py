@@ -10,15 +10,23 @@ from mcore_rl.rollout.base import RolloutEngine, RolloutSample, SamplingParams
 __all__ = ["RolloutEngine", "RolloutSample", "SamplingParams", "make_engine", "sampling_params"]
 
 
-def sampling_params(cfg: RolloutConfig, stop_token_ids: Optional[list[int]] = None,
-                    seed: Optional[int] = None) -> SamplingParams:
+def sampling_params(
+    cfg: RolloutConfig, stop_token_ids: Optional[list[int]] = None, seed: Optional[int] = None
+) -> SamplingParams:
     """The engine-neutral sampling parameters of a rollout config."""
-    return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                          max_new_tokens=cfg.max_new_tokens, stop_token_ids=list(stop_token_ids or []), seed=seed)
+    return SamplingParams(
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        max_new_tokens=cfg.max_new_tokens,
+        stop_token_ids=list(stop_token_ids or []),
+        seed=seed,
+    )
 
 
-def make_engine(cfg: RolloutConfig, model_path: str, platform: Any = None, dtype: str = "float32",
-                **kwargs: Any) -> RolloutEngine:
+def make_engine(
+    cfg: RolloutConfig, model_path: str, platform: Any = None, dtype: str = "float32", **kwargs: Any
+) -> RolloutEngine:
     """Build the engine named by `cfg.engine` for the HF checkpoint at `model_path`.
 
     `platform` (mcore_rl.platform.Platform or None for CPU) places the embedded engine on the local device.
@@ -33,7 +41,9 @@ def make_engine(cfg: RolloutConfig, model_path: str, platform: Any = None, dtype
         try:
             from mcore_rl.rollout.vllm_engine import VllmEngine
         except ImportError as err:
-            raise ImportError(f"rollout.engine=vllm but vLLM cannot be imported ({err}); install it "
-                              f"(make setup-vllm on CPU) or use rollout.engine=embedded") from err
+            raise ImportError(
+                f"rollout.engine=vllm but vLLM cannot be imported ({err}); install it "
+                f"(make setup-vllm on CPU) or use rollout.engine=embedded"
+            ) from err
         return VllmEngine(cfg, model_path, platform=platform, dtype=dtype, **kwargs)
     raise ValueError(f"rollout.engine={cfg.engine!r}; use 'embedded' or 'vllm'")

@@ -25,7 +25,9 @@ class RolloutSample:
 
     prompt_ids: list[int]
     response_ids: list[int]
-    logprobs: torch.Tensor  # [len(response_ids)] float32, log-prob of each sampled token under the sampling distribution
+    logprobs: (
+        torch.Tensor
+    )  # [len(response_ids)] float32, log-prob of each sampled token under the sampling distribution
     finish_reason: str  # "stop" (hit a stop token) | "length" (max_new_tokens)
     # [len(prompt_ids) + len(response_ids), num_moe_layers, top_k] int16 expert ids the router chose for every
     # token of the sequence (prompt too: replaying routes in training needs them for every position), or None

@@ -19,8 +19,9 @@ def share(count: int, index: int, parts: int) -> range:
     return range(start, start + base + (1 if index < extra else 0))
 
 
-def generate_global(engine: RolloutEngine, prompts: list[list[int]], n: int, params: SamplingParams,
-                    seed: int) -> list[list[RolloutSample]]:
+def generate_global(
+    engine: RolloutEngine, prompts: list[list[int]], n: int, params: SamplingParams, seed: int
+) -> list[list[RolloutSample]]:
     """n samples for every prompt, identical on all ranks; `seed` makes the step reproducible."""
     if getattr(engine, "handles_data_parallel", False):
         params.seed = seed

@@ -29,8 +29,7 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
-from mcore_rl.rollout.base import (RolloutEngine, RolloutSample, SamplingParams, check_generate_request,
-                                   check_token_ids)
+from mcore_rl.rollout.base import RolloutEngine, RolloutSample, SamplingParams, check_generate_request, check_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +68,11 @@ def _checkpoint_names(model: torch.nn.Module) -> set[str]:
         gate_up = getattr(module, "gate_up_proj", None)
         if isinstance(gate_up, torch.nn.Parameter) and gate_up.dim() == 3:
             names -= {f"{name}.gate_up_proj", f"{name}.down_proj"}
-            names |= {f"{name}.{e}.{proj}.weight" for e in range(gate_up.shape[0])
-                      for proj in ("gate_proj", "up_proj", "down_proj")}
+            names |= {
+                f"{name}.{e}.{proj}.weight"
+                for e in range(gate_up.shape[0])
+                for proj in ("gate_proj", "up_proj", "down_proj")
+            }
     return names
 
 
@@ -140,8 +142,14 @@ def _filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
 class EmbeddedEngine(RolloutEngine):
     """A Hugging Face causal LM that samples, scores and takes weights in place."""
 
-    def __init__(self, model_path: str, dtype: str = "float32", device: str | torch.device = "cpu",
-                 max_batch_tokens: int = 65536, config=None):
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str = "float32",
+        device: str | torch.device = "cpu",
+        max_batch_tokens: int = 65536,
+        config=None,
+    ):
         """Load the HF checkpoint folder `model_path` (config, safetensors, tokenizer).
 
         With `config` (a transformers config), the model is built from it with random weights instead and
@@ -176,8 +184,10 @@ class EmbeddedEngine(RolloutEngine):
         model = self._empty_model()
         files = sorted(Path(self.model_path).glob("*.safetensors"))
         if not files:
-            raise FileNotFoundError(f"no *.safetensors in {self.model_path}; the engine needs a Hugging Face "
-                                    f"checkpoint folder (config.json + safetensors + tokenizer)")
+            raise FileNotFoundError(
+                f"no *.safetensors in {self.model_path}; the engine needs a Hugging Face "
+                f"checkpoint folder (config.json + safetensors + tokenizer)"
+            )
         targets = _weight_targets(model)
         seen = set()
         with torch.no_grad():
@@ -185,8 +195,10 @@ class EmbeddedEngine(RolloutEngine):
                 with safe_open(str(file), "pt") as f:
                     for name in f.keys():
                         if name not in targets:
-                            raise KeyError(f"{file.name}: weight {name!r} has no place in the model built from "
-                                           f"{self.model_path}/config.json")
+                            raise KeyError(
+                                f"{file.name}: weight {name!r} has no place in the model built from "
+                                f"{self.model_path}/config.json"
+                            )
                         targets[name].copy_(f.get_tensor(name))
                         seen.add(name)
         missing = _checkpoint_names(model) - seen
@@ -220,11 +232,15 @@ class EmbeddedEngine(RolloutEngine):
         target = self._targets.get(name)
         if target is None:
             close = difflib.get_close_matches(name, list(self._names), n=3)
-            raise KeyError(f"engine has no weight named {name!r} (closest: {close}); the exporter and the engine "
-                           f"disagree on Hugging Face names")
+            raise KeyError(
+                f"engine has no weight named {name!r} (closest: {close}); the exporter and the engine "
+                f"disagree on Hugging Face names"
+            )
         if tuple(target.shape) != tuple(tensor.shape):
-            raise ValueError(f"weight {name!r}: got shape {tuple(tensor.shape)}, engine expects {tuple(target.shape)}; "
-                             f"the exporter must gather full (unsharded) tensors of the same model")
+            raise ValueError(
+                f"weight {name!r}: got shape {tuple(tensor.shape)}, engine expects {tuple(target.shape)}; "
+                f"the exporter must gather full (unsharded) tensors of the same model"
+            )
         return target
 
     @torch.no_grad()
@@ -234,8 +250,9 @@ class EmbeddedEngine(RolloutEngine):
 
     @torch.no_grad()
     def weight_diffs(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
-        return {name: (self._target(name, t).float() - t.to(self.device).float()).abs().max().item()
-                for name, t in weights}
+        return {
+            name: (self._target(name, t).float() - t.to(self.device).float()).abs().max().item() for name, t in weights
+        }
 
     def rebuild_from(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """A fresh model object filled from `weights`; every engine weight must be delivered."""
@@ -249,7 +266,9 @@ class EmbeddedEngine(RolloutEngine):
         missing = self._names - seen
         if missing:
             self._set_model(old_model)
-            raise ValueError(f"rebuild got {len(seen)} of {len(self._names)} weights; missing e.g. {sorted(missing)[:3]}")
+            raise ValueError(
+                f"rebuild got {len(seen)} of {len(self._names)} weights; missing e.g. {sorted(missing)[:3]}"
+            )
         log.warning("rollout engine rebuilt from %d exported tensors", len(seen))
 
     def sleep(self) -> None:
@@ -267,8 +286,14 @@ class EmbeddedEngine(RolloutEngine):
 
     def _forward(self, ids, mask, positions, cache=None, keep: int = 0) -> torch.Tensor:
         kwargs = {self._cache_kwarg: cache} if cache is not None else {}
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                         use_cache=cache is not None, logits_to_keep=keep, **kwargs)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=cache is not None,
+            logits_to_keep=keep,
+            **kwargs,
+        )
         return out.logits
 
     def _new_cache(self):
@@ -292,16 +317,18 @@ class EmbeddedEngine(RolloutEngine):
         per_batch = max(1, self.max_batch_tokens // longest)
         samples: list[RolloutSample] = []
         for start in range(0, len(expanded), per_batch):
-            samples += self._sample_batch(expanded[start:start + per_batch], params, stop, gen)
-        return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
+            samples += self._sample_batch(expanded[start : start + per_batch], params, stop, gen)
+        return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _check_sampling(self, prompts: list[list[int]], n: int, params: SamplingParams) -> None:
         check_generate_request(prompts, n, params, self.config.vocab_size)
         limit = getattr(self.config, "max_position_embeddings", None)
         longest = max(len(p) for p in prompts)
         if limit is not None and longest + params.max_new_tokens > limit:
-            raise ValueError(f"prompt length {longest} + max_new_tokens {params.max_new_tokens} exceeds the model's "
-                             f"max_position_embeddings {limit}; shorten prompts (data.max_prompt_len) or max_new_tokens")
+            raise ValueError(
+                f"prompt length {longest} + max_new_tokens {params.max_new_tokens} exceeds the model's "
+                f"max_position_embeddings {limit}; shorten prompts (data.max_prompt_len) or max_new_tokens"
+            )
 
     def _pick(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator):
         """Next token per row and its log-prob under the temperature-scaled, unfiltered distribution."""
@@ -316,14 +343,15 @@ class EmbeddedEngine(RolloutEngine):
             token = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
         return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
-    def _sample_batch(self, prompts: list[list[int]], params: SamplingParams, stop: set[int],
-                      gen: torch.Generator) -> list[RolloutSample]:
+    def _sample_batch(
+        self, prompts: list[list[int]], params: SamplingParams, stop: set[int], gen: torch.Generator
+    ) -> list[RolloutSample]:
         batch, width = len(prompts), max(len(p) for p in prompts)
         ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((batch, width), dtype=torch.long)
         for i, p in enumerate(prompts):  # left padding: every prompt ends at the same column
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         stop_ids = torch.tensor(sorted(stop), dtype=torch.long, device=self.device)
@@ -366,14 +394,16 @@ class EmbeddedEngine(RolloutEngine):
             resp = tokens[i, :n]
             routes = None
             if prompt_routes is not None:
-                routes = torch.cat([prompt_routes[i, width - len(p):].cpu(), response_routes[i, :n]], 0)
-            out.append(RolloutSample(
-                prompt_ids=list(p),
-                response_ids=resp.tolist(),
-                logprobs=logps[i, :n].float().clone(),
-                finish_reason="stop" if bool(torch.isin(resp[-1:], stop_ids).any()) else "length",
-                routed_experts=routes,
-            ))
+                routes = torch.cat([prompt_routes[i, width - len(p) :].cpu(), response_routes[i, :n]], 0)
+            out.append(
+                RolloutSample(
+                    prompt_ids=list(p),
+                    response_ids=resp.tolist(),
+                    logprobs=logps[i, :n].float().clone(),
+                    finish_reason="stop" if bool(torch.isin(resp[-1:], stop_ids).any()) else "length",
+                    routed_experts=routes,
+                )
+            )
         return out
 
     # ----- score -----
@@ -393,7 +423,7 @@ class EmbeddedEngine(RolloutEngine):
         rows = max(1, min(self.max_batch_tokens // longest, (64 << 20) // max(1, longest * self.config.vocab_size)))
         out: list[torch.Tensor] = []
         for start in range(0, len(sequences), rows):
-            out += self._score_batch(sequences[start:start + rows], prompt_lens[start:start + rows], temperature)
+            out += self._score_batch(sequences[start : start + rows], prompt_lens[start : start + rows], temperature)
         return out
 
     def _score_batch(self, sequences, prompt_lens, temperature):
@@ -401,13 +431,13 @@ class EmbeddedEngine(RolloutEngine):
         ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((batch, width), dtype=torch.long)
         for i, s in enumerate(sequences):  # right padding: positions start at 0 for every row
-            ids[i, :len(s)] = torch.tensor(s)
-            mask[i, :len(s)] = 1
+            ids[i, : len(s)] = torch.tensor(s)
+            mask[i, : len(s)] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = torch.arange(width, device=self.device).expand(batch, width)
         logits = self._forward(ids, mask, positions).float()
         logp = torch.log_softmax(logits[:, :-1] / temperature, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        return [logp[i, p - 1:len(s) - 1].cpu().clone() for i, (s, p) in enumerate(zip(sequences, prompt_lens))]
+        return [logp[i, p - 1 : len(s) - 1].cpu().clone() for i, (s, p) in enumerate(zip(sequences, prompt_lens))]
 
 
 @contextmanager

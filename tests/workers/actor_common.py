@@ -31,7 +31,9 @@ def nll_loss(global_tokens):
 
     def loss_fn(logits, mb):
         labels = torch.roll(mb.tokens, -1, dims=1)
-        nll = tensor_parallel.vocab_parallel_cross_entropy(logits.clone().transpose(0, 1).contiguous(), labels.t().contiguous()).t()
+        nll = tensor_parallel.vocab_parallel_cross_entropy(
+            logits.clone().transpose(0, 1).contiguous(), labels.t().contiguous()
+        ).t()
         mask = mb.extras["mask"].float()
         return (nll * mask).sum() / global_tokens, {"tokens": mask.sum()}
 

@@ -40,7 +40,9 @@ def main():
     # -- forward_only: full logits (gathered over TP) and vocab-parallel log-probs of the next token
     def next_token_logprobs(logits, mb):
         labels = torch.roll(mb.tokens, -1, dims=1)
-        return -tensor_parallel.vocab_parallel_cross_entropy(logits.clone().transpose(0, 1).contiguous(), labels.t().contiguous()).t()
+        return -tensor_parallel.vocab_parallel_cross_entropy(
+            logits.clone().transpose(0, 1).contiguous(), labels.t().contiguous()
+        ).t()
 
     mbs = [MicroBatch(tokens[i : i + 2]) for i in range(0, tokens.shape[0], 2)]
     got = torch.cat(actor.forward_only(mbs, full_logits))
@@ -80,13 +82,19 @@ def main():
         want = torch.load(os.path.join(ref_dir, "train_ref.pt"))
         assert metrics["tokens"] == want["tokens"], (metrics["tokens"], want["tokens"])
         assert abs(metrics["loss"] - want["loss"]) < 1e-5, (metrics["loss"], want["loss"])
-        assert abs(metrics["grad_norm"] - want["grad_norm"]) < 1e-5 * max(1.0, want["grad_norm"]), (metrics["grad_norm"], want["grad_norm"])
+        assert abs(metrics["grad_norm"] - want["grad_norm"]) < 1e-5 * max(1.0, want["grad_norm"]), (
+            metrics["grad_norm"],
+            want["grad_norm"],
+        )
         errs = {k: (after[k] - want["weights"][k]).abs().max().item() for k in after}
         worst = max(errs.values())
         moved = max((want["weights"][k] - ckpt[k]).abs().max().item() for k in after)
         assert moved > 1e-3, f"reference step did not move the weights ({moved})"
         assert worst < 1e-5, f"updated weights differ from the world-1 reference by {worst} (step size {moved})"
-    print(f"rank {rank} OK logits {diff:.2e} logprobs {lp_diff:.2e} loss {metrics['loss']:.6f} grad_norm {metrics['grad_norm']:.6f}", flush=True)
+    print(
+        f"rank {rank} OK logits {diff:.2e} logprobs {lp_diff:.2e} loss {metrics['loss']:.6f} grad_norm {metrics['grad_norm']:.6f}",
+        flush=True,
+    )
     torch.distributed.barrier()
 
 

@@ -84,8 +84,15 @@ def main():
         out = moe_utils.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True)
         assert out.tolist() == [1, 2] and not torch.is_tensor(out)
 
-    for name, fn in [("factories", factories), ("seeding", seeding), ("rotary", rotary), ("streams", streams),
-                     ("clip_grads", clip_grads), ("router_gemm", router_gemm), ("split_sizes", split_sizes_to_numpy)]:
+    for name, fn in [
+        ("factories", factories),
+        ("seeding", seeding),
+        ("rotary", rotary),
+        ("streams", streams),
+        ("clip_grads", clip_grads),
+        ("router_gemm", router_gemm),
+        ("split_sizes", split_sizes_to_numpy),
+    ]:
         check(name, fn)
 
 

@@ -25,8 +25,15 @@ def main():
 
     cfg = Config(platform="cpu", model=ModelConfig(path=model_dir))
     cfg.actor.parallel = ParallelConfig(tp=tp, ep=ep, etp=etp)
-    cfg.actor.optim = OptimConfig(lr=1e-2, adam_eps=1e-3, clip_grad=1.0, warmup_steps=1, decay_style="linear",
-                                  decay_steps=4, use_distributed_optimizer=bool(dist_opt))
+    cfg.actor.optim = OptimConfig(
+        lr=1e-2,
+        adam_eps=1e-3,
+        clip_grad=1.0,
+        warmup_steps=1,
+        decay_style="linear",
+        decay_steps=4,
+        use_distributed_optimizer=bool(dist_opt),
+    )
     actor = Actor(cfg, get_platform("cpu"), load_weights=(mode == "save"))
     rank = torch.distributed.get_rank()
     tokens, mask = global_batch()
@@ -43,7 +50,9 @@ def main():
     weights = {n: t.clone() for n, t in actor.export_hf_weights()}
     if mode == "save":
         if rank == 0:
-            torch.save({"logits": logits, "weights": weights, "metrics": metrics}, os.path.join(work, "uninterrupted.pt"))
+            torch.save(
+                {"logits": logits, "weights": weights, "metrics": metrics}, os.path.join(work, "uninterrupted.pt")
+            )
     else:
         want = torch.load(os.path.join(work, "uninterrupted.pt"))
         d_logits = (logits - want["logits"]).abs().max().item()

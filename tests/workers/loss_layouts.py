@@ -44,12 +44,13 @@ def main():
     tp, pp, ep, n_micro = map(int, sys.argv[3:7])
     mode = sys.argv[7]
 
+    from safetensors.torch import load_file
+
     from mcore_rl.algos import GlobalCounts, group_advantages
     from mcore_rl.config import AlgoConfig, Config, ModelConfig, OptimConfig, ParallelConfig
     from mcore_rl.megatron.actor import Actor, MicroBatch
     from mcore_rl.megatron.policy_loss import make_log_prob_fn, make_policy_loss_fn, policy_extras
     from mcore_rl.platform import get_platform
-    from safetensors.torch import load_file
 
     platform = get_platform("cpu")
     platform.adapt_megatron()
@@ -90,27 +91,47 @@ def main():
         for k in range(n_micro):
             sl = slice(k * size, (k + 1) * size)
             r0 = rows.start + k * size
-            train_mbs.append(MicroBatch(tokens[r0 : r0 + size], extras=policy_extras(
-                loss_mask[r0 : r0 + size], old[sl], advantages[r0 : r0 + size],
-                rollout_log_prob=rollout[sl], ref_log_prob=ref_lp[sl])))
+            train_mbs.append(
+                MicroBatch(
+                    tokens[r0 : r0 + size],
+                    extras=policy_extras(
+                        loss_mask[r0 : r0 + size],
+                        old[sl],
+                        advantages[r0 : r0 + size],
+                        rollout_log_prob=rollout[sl],
+                        ref_log_prob=ref_lp[sl],
+                    ),
+                )
+            )
         metrics = actor.train_step(train_mbs, make_policy_loss_fn(algo, counts, tp_group))
         update = {n: (t.float() - before[n].float()).clone() for n, t in actor.export_hf_weights()}
         results[name] = {"loss": metrics["loss"], "metrics": metrics, "update": update, "log_prob_full": lp_here}
         if mode == "check":
             want = ref[name]
             rel_loss = abs(metrics["loss"] - want["loss"]) / abs(want["loss"])
-            assert rel_loss <= REL_TOL, f"{name}: loss {metrics['loss']} vs reference {want['loss']} (rel {rel_loss:.2e})"
+            assert rel_loss <= REL_TOL, (
+                f"{name}: loss {metrics['loss']} vs reference {want['loss']} (rel {rel_loss:.2e})"
+            )
             assert set(update) == set(want["update"])
             scale = max(float(u.abs().max()) for u in want["update"].values())
-            worst_name, worst = max(((n, float((update[n] - want["update"][n]).abs().max())) for n in update), key=lambda x: x[1])
-            assert worst <= REL_TOL * scale, f"{name}: update of {worst_name} differs by {worst:.3e} (largest update {scale:.3e})"
-            print(f"LAYOUT_OK {name} tp{tp} pp{pp} ep{ep} dp{dp} micro{n_micro} rank{torch.distributed.get_rank()}: "
-                  f"loss {metrics['loss']:.8f} rel {rel_loss:.1e}; {len(update)} params, max |d update| {worst:.2e} "
-                  f"({worst_name}) vs largest update {scale:.2e}", flush=True)
+            worst_name, worst = max(
+                ((n, float((update[n] - want["update"][n]).abs().max())) for n in update), key=lambda x: x[1]
+            )
+            assert worst <= REL_TOL * scale, (
+                f"{name}: update of {worst_name} differs by {worst:.3e} (largest update {scale:.3e})"
+            )
+            print(
+                f"LAYOUT_OK {name} tp{tp} pp{pp} ep{ep} dp{dp} micro{n_micro} rank{torch.distributed.get_rank()}: "
+                f"loss {metrics['loss']:.8f} rel {rel_loss:.1e}; {len(update)} params, max |d update| {worst:.2e} "
+                f"({worst_name}) vs largest update {scale:.2e}",
+                flush=True,
+            )
         else:
             cf = metrics.get("clipfrac_upper", 0.0) + metrics.get("clipfrac_lower", 0.0)
             if name == "grpo":  # every clipping branch is exercised by this batch
-                assert metrics["clipfrac_upper"] > 0 and metrics["clipfrac_lower"] > 0 and metrics["dual_clipfrac"] > 0, metrics
+                assert (
+                    metrics["clipfrac_upper"] > 0 and metrics["clipfrac_lower"] > 0 and metrics["dual_clipfrac"] > 0
+                ), metrics
             if name == "gspo":  # some sequences clipped, some not (so the gradient is not all zero)
                 assert 0 < cf < 1, metrics
             print(f"REF {name}: loss {metrics['loss']:.8f} clipfrac {cf:.3f} metrics {metrics}", flush=True)

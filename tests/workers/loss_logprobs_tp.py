@@ -4,7 +4,6 @@ Every rank builds the same full logits, keeps its vocabulary slice, and compares
 gradient of its slice with the plain-torch reference. Prints LOGPROB_TP_OK on success.
 """
 
-
 import torch
 import torch.distributed as dist
 
@@ -31,14 +30,19 @@ def main():
     want_lp, want_ent, want_grad = reference(logits, target, temperature, g_lp, g_h)
 
     shard = vocab // world
-    mine = logits[:, rank * shard:(rank + 1) * shard].clone().requires_grad_(True)
-    lp, ent = vocab_parallel_log_probs(mine, target, temperature, group=dist.group.WORLD, with_entropy=True, chunk_tokens=8)
+    mine = logits[:, rank * shard : (rank + 1) * shard].clone().requires_grad_(True)
+    lp, ent = vocab_parallel_log_probs(
+        mine, target, temperature, group=dist.group.WORLD, with_entropy=True, chunk_tokens=8
+    )
     ((lp * g_lp).sum() + (ent * g_h).sum()).backward()
     torch.testing.assert_close(lp, want_lp, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent, want_ent, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(mine.grad, want_grad[:, rank * shard:(rank + 1) * shard], rtol=1e-5, atol=1e-6)
-    err = (mine.grad - want_grad[:, rank * shard:(rank + 1) * shard]).abs().max()
-    print(f"rank {rank}: LOGPROB_TP_OK max|dlp|={float((lp.detach() - want_lp).abs().max()):.2e} max|dgrad|={float(err):.2e}", flush=True)
+    torch.testing.assert_close(mine.grad, want_grad[:, rank * shard : (rank + 1) * shard], rtol=1e-5, atol=1e-6)
+    err = (mine.grad - want_grad[:, rank * shard : (rank + 1) * shard]).abs().max()
+    print(
+        f"rank {rank}: LOGPROB_TP_OK max|dlp|={float((lp.detach() - want_lp).abs().max()):.2e} max|dgrad|={float(err):.2e}",
+        flush=True,
+    )
     dist.destroy_process_group()
 
 

@@ -57,7 +57,10 @@ def main():
     rank = torch.distributed.get_rank()
     replay = RoutingReplay.install(actor.chunks)
     assert replay.moe_layers == [1, 2], replay.moe_layers
-    assert replay.sequence_parallel == (tp > 1) and replay.recompute == bool(recompute), (replay.sequence_parallel, replay.recompute)
+    assert replay.sequence_parallel == (tp > 1) and replay.recompute == bool(recompute), (
+        replay.sequence_parallel,
+        replay.recompute,
+    )
     tokens, loss_mask = global_batch()
     mbs = my_micro_batches(tokens, loss_mask, 2)
     loss_fn = nll_loss(loss_mask.sum())
@@ -87,7 +90,9 @@ def main():
     replayed_grads = grads(actor)
     assert normal["loss"] == replayed["loss"], (normal["loss"], replayed["loss"])
     for name, g in normal_grads.items():
-        assert torch.equal(g, replayed_grads[name]), f"grad of {name} differs by {(g - replayed_grads[name]).abs().max()}"
+        assert torch.equal(g, replayed_grads[name]), (
+            f"grad of {name} differs by {(g - replayed_grads[name]).abs().max()}"
+        )
     router_names = [n for n in normal_grads if n.endswith("router.weight")]
     assert router_names and all(normal_grads[n].abs().sum() > 0 for n in router_names)
 
@@ -170,8 +175,11 @@ def main():
             assert what in str(e), e
         else:
             raise AssertionError(f"replaying {len(bad)} micro-batches of routes over {len(mbs)} forwards was accepted")
-    print(f"rank {rank} OK replay mismatch {metrics['routing/token_mismatch']:.3f} "
-          f"expert {metrics['routing/expert_mismatch']:.3f}", flush=True)
+    print(
+        f"rank {rank} OK replay mismatch {metrics['routing/token_mismatch']:.3f} "
+        f"expert {metrics['routing/expert_mismatch']:.3f}",
+        flush=True,
+    )
     torch.distributed.barrier()
 
 

@@ -14,6 +14,7 @@ def main(run_dir: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     manager = CheckpointManager(run_dir, keep_last=2)
     for step in (1, 2, 3):
+
         def write(tmp: Path, step=step) -> None:
             if rank == world - 1:
                 time.sleep(0.5)  # the slowest rank: rank 0 must not publish before it is done

@@ -28,10 +28,14 @@ def check_export(bridge, chunks, expected: dict, what: str, receive: bool = True
     if not receive:
         assert not got, f"{what}: a rank with receive=False yielded {len(got)} tensors"
         return
-    assert set(got) == set(expected), f"{what}: missing {sorted(set(expected) - set(got))[:3]}, extra {sorted(set(got) - set(expected))[:3]}"
+    assert set(got) == set(expected), (
+        f"{what}: missing {sorted(set(expected) - set(got))[:3]}, extra {sorted(set(got) - set(expected))[:3]}"
+    )
     for name, want in expected.items():
         t = got[name]
-        assert t.dtype == want.dtype and t.shape == want.shape, f"{what}: {name} {t.dtype}{tuple(t.shape)} vs {want.dtype}{tuple(want.shape)}"
+        assert t.dtype == want.dtype and t.shape == want.shape, (
+            f"{what}: {name} {t.dtype}{tuple(t.shape)} vs {want.dtype}{tuple(want.shape)}"
+        )
         assert torch.equal(t.view(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), f"{what}: {name} differs"
 
 

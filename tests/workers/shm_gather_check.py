@@ -23,7 +23,7 @@ def shard_for(rank: int, shape: tuple, dtype: torch.dtype, seed: int) -> torch.T
         return (torch.randn(shape, generator=gen, dtype=torch.float64) * 1e3).to(dtype)
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=gen).bool()
-    return torch.randint(-(2 ** 30), 2 ** 30, shape, generator=gen, dtype=torch.int64).to(dtype)
+    return torch.randint(-(2**30), 2**30, shape, generator=gen, dtype=torch.int64).to(dtype)
 
 
 def reference(shard: torch.Tensor) -> list[torch.Tensor]:
@@ -34,9 +34,13 @@ def reference(shard: torch.Tensor) -> list[torch.Tensor]:
 
 def check_equal(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -> None:
     for r, (g, w) in enumerate(zip(got, want)):
-        assert g.dtype == w.dtype and g.shape == w.shape, f"{what}: rank {r} shard {g.dtype}{tuple(g.shape)} vs {w.dtype}{tuple(w.shape)}"
+        assert g.dtype == w.dtype and g.shape == w.shape, (
+            f"{what}: rank {r} shard {g.dtype}{tuple(g.shape)} vs {w.dtype}{tuple(w.shape)}"
+        )
         # compare raw bytes: bit-identical, NaN-safe
-        assert torch.equal(g.reshape(-1).view(torch.uint8), w.reshape(-1).view(torch.uint8)), f"{what}: rank {r} shard differs"
+        assert torch.equal(g.reshape(-1).view(torch.uint8), w.reshape(-1).view(torch.uint8)), (
+            f"{what}: rank {r} shard differs"
+        )
 
 
 def main() -> None:
@@ -48,9 +52,19 @@ def main() -> None:
     gather = GroupGather(max_chunk_bytes=4096, **({"host_id": host_id} if host_id else {}))
     assert gather.uses_shared_memory(None) == (mode == "shm"), f"transport choice wrong for mode {mode}"
 
-    cases = [((7, 13), torch.bfloat16), ((3,), torch.float32), ((1, 1, 5), torch.int32), ((), torch.float32),
-             ((129, 33), torch.float32), ((2, 1000), torch.bfloat16), ((0, 4), torch.float32),
-             ((17, 3), torch.int64), ((11,), torch.uint8), ((9, 5), torch.bool), ((301, 7), torch.float16)]
+    cases = [
+        ((7, 13), torch.bfloat16),
+        ((3,), torch.float32),
+        ((1, 1, 5), torch.int32),
+        ((), torch.float32),
+        ((129, 33), torch.float32),
+        ((2, 1000), torch.bfloat16),
+        ((0, 4), torch.float32),
+        ((17, 3), torch.int64),
+        ((11,), torch.uint8),
+        ((9, 5), torch.bool),
+        ((301, 7), torch.float16),
+    ]
     for seed, (shape, dtype) in enumerate(cases):
         shard = shard_for(rank, shape, dtype, seed)
         check_equal(gather.all_gather(shard, None), reference(shard), f"{dtype} {shape}")
@@ -63,8 +77,14 @@ def main() -> None:
     merged_a = torch.empty(6, 5 * world, dtype=torch.bfloat16)
     merged_b = torch.empty(6 * world, 5, dtype=torch.float32)
     stacked_c = torch.empty(world, 1000, 3, dtype=torch.float32)
-    gather.all_gather_into([(a, list(merged_a.chunk(world, dim=1))), (b, list(merged_b.chunk(world, dim=0))),
-                            (c, list(stacked_c.unbind(0)))], None)
+    gather.all_gather_into(
+        [
+            (a, list(merged_a.chunk(world, dim=1))),
+            (b, list(merged_b.chunk(world, dim=0))),
+            (c, list(stacked_c.unbind(0))),
+        ],
+        None,
+    )
     check_equal([merged_a], [torch.cat(reference(a), dim=1)], "strided dim-1 destinations")
     check_equal([merged_b], [torch.cat(reference(b), dim=0)], "non-contiguous source")
     check_equal(list(stacked_c.unbind(0)), reference(c), "many rounds in a batch")

@@ -45,16 +45,18 @@ def actor_forward(model, seq: list[int], tp: int) -> torch.Tensor:
     width = -(-len(seq) // tp) * tp
     ids = torch.tensor([seq + [0] * (width - len(seq))])
     logits = model(input_ids=ids, position_ids=torch.arange(width)[None], attention_mask=None)
-    return gather_last_dim(logits.float())[0, :len(seq)]
+    return gather_last_dim(logits.float())[0, : len(seq)]
 
 
 def actor_logprobs(model, tp: int):
     """reference_logprob_fn for verify_sync: log-probs of the tokens at positions >= prompt_len."""
+
     @torch.no_grad()
     def logprobs(sequences, prompt_lens, temperature):
         out = []
         for s, p in zip(sequences, prompt_lens):
             lp = torch.log_softmax(actor_forward(model, s, tp) / temperature, -1)[:-1]
-            out.append(lp.gather(-1, torch.tensor(s[1:])[:, None])[p - 1:, 0])
+            out.append(lp.gather(-1, torch.tensor(s[1:])[:, None])[p - 1 :, 0])
         return out
+
     return logprobs

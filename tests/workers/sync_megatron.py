@@ -25,8 +25,6 @@ from sync_actor import actor_logprobs, build_actor, tp_group  # noqa: E402
 TOL = 1e-4
 
 
-
-
 class RouterTap:
     """Forward hooks on Megatron's routers: top-k expert ids per token and MoE layer (TP shards gathered)."""
 
@@ -41,6 +39,7 @@ class RouterTap:
     def _hook(self, i):
         def hook(module, args, output):
             self.maps[i] = output[1]  # routing_map [tokens, experts] bool
+
         return hook
 
     def routes(self, k: int) -> torch.Tensor:
@@ -55,8 +54,6 @@ class RouterTap:
                 ids = torch.cat(parts, 0)
             per_layer.append(ids)
         return torch.stack(per_layer, 1)
-
-
 
 
 def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -89,8 +86,12 @@ def main(layout: str, engine_ckpt: str, actor_ckpt: str) -> None:
 
     # 2. sync with a bucket smaller than the largest tensor; engine == actor afterwards
     stats = sync_weights(export(), engine, bucket_mb=0.02)
-    result.update(num_tensors=stats.num_tensors, num_buckets=stats.num_buckets,
-                  largest=stats.largest_tensor_bytes, bucket_bytes=int(0.02 * (1 << 20)))
+    result.update(
+        num_tensors=stats.num_tensors,
+        num_buckets=stats.num_buckets,
+        largest=stats.largest_tensor_bytes,
+        bucket_bytes=int(0.02 * (1 << 20)),
+    )
     report = verify_sync(engine, reference, probe, tol=TOL, fallback="error", export_fn=export)
     result["verify_max_diff"] = report.max_diff
 
@@ -99,8 +100,9 @@ def main(layout: str, engine_ckpt: str, actor_ckpt: str) -> None:
     if rank == 0:
         prompts = [[1, 5 + i, 20 + i, 7, 9 + i] for i in range(3)]
         groups = engine.generate(prompts, 2, SamplingParams(temperature=0.9, max_new_tokens=12, seed=1))
-        samples = [(s.prompt_ids + s.response_ids, len(s.prompt_ids), s.logprobs, s.routed_experts)
-                   for g in groups for s in g]
+        samples = [
+            (s.prompt_ids + s.response_ids, len(s.prompt_ids), s.logprobs, s.routed_experts) for g in groups for s in g
+        ]
     box = [samples]
     dist.broadcast_object_list(box, src=0)
     samples = box[0]
@@ -110,10 +112,9 @@ def main(layout: str, engine_ckpt: str, actor_ckpt: str) -> None:
     for seq, plen, engine_lp, engine_routes in samples:
         actor_lp = reference([seq], [plen], 0.9)[0]
         lp_diff = max(lp_diff, (actor_lp - engine_lp).abs().max().item())
-        actor_routes = tap.routes(k)[:len(seq)]
+        actor_routes = tap.routes(k)[: len(seq)]
         route_mismatch += int((actor_routes != engine_routes.long().sort(-1).values).sum())
-    result.update(sample_logprob_diff=lp_diff, route_mismatches=route_mismatch,
-                  route_shape=list(samples[0][3].shape))
+    result.update(sample_logprob_diff=lp_diff, route_mismatches=route_mismatch, route_shape=list(samples[0][3].shape))
 
     # 4. the actor's weights change: the stale engine fails verification, a new sync fixes it
     before = engine.score(probe.sequences, probe.prompt_lens) if engine else None
@@ -137,8 +138,7 @@ def main(layout: str, engine_ckpt: str, actor_ckpt: str) -> None:
                 if "layers.1.mlp.experts" in name:
                     p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
     report = verify_sync(engine, reference, probe, tol=TOL, fallback="rebuild", export_fn=export)
-    result.update(corrupt_max_diff=report.max_diff, rebuilt=report.rebuilt,
-                  after_rebuild=report.max_diff_after_rebuild)
+    result.update(corrupt_max_diff=report.max_diff, rebuilt=report.rebuilt, after_rebuild=report.max_diff_after_rebuild)
     if rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
     destroy_parallel()

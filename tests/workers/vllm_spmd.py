@@ -20,7 +20,7 @@ def hf_logprobs(model_dir, sequences, prompt_lens):
         for seq, p in zip(sequences, prompt_lens):
             ids = torch.tensor([seq])
             logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
-            out.append(logp.gather(-1, ids[0, 1:, None])[p - 1:, 0])
+            out.append(logp.gather(-1, ids[0, 1:, None])[p - 1 :, 0])
     return out
 
 

@@ -32,8 +32,6 @@ from sync_actor import actor_logprobs, build_actor  # noqa: E402
 TOL = 0.01  # nats: the issue's bound for the vLLM engine
 
 
-
-
 @torch.no_grad()
 def move_actor(model, seed: int, scale: float = 0.02) -> None:
     """Seeded noise on every parameter, the same sequence on every rank (replicated parameters stay equal)."""
@@ -45,14 +43,20 @@ def move_actor(model, seed: int, scale: float = 0.02) -> None:
 def main(layout: str, rollout_tp: str, engine_ckpt: str, actor_ckpt: str, reload: str, rounds: str = "3") -> None:
     logging.basicConfig(level=logging.WARNING)
     bridge, model, parallel = build_actor(layout, actor_ckpt)
-    engine = VllmEngine(RolloutConfig(tp=int(rollout_tp)), engine_ckpt, dtype="float32", max_model_len=256,
-                        reload=reload)
+    engine = VllmEngine(
+        RolloutConfig(tp=int(rollout_tp)), engine_ckpt, dtype="float32", max_model_len=256, reload=reload
+    )
     reference = actor_logprobs(model, parallel.tp)
     export = lambda: bridge.export_hf_weights([model])  # noqa: E731
     probe = ProbeBatch.random(bridge.hf_config.vocab_size, num_seqs=3, prompt_len=6, response_len=18, seed=4)
     prompts = [[1, 5 + i, 20 + i, 7, 9 + i] for i in range(3)]
-    result = {"layout": layout, "rollout_tp": int(rollout_tp), "replicas": engine.layout.num_replicas,
-              "reload_mode": engine.reload_mode, "rounds": []}
+    result = {
+        "layout": layout,
+        "rollout_tp": int(rollout_tp),
+        "replicas": engine.layout.num_replicas,
+        "reload_mode": engine.reload_mode,
+        "rounds": [],
+    }
 
     for round_ in range(int(rounds)):
         r: dict = {}
