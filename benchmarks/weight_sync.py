@@ -144,9 +144,9 @@ def main() -> None:
         "dp2": ParallelConfig(),
     }[args.layout]
     bridge = ModelBridge(model_dir, platform)
-    info = init_parallel(parallel, platform, bridge.hf_config)
+    layout = init_parallel(parallel, platform, bridge.hf_config)
     start = time.perf_counter()
-    chunks = bridge.build_model(info.effective_parallel(parallel), ModelConfig(path=model_dir, dtype="bfloat16"))
+    chunks = bridge.build_model(layout, ModelConfig(path=model_dir, dtype="bfloat16"))
     actor_params = sum(p.numel() for c in chunks for p in c.parameters())
     build_s = time.perf_counter() - start
     engine = None

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import socket
 import sys
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -102,9 +101,9 @@ class RankWorker:
         return ray.util.get_node_ip_address(), devices
 
     def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+        from mcore_rl.platform import free_port
+
+        return free_port(host="")  # rank 0's node hosts the rendezvous: a port free on every interface
 
     def run(self, env: dict, cfg, entry: str):
         os.environ.update(env)  # before anything initialises torch.distributed or the device

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import runpy
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
 from mcore_rl.config import Config, ConfigError, check_paths, load_config
-from mcore_rl.megatron.layout import DerivedLayout, LayoutError, ModelDims, validate_run
+from mcore_rl.megatron.layout import Layout, LayoutError, ModelDims, validate_run
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 EXIT_BAD_INPUT = 2
 
 
@@ -47,12 +45,12 @@ def model_dims(cfg: Config, model_config: Optional[str] = None) -> ModelDims:
 
 def preflight(
     cfg: Config, world_size: int, model_config: Optional[str] = None, platform: Optional[str] = None
-) -> DerivedLayout:
+) -> Layout:
     """Config is already validated by load_config; check the layout and batch split for `world_size`."""
     return validate_run(cfg, world_size, model_dims(cfg, model_config), platform=platform)
 
 
-def describe(cfg: Config, layout: DerivedLayout, nnodes: int, nproc: int) -> str:
+def describe(cfg: Config, layout: Layout, nnodes: int, nproc: int) -> str:
     samples = cfg.data.prompts_per_step * cfg.rollout.n
     per_rank = samples // (layout.dp * cfg.algo.mini_batches)
     lines = [
@@ -201,19 +199,13 @@ def cmd_plot(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    script = REPO_ROOT / "tools" / "convert_checkpoint.py"
-    if not script.is_file():
-        raise ConfigError(f"{script} not found: `mcore-rl convert` needs the source checkout (pip install -e .)")
+    from mcore_rl.convert import main as convert_main
+
     argv = args.args[1:] if args.args[:1] == ["--"] else args.args
-    saved = sys.argv
-    sys.argv = [str(script), *argv]
     try:
-        runpy.run_path(str(script), run_name="__main__")
-    except SystemExit as e:
+        return convert_main(argv, prog="mcore-rl convert")
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2)
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    finally:
-        sys.argv = saved
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -254,7 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output folder (default RUN_DIR/plots)")
     p.set_defaults(func=cmd_plot)
 
-    p = sub.add_parser("convert", help="convert checkpoints (tools/convert_checkpoint.py; args passed through)")
+    p = sub.add_parser(
+        "convert", help="convert checkpoints HF <-> Megatron (mcore_rl.convert; args passed through)", add_help=False
+    )
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_convert)
     return parser

@@ -13,7 +13,22 @@ import os
 import re
 import types
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
-from typing import Any, Optional, Sequence, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, Optional, Sequence, Union, get_args, get_origin, get_type_hints
+
+# The choices of enum-like keys, declared once: validation (`CHOICES`) and the algorithms read these.
+PlatformName = Literal["auto", "cpu", "cuda", "npu"]
+DtypeName = Literal["float32", "bfloat16", "float16"]
+TokenDispatcher = Literal["alltoall", "allgather"]
+RouterDtype = Literal["fp32", "fp64"]
+DecayStyle = Literal["constant", "linear", "cosine"]
+LossName = Literal["grpo", "gspo", "gspo_token", "sapo"]
+AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+AdvEstimator = Literal["grpo", "drgrpo"]  # drgrpo: no division by the group's std
+KlType = Literal["k1", "k2", "k3"]
+RolloutCorrection = Literal["token", "sequence", "icepop"]
+RoutingReplayMode = Literal["r2", "r3"]
+EngineName = Literal["embedded", "vllm"]
+VerifyFallback = Literal["rebuild", "error"]
 
 
 @dataclass
@@ -39,10 +54,10 @@ class ParallelConfig:
 @dataclass
 class ModelConfig:
     path: str = ""  # Hugging Face checkpoint folder (config.json + safetensors + tokenizer)
-    dtype: str = "float32"  # float32 | bfloat16 | float16 (params and compute)
+    dtype: DtypeName = "float32"  # params and compute
     recompute: bool = False  # full activation recomputation
-    moe_token_dispatcher: str = "alltoall"  # alltoall | allgather
-    moe_router_dtype: str = "fp32"
+    moe_token_dispatcher: TokenDispatcher = "alltoall"
+    moe_router_dtype: RouterDtype = "fp32"
 
 
 @dataclass
@@ -55,7 +70,7 @@ class OptimConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     warmup_steps: int = 0
-    decay_style: str = "constant"  # constant | linear | cosine
+    decay_style: DecayStyle = "constant"
     decay_steps: Optional[int] = None  # steps of the lr decay (after warmup); None -> trainer.steps
     use_distributed_optimizer: bool = False
 
@@ -68,20 +83,18 @@ class ActorConfig:
 
 @dataclass
 class AlgoConfig:
-    loss: str = "gspo"  # grpo | gspo | gspo_token | sapo
-    agg_mode: str = (
-        "seq-mean-token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
-    )
-    adv_estimator: str = "grpo"  # grpo (std-normalised) | drgrpo (no std division)
+    loss: LossName = "gspo"
+    agg_mode: AggMode = "seq-mean-token-mean"
+    adv_estimator: AdvEstimator = "grpo"
     clip_low: float = 0.2
     clip_high: float = 0.28
     dual_clip: Optional[float] = None  # c > 1 enables dual clip for A < 0 (grpo)
     tau_pos: float = 1.0  # sapo
     tau_neg: float = 1.05  # sapo
     kl_coef: float = 0.0  # > 0 needs a reference model pass
-    kl_type: str = "k3"  # k1 | k2 | k3
+    kl_type: KlType = "k3"
     entropy_coef: float = 0.0
-    rollout_is: Optional[str] = None  # None | token | sequence | icepop
+    rollout_is: Optional[RolloutCorrection] = None  # rollout importance correction; None: off
     rollout_is_cap: float = 2.0
     rollout_is_low: float = 0.5  # icepop lower bound
     rollout_is_high: float = 2.0  # icepop upper bound
@@ -89,12 +102,12 @@ class AlgoConfig:
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer steps per rollout batch
     use_rollout_logprobs_as_old: bool = False  # skip the old-log-prob pass when on-policy
-    routing_replay: Optional[str] = None  # None | r2 | r3
+    routing_replay: Optional[RoutingReplayMode] = None  # None: off
 
 
 @dataclass
 class RolloutConfig:
-    engine: str = "embedded"  # embedded | vllm
+    engine: EngineName = "embedded"
     n: int = 8  # samples per prompt (group size)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -106,7 +119,7 @@ class RolloutConfig:
     sync_bucket_mb: float = 256.0
     verify_every: int = 1  # verify the weight sync every k syncs (0: never)
     verify_tolerance: float = 1e-3  # max abs log-prob difference engine vs actor
-    verify_fallback: str = "rebuild"  # rebuild | error
+    verify_fallback: VerifyFallback = "rebuild"
     enforce_eager: bool = True
 
 
@@ -153,7 +166,7 @@ class TrainerConfig:
 
 @dataclass
 class Config:
-    platform: str = "auto"  # auto | cpu | cuda | npu
+    platform: PlatformName = "auto"
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -175,22 +188,23 @@ class ConfigError(ValueError):
     """A bad configuration; the message names the key, the problem and the fix."""
 
 
-# Allowed values of enum-like fields (dotted key -> choices). One table, checked in `validate_config`.
-CHOICES: dict[str, tuple] = {
-    "platform": ("auto", "cpu", "cuda", "npu"),
-    "model.dtype": ("float32", "bfloat16", "float16"),
-    "model.moe_token_dispatcher": ("alltoall", "allgather"),
-    "model.moe_router_dtype": ("fp32", "fp64"),
-    "actor.optim.decay_style": ("constant", "linear", "cosine"),
-    "algo.loss": ("grpo", "gspo", "gspo_token", "sapo"),
-    "algo.agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
-    "algo.adv_estimator": ("grpo", "drgrpo"),
-    "algo.kl_type": ("k1", "k2", "k3"),
-    "algo.rollout_is": (None, "token", "sequence", "icepop"),
-    "algo.routing_replay": (None, "r2", "r3"),
-    "rollout.engine": ("embedded", "vllm"),
-    "rollout.verify_fallback": ("rebuild", "error"),
-}
+def _literal_choices(tp: Any) -> Optional[tuple]:
+    """The allowed values of a Literal (or Optional[Literal]) field type, None included; None otherwise."""
+    base = _inner(tp)
+    if get_origin(base) is not Literal:
+        return None
+    return ((None,) if _is_optional(tp) else ()) + get_args(base)
+
+
+def _choices(cls: type, prefix: str = "") -> dict[str, tuple]:
+    out: dict[str, tuple] = {}
+    for name, tp in get_type_hints(cls).items():
+        if is_dataclass(tp):
+            out.update(_choices(tp, f"{prefix}{name}."))
+        elif (choices := _literal_choices(tp)) is not None:
+            out[f"{prefix}{name}"] = choices
+    return out
+
 
 _NONE_WORDS = ("null", "none", "~", "")
 
@@ -209,7 +223,7 @@ def _inner(tp: Any) -> Any:
 
 def _type_name(tp: Any) -> str:
     base = _inner(tp)
-    name = getattr(base, "__name__", str(base))
+    name = "str" if get_origin(base) is Literal else getattr(base, "__name__", str(base))
     return f"{name} or null" if _is_optional(tp) else name
 
 
@@ -244,7 +258,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return float(value)
             except ValueError:
                 pass
-    elif base is str:
+    elif base is str or get_origin(base) is Literal:  # a Literal's value is checked against its choices later
         if isinstance(value, str):
             return value
     example = {bool: "true", int: "2", float: "0.5", str: "text"}.get(base, "...")
@@ -285,7 +299,7 @@ def _parse_override_value(raw: str, tp: Any) -> Any:
     """Typed parse of the text after '=': the field's type decides how the text is read."""
     if _is_optional(tp) and raw.strip().lower() in _NONE_WORDS:
         return None
-    if _inner(tp) is str:
+    if _inner(tp) is str or get_origin(_inner(tp)) is Literal:
         return raw  # strings stay verbatim: model.path=123 or trainer.run_dir=runs/1e3
     import yaml
 
@@ -390,6 +404,10 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+# Allowed values of enum-like keys (dotted key -> choices), derived from the Literal types above.
+CHOICES: dict[str, tuple] = _choices(Config)
+
+
 def _check_choices(cfg: Config) -> None:
     for key, choices in CHOICES.items():
         value = _get(cfg, key)
@@ -421,6 +439,7 @@ def _check_ranges(cfg: Config) -> None:
         _require(v >= 1, f"{key} = {v} must be >= 1: set it to 1 or more")
     non_negative = {
         "algo.kl_coef": a.kl_coef,
+        "algo.entropy_coef": a.entropy_coef,
         "actor.optim.weight_decay": o.weight_decay,
         "actor.optim.clip_grad": o.clip_grad,
         "actor.optim.warmup_steps": o.warmup_steps,

@@ -17,7 +17,7 @@ import logging
 import os
 import random
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -91,14 +91,10 @@ class Trainer:
 
         self.platform.adapt_megatron()
         self.actor = Actor(cfg, self.platform)
-        self.info = self.actor.info
-        self.replay = None
         if cfg.algo.routing_replay is not None:
-            from mcore_rl.megatron.routing_replay import RoutingReplay
-
-            self.replay = RoutingReplay.install(self.actor.chunks)
+            self.actor.enable_routing_replay()
         # The KL reference is the initial policy: a second, frozen copy of the model in the same layout.
-        self.ref_actor = Actor(cfg, self.platform, with_optimizer=False) if cfg.algo.kl_coef > 0 else None
+        self.ref_actor = Actor.frozen(cfg, self.platform) if cfg.algo.kl_coef > 0 else None
         # vLLM sizes its KV cache for the longest sequence it may see; the model's maximum wastes memory.
         engine_args = (
             {"max_model_len": cfg.data.max_prompt_len + cfg.rollout.max_new_tokens}
@@ -108,7 +104,7 @@ class Trainer:
         self.engine = make_engine(cfg.rollout, cfg.model.path, self.platform, dtype=cfg.model.dtype, **engine_args)
         self.stop_ids = [self.tokenizer.eos_token_id]
         # T = 1: the check is about weights, and engines score T = 1 cheapest (vLLM: no full-vocab fetch).
-        self.probe = ProbeBatch.random(self.actor.bridge.hf_config.vocab_size, seed=cfg.trainer.seed)
+        self.probe = ProbeBatch.random(self.actor.hf_config.vocab_size, seed=cfg.trainer.seed)
         self.ckpt = CheckpointManager(cfg.trainer.run_dir, cfg.checkpoint.keep_last)
         self.step = 0
         resume = resolve_resume(cfg)
@@ -116,7 +112,7 @@ class Trainer:
             self._load(resume.path)
         self.metrics = MetricsLogger(cfg.trainer.run_dir, cfg, rank=self.rank, start_step=self.step)
         # The engine starts from the HF files; after a resume the actor differs, so sync once up front.
-        self.sync_weights(verify=resume is not None)
+        self.sync_engine(verify=resume is not None)
 
     # ---- phases ------------------------------------------------------------------------------
     def rollout(self, examples, n: int, temperature: float, seed: int):
@@ -139,33 +135,8 @@ class Trainer:
         )
         return samples, scored
 
-    def _tp_group(self):
-        from megatron.core import parallel_state as mpu
-
-        return mpu.get_tensor_model_parallel_group()
-
-    def token_log_probs(
-        self, micro_batches, with_entropy: bool = False, temperature: Optional[float] = None
-    ) -> list[torch.Tensor]:
-        """Actor log-probs ([2, b, s] with entropy when asked) aligned like the loss mask."""
-        from mcore_rl.megatron.policy_loss import make_log_prob_fn
-
-        temperature = self.cfg.algo.temperature if temperature is None else temperature
-        return self.actor.forward_only(micro_batches, make_log_prob_fn(temperature, self._tp_group(), with_entropy))
-
-    def probe_log_probs(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float):
-        """Reference for sync verification: actor log-probs of the probe's response tokens."""
-        from mcore_rl.megatron.actor import MicroBatch
-
-        multiple = 8 * self.info.tp
-        seq_len = -(-max(map(len, sequences)) // multiple) * multiple
-        tokens = torch.zeros(len(sequences), seq_len, dtype=torch.long)
-        for i, s in enumerate(sequences):
-            tokens[i, : len(s)] = torch.tensor(s)
-        (lp,) = self.token_log_probs([MicroBatch(tokens=tokens)], temperature=temperature)
-        return [lp[i, p - 1 : len(s) - 1].cpu() for i, (s, p) in enumerate(zip(sequences, prompt_lens))]
-
-    def sync_weights(self, verify: bool) -> dict:
+    def sync_engine(self, verify: bool) -> dict:
+        """Actor weights -> rollout engine (bucketed), verified against the actor when `verify`."""
         from mcore_rl.rollout.weight_sync import sync_weights, verify_sync
 
         self.engine.wake_up()  # colocated engines released their memory during the update
@@ -174,7 +145,7 @@ class Trainer:
         if verify:
             report = verify_sync(
                 self.engine,
-                self.probe_log_probs,
+                self.actor.probe_log_probs,
                 self.probe,
                 self.cfg.rollout.verify_tolerance,
                 fallback=self.cfg.rollout.verify_fallback,
@@ -191,13 +162,25 @@ class Trainer:
             )
         return out
 
+    def old_policy_pass(self, micro_batches) -> Optional[float]:
+        """Fill each micro-batch's old_log_prob (and entropy); R2 records the routes the update replays.
+        Returns the summed entropy over response tokens (None when the rollout's log-probs serve)."""
+        cfg = self.cfg
+        if cfg.algo.use_rollout_logprobs_as_old:
+            for mb in micro_batches:
+                mb.old_log_prob = mb.rollout_log_prob
+            return None
+        outputs = self.actor.log_probs(micro_batches, with_entropy=True, record_routes=cfg.algo.routing_replay == "r2")
+        for mb, out in zip(micro_batches, outputs):
+            mb.old_log_prob, mb.entropy = out[0], out[1]
+        return self.actor.masked_sum([mb.entropy for mb in micro_batches], micro_batches)
+
     def train_step(self) -> dict:
         from mcore_rl.algos import group_advantages
         from mcore_rl.batch import pack_rollouts, split_for_rank
-        from mcore_rl.megatron.policy_loss import make_log_prob_fn, make_policy_loss_fn
         from mcore_rl.rollout.weight_sync import verify_due
 
-        cfg, timer = self.cfg, PhaseTimer()
+        cfg, timer, layout = self.cfg, PhaseTimer(), self.actor.layout
         step_start = time.perf_counter()
         examples = [self.train_set[i] for i in self.sampler.next_batch()]
         with timer("rollout"):
@@ -207,63 +190,31 @@ class Trainer:
         self.engine.sleep()  # free the engine's memory for the actor's passes (a no-op where unsupported)
         rewards = torch.tensor(scored.rewards, dtype=torch.float32)
         advantages = group_advantages(rewards, cfg.rollout.n, cfg.algo.adv_estimator)
-        batch = pack_rollouts(samples, rewards, advantages, self.tokenizer.pad_token_id, multiple=8 * self.info.tp)
-        replay = cfg.algo.routing_replay
-        parts = split_for_rank(
+        batch = pack_rollouts(samples, rewards, advantages, self.tokenizer.pad_token_id, layout.seq_len_multiple)
+        mini_batches = split_for_rank(
             batch,
             cfg.algo.mini_batches,
-            self.info.dp,
-            self.info.dp_rank,
+            layout.dp,
+            layout.ranks.dp,
             cfg.actor.parallel.micro_batch_size,
             max_len=cfg.rollout.max_new_tokens,
-            pack_routes_for_experts=self.actor.bridge.hf_config.num_experts if replay == "r3" else None,
+            route_experts=self.actor.hf_config.num_experts if cfg.algo.routing_replay == "r3" else None,
         )
-        micro_all = [mb for _, mbs in parts for mb in mbs]
-        entropy_sum, routes = None, None
+        micro_all = [mb for mini in mini_batches for mb in mini.micro_batches]
         with timer("old_logprob"):
-            if cfg.algo.use_rollout_logprobs_as_old:
-                for mb in micro_all:
-                    mb.extras["old_log_prob"] = mb.extras["rollout_log_prob"]
-            else:
-                # R2: the experts chosen here (old policy) are replayed in the update.
-                with self.replay.recording() if replay == "r2" else nullcontext() as recorded:
-                    outputs = self.token_log_probs(micro_all, with_entropy=True)
-                for mb, out in zip(micro_all, outputs):
-                    mb.extras["old_log_prob"] = out[0]
-                    mb.extras["entropy"] = out[1]
-                entropy_sum = self._masked_sum(micro_all, "entropy")
-                if replay == "r2":
-                    routes = self.replay.with_valid(recorded.routes, [mb.extras["loss_mask"] > 0 for mb in micro_all])
-        if replay == "r3":  # the rollout engine's own routes
-            routes = self.replay.routes_from_rollout(
-                [mb.extras["routed_experts"] for mb in micro_all], [mb.extras["route_valid"] for mb in micro_all]
-            )
+            entropy_sum = self.old_policy_pass(micro_all)
         if self.ref_actor is not None:
             with timer("ref_logprob"):
-                post = make_log_prob_fn(cfg.algo.temperature, self._tp_group())
-                for mb, lp in zip(micro_all, self.ref_actor.forward_only(micro_all, post)):
-                    mb.extras["ref_log_prob"] = lp
-        tp_group = self._tp_group()
-        update = {}
+                for mb, lp in zip(micro_all, self.ref_actor.log_probs(micro_all)):
+                    mb.ref_log_prob = lp
+        update: dict[str, list[float]] = {}
         with timer("update"):
             for _ in range(cfg.algo.ppo_epochs):
-                first = 0
-                for counts, micro in parts:
-                    replaying = (
-                        self.replay.replaying(routes[first : first + len(micro)])
-                        if routes is not None
-                        else nullcontext()
-                    )
-                    with replaying:
-                        result = self.actor.train_step(micro, make_policy_loss_fn(cfg.algo, counts, tp_group))
-                    first += len(micro)
-                    for k, v in result.items():
+                for mini in mini_batches:
+                    for k, v in self.actor.train_policy(mini, cfg.algo).items():
                         update.setdefault(k, []).append(v)
-                    if routes is not None:
-                        for k, v in self.replay.mismatch_metrics().items():
-                            update.setdefault(k, []).append(v)
         with timer("sync"):
-            sync_metrics = self.sync_weights(verify=verify_due(self.step + 1, cfg.rollout.verify_every))
+            sync_metrics = self.sync_engine(verify=verify_due(self.step + 1, cfg.rollout.verify_every))
         self.step += 1
 
         response_lengths = batch.response_lengths.float()
@@ -287,15 +238,6 @@ class Trainer:
             metrics["train/entropy_old"] = entropy_sum / max(1, int(batch.loss_mask.sum()))
         return metrics
 
-    def _masked_sum(self, micro_batches, key: str) -> float:
-        """Sum of a per-token tensor over response tokens of every DP rank's micro-batches."""
-        from megatron.core import parallel_state as mpu
-
-        local = sum(float((mb.extras[key] * mb.extras["loss_mask"]).sum()) for mb in micro_batches)
-        total = torch.tensor([local], dtype=torch.float64)
-        dist.all_reduce(total, group=mpu.get_data_parallel_group())
-        return float(total)
-
     def validate(self) -> dict:
         """Mean reward of one sample per validation prompt (pass@1), greedy."""
         examples = [self.val_set[i] for i in range(min(len(self.val_set), self.cfg.trainer.val_prompts))]
@@ -304,10 +246,8 @@ class Trainer:
 
     # ---- checkpoints -------------------------------------------------------------------------
     def save(self) -> None:
-        from mcore_rl.megatron.checkpoint import save_checkpoint
-
         def write(tmp_dir: Path) -> None:
-            save_checkpoint(self.actor, tmp_dir / "actor")
+            self.actor.save_checkpoint(str(tmp_dir / "actor"))
             state = {"step": self.step, "sampler": self.sampler.state_dict(), "rng": _rng_state()}
             torch.save(state, tmp_dir / f"trainer_state_rank{self.rank}.pt")
 
@@ -316,9 +256,7 @@ class Trainer:
             log.info("saved checkpoint %s", ckpt.path)
 
     def _load(self, path: Path) -> None:
-        from mcore_rl.megatron.checkpoint import load_checkpoint
-
-        load_checkpoint(self.actor, Path(path) / "actor")
+        self.actor.load_checkpoint(str(Path(path) / "actor"))
         state_file = Path(path) / f"trainer_state_rank{self.rank}.pt"
         if not state_file.exists():
             raise FileNotFoundError(
@@ -333,16 +271,10 @@ class Trainer:
             log.info("resumed from %s at step %d", path, self.step)
 
     def export_hf(self, out_dir: Path) -> None:
-        """Write the actor as a Hugging Face folder (rank 0 writes; every rank takes part in the gathers)."""
-        from mcore_rl.models.bridge import save_hf_checkpoint
-
-        stream = self.actor.export_hf_weights()
+        """Write the actor as a Hugging Face folder (collective)."""
+        self.actor.save_hf(str(out_dir), source_dir=self.cfg.model.path)
         if self.rank == 0:
-            save_hf_checkpoint(stream, str(out_dir), self.actor.bridge.hf_config, source_dir=self.cfg.model.path)
             log.info("exported the trained model to %s", out_dir)
-        else:
-            for _ in stream:
-                pass
 
     # ---- loop --------------------------------------------------------------------------------
     def fit(self) -> None:

@@ -349,16 +349,26 @@ def test_metrics_match_reference_counts():
 @pytest.mark.parametrize(
     "bad, match",
     [
-        (dict(loss="ppo"), "algo.loss='ppo' is unknown"),
-        (dict(agg_mode="mean"), "agg_mode='mean' is unknown"),
+        (dict(loss="ppo"), "algo.loss = 'ppo' is not one of"),
+        (dict(agg_mode="mean"), "algo.agg_mode = 'mean' is not one of"),
         (dict(dual_clip=0.5), "must be > 1"),
         (dict(loss="sapo", dual_clip=3.0), "has no clipping"),
-        (dict(kl_coef=0.1), "needs ref_log_prob"),
-        (dict(rollout_is="token"), "needs rollout_log_prob"),
         (dict(rollout_is="icepop", rollout_is_low=1.5), "icepop needs"),
     ],
 )
 def test_bad_config_is_rejected(bad, match):
+    """Algorithm settings are validated once, when the config is loaded (not per micro-batch)."""
+    from mcore_rl.config import Config, ConfigError, validate_config
+
+    with pytest.raises(ConfigError, match=match):
+        validate_config(replace(Config(), algo=replace(AlgoConfig(), **bad)))
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [(dict(kl_coef=0.1), "needs ref_log_prob"), (dict(rollout_is="token"), "needs rollout_log_prob")],
+)
+def test_missing_inputs_are_rejected(bad, match):
     lp, old, adv, mask, *_ = make_batch(0)
     with pytest.raises(ValueError, match=match):
         policy_loss(lp, old, adv, mask, replace(AlgoConfig(), **bad), GlobalCounts.from_mask(mask))

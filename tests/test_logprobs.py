@@ -76,9 +76,9 @@ def test_tp2_equals_full_vocab(nproc):
 # ---------------------------------------------------------------- the actor's loss_fn (world 1)
 def test_policy_loss_fn_equals_log_softmax_path():
     from mcore_rl.algos import GlobalCounts, policy_loss
+    from mcore_rl.batch import MicroBatch
     from mcore_rl.config import AlgoConfig
-    from mcore_rl.megatron.actor import MicroBatch
-    from mcore_rl.megatron.policy_loss import make_log_prob_fn, make_policy_loss_fn, policy_extras
+    from mcore_rl.megatron.policy_loss import make_log_prob_fn, make_policy_loss_fn
 
     g = torch.Generator().manual_seed(4)
     b, s, v = 3, 6, 32
@@ -92,7 +92,7 @@ def test_policy_loss_fn_equals_log_softmax_path():
     algo = AlgoConfig(loss="grpo", temperature=0.7, entropy_coef=0.05)
     counts = GlobalCounts.from_mask(mask)
     logits = torch.randn(b, s, v, generator=g, requires_grad=True)
-    mb = MicroBatch(tokens, extras=policy_extras(mask, old, adv))
+    mb = MicroBatch(tokens, loss_mask=mask, old_log_prob=old, advantages=adv.contiguous())
     loss, metrics = make_policy_loss_fn(algo, counts, tp_group=None)(logits, mb)
     loss.backward()
 
@@ -110,12 +110,13 @@ def test_policy_loss_fn_equals_log_softmax_path():
     torch.testing.assert_close(post * mask, lp.detach() * mask, rtol=1e-5, atol=1e-5)
 
 
-def test_policy_extras_rejects_unshifted_mask():
-    from mcore_rl.megatron.policy_loss import policy_extras
+def test_micro_batch_rejects_unshifted_mask_and_bad_shapes():
+    from mcore_rl.batch import MicroBatch
 
+    tokens = torch.zeros(2, 4, dtype=torch.long)
     mask = torch.ones(2, 4)
     with pytest.raises(ValueError, match=r"loss_mask\[:, -1\] is set"):
-        policy_extras(mask, torch.zeros(2, 4), torch.zeros(2, 4))
+        MicroBatch(tokens, loss_mask=mask, old_log_prob=torch.zeros(2, 4), advantages=torch.zeros(2, 4))
     mask[:, -1] = 0
     with pytest.raises(ValueError, match="advantages has shape"):
-        policy_extras(mask, torch.zeros(2, 4), torch.zeros(2, 3))
+        MicroBatch(tokens, loss_mask=mask, old_log_prob=torch.zeros(2, 4), advantages=torch.zeros(2, 3))

@@ -6,7 +6,8 @@ routes gives 0 mismatch; misuse raises). Plus the packing of engine routes, in-p
 import pytest
 import torch
 
-from mcore_rl.megatron.routing_replay import RecordedRoutes, pack_rollout_routes
+from mcore_rl.batch import pack_rollout_routes
+from mcore_rl.megatron.routing_replay import RecordedRoutes
 from tests.torchrun_util import REPO, run_torchrun
 
 WORKER = REPO / "tests" / "workers" / "replay_layouts.py"

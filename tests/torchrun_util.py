@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,10 +10,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from mcore_rl.platform import free_port  # noqa: E402  (re-exported for the tests)
 
 
 def run_torchrun(

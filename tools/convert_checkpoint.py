@@ -1,81 +1,14 @@
-"""Convert between Hugging Face checkpoints and Megatron dist checkpoints (torch_dist).
+"""Thin entry point of the checkpoint converter (the program is `mcore_rl.convert`; see its docstring).
 
-  hf-to-mcore: HF folder -> Megatron checkpoint (model only) in the given layout
-  mcore-to-hf: Megatron checkpoint (from training or hf-to-mcore) -> HF safetensors + config + tokenizer
-
-Any layout works in either direction; run under torchrun with tp*pp*ep-compatible process counts,
-e.g. `torchrun --nproc_per_node 2 tools/convert_checkpoint.py hf-to-mcore --hf M --out C --tp 2`.
-A plain `python tools/convert_checkpoint.py ...` runs as one process (layout 1x1x1).
+e.g. `torchrun --nproc_per_node 2 tools/convert_checkpoint.py hf-to-mcore --hf M --out C --tp 2`
 """
 
-from __future__ import annotations
-
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("direction", choices=["hf-to-mcore", "mcore-to-hf"])
-    parser.add_argument(
-        "--hf",
-        required=True,
-        help="HF checkpoint folder (source for hf-to-mcore; config/tokenizer source for mcore-to-hf)",
-    )
-    parser.add_argument("--ckpt", help="Megatron checkpoint folder to read (mcore-to-hf)")
-    parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--ep", type=int, default=1)
-    parser.add_argument("--etp", type=int, default=None)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--platform", default="auto", choices=["auto", "cpu", "cuda", "npu"])
-    parser.add_argument("--max-shard-gb", type=float, default=4.0)
-    args = parser.parse_args(argv)
-    if args.direction == "mcore-to-hf" and not args.ckpt:
-        parser.error("mcore-to-hf needs --ckpt (the Megatron checkpoint folder to read)")
-    return args
-
-
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    import torch
-
-    from mcore_rl.config import Config, ModelConfig, ParallelConfig
-    from mcore_rl.megatron.actor import Actor
-    from mcore_rl.megatron.checkpoint import load_checkpoint, save_checkpoint
-    from mcore_rl.models.bridge import save_hf_checkpoint
-    from mcore_rl.platform import get_platform
-
-    platform = get_platform(args.platform)
-    platform.adapt_megatron()
-    cfg = Config(platform=platform.name, model=ModelConfig(path=args.hf, dtype=args.dtype))
-    cfg.actor.parallel = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
-    from_hf = args.direction == "hf-to-mcore"
-    actor = Actor(cfg, platform, with_optimizer=False, load_weights=from_hf)
-    if from_hf:
-        save_checkpoint(actor, args.out, extra={"converted_from": os.path.abspath(args.hf)})
-    else:
-        load_checkpoint(actor, args.ckpt, load_optimizer=False)
-        tensors = actor.export_hf_weights()
-        if torch.distributed.get_rank() == 0:
-            save_hf_checkpoint(
-                tensors,
-                args.out,
-                actor.bridge.hf_config,
-                source_dir=args.hf,
-                max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
-            )
-        else:
-            for _ in tensors:  # collective: every rank walks the export
-                pass
-    torch.distributed.barrier()
-    if torch.distributed.get_rank() == 0:
-        print(f"{args.direction}: wrote {args.out}", flush=True)
-
+from mcore_rl.convert import main  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -8,10 +8,13 @@ the split. The denominators come from `GlobalCounts`, computed once from the ful
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+from mcore_rl.config import AggMode
+
+AGG_MODES = get_args(AggMode)
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 
-KL_TYPES = ("k1", "k2", "k3")
+from mcore_rl.config import KlType
+
+KL_TYPES = get_args(KlType)
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: keeps k3 finite for any log-prob gap
 
 

@@ -13,14 +13,16 @@ derivative from inside the region.)
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 
-from mcore_rl.algos.aggregation import AGG_MODES, GlobalCounts, aggregate, sequence_lengths
-from mcore_rl.algos.kl import KL_TYPES, LOG_RATIO_CLAMP, kl_estimate
-from mcore_rl.config import AlgoConfig
+from mcore_rl.algos.aggregation import GlobalCounts, aggregate, sequence_lengths
+from mcore_rl.algos.kl import LOG_RATIO_CLAMP, kl_estimate
+from mcore_rl.config import AlgoConfig, LossName, RolloutCorrection
 
-LOSSES = ("grpo", "gspo", "gspo_token", "sapo")
-ROLLOUT_IS_MODES = (None, "token", "sequence", "icepop")
+LOSSES = get_args(LossName)
+ROLLOUT_IS_MODES = (None, *get_args(RolloutCorrection))
 
 
 def _masked_seq_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -104,36 +106,6 @@ def rollout_is_weight(old_log_prob, rollout_log_prob, mask, algo: AlgoConfig) ->
     raise ValueError(f"unknown rollout_is {algo.rollout_is!r}; use one of {ROLLOUT_IS_MODES}")
 
 
-def validate_algo(algo: AlgoConfig) -> None:
-    """Reject contradictory or unknown settings with a one-line error before any work."""
-    if algo.loss not in LOSSES:
-        raise ValueError(f"algo.loss={algo.loss!r} is unknown; use one of {LOSSES}")
-    if algo.agg_mode not in AGG_MODES:
-        raise ValueError(f"algo.agg_mode={algo.agg_mode!r} is unknown; use one of {AGG_MODES}")
-    if algo.kl_type not in KL_TYPES:
-        raise ValueError(f"algo.kl_type={algo.kl_type!r} is unknown; use one of {KL_TYPES}")
-    if algo.rollout_is not in ROLLOUT_IS_MODES:
-        raise ValueError(f"algo.rollout_is={algo.rollout_is!r} is unknown; use one of {ROLLOUT_IS_MODES}")
-    if not (0.0 <= algo.clip_low < 1.0) or algo.clip_high < 0.0:
-        raise ValueError(
-            f"clip range needs 0 <= clip_low < 1 and clip_high >= 0, got clip_low={algo.clip_low}, clip_high={algo.clip_high}"
-        )
-    if algo.dual_clip is not None and algo.dual_clip <= 1.0:
-        raise ValueError(f"algo.dual_clip={algo.dual_clip} must be > 1 (commonly 3) or None to disable it")
-    if algo.dual_clip is not None and algo.loss not in ("grpo", "gspo", "gspo_token"):
-        raise ValueError(f"algo.dual_clip is set but algo.loss={algo.loss!r} has no clipping; unset dual_clip")
-    if algo.tau_pos <= 0 or algo.tau_neg <= 0:
-        raise ValueError(f"SAPO temperatures must be > 0, got tau_pos={algo.tau_pos}, tau_neg={algo.tau_neg}")
-    if algo.rollout_is == "icepop" and not (0 < algo.rollout_is_low < 1 < algo.rollout_is_high):
-        raise ValueError(
-            f"icepop needs 0 < rollout_is_low < 1 < rollout_is_high, got [{algo.rollout_is_low}, {algo.rollout_is_high}]"
-        )
-    if algo.rollout_is in ("token", "sequence") and algo.rollout_is_cap <= 0:
-        raise ValueError(f"algo.rollout_is_cap={algo.rollout_is_cap} must be > 0")
-    if algo.kl_coef < 0 or algo.entropy_coef < 0:
-        raise ValueError(f"kl_coef ({algo.kl_coef}) and entropy_coef ({algo.entropy_coef}) must be >= 0")
-
-
 def policy_loss(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
@@ -159,7 +131,6 @@ def policy_loss(
     pg_loss, clipfrac_upper/lower, dual_clipfrac, approx_kl_old (k3 of pi_theta vs pi_old), and when
     inputs allow: kl_ref, entropy, is_weight_mean, rollout_mismatch_k3 (k3 of old vs rollout).
     """
-    validate_algo(algo)
     counts.validate()
     shape = log_prob.shape
     for name, t in (

@@ -1,14 +1,22 @@
-"""The actor: Megatron model chunks + optimizer + LR schedule, driven through Megatron's pipeline
-schedules so that one code path serves every TP/PP/EP/DP layout.
+"""The actor: the only object that talks to Megatron. Model chunks + optimizer + LR schedule of one
+process, driven through Megatron's pipeline schedules so that one code path serves every
+TP/PP/EP/CP/DP layout, plus the passes the RL loop needs:
 
-Two entry points, both collective over all ranks of the job:
+  log_probs(micro_batches, ...)        old-policy / reference log-probs (+ entropy, + R2 route recording)
+  probe_log_probs(sequences, ...)      the reference for weight-sync verification
+  train_policy(mini_batch, algo)       one optimizer step of the policy loss (replaying routes under R2/R3)
+  masked_sum(values, micro_batches)    a per-token quantity summed over response tokens of all DP ranks
+  export_hf_weights() / save_hf(dir)   full Hugging Face tensors (collective) / an HF folder
+  save_checkpoint(dir) / load_checkpoint(dir)
+  Actor.frozen(cfg)                    the reference model: no DDP wrapper, no gradients, no optimizer
+
+All of them are collective over the ranks of the job. The generic entry points under them:
   forward_only(micro_batches, post_fn) -> list[Tensor]   per-micro-batch results of post_fn
   train_step(micro_batches, loss_fn)   -> dict[str, float] reduced metrics
 
 Conventions the caller relies on:
   * post_fn / loss_fn receive the last stage's logits [b, s, V/tp] in fp32, vocabulary-parallel over
-    TP (use tensor_parallel.vocab_parallel_cross_entropy or the helpers in mcore_rl.megatron.logprobs);
-    note that vocab_parallel_cross_entropy modifies its input in place.
+    TP (use the helpers in mcore_rl.megatron.logprobs / policy_loss).
   * loss_fn returns (loss, metrics) where `loss` is already divided by GLOBAL counts, so the sum of
     loss_fn outputs over all micro-batches of all data-parallel ranks IS the global loss. We undo
     Megatron's division by the micro-batch count and DDP's average over DP x CP, so gradients equal
@@ -21,44 +29,19 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
-from mcore_rl.config import Config, OptimConfig
-from mcore_rl.megatron.parallel import ParallelInfo, init_parallel
+from mcore_rl.batch import MicroBatch, MiniBatch
+from mcore_rl.config import AlgoConfig, Config, OptimConfig
+from mcore_rl.megatron.layout import Layout
+from mcore_rl.megatron.parallel import init_parallel
+from mcore_rl.megatron.policy_loss import make_log_prob_fn, make_policy_loss_fn
 from mcore_rl.models.bridge import ModelBridge
 from mcore_rl.platform import Platform, get_platform
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class MicroBatch:
-    """`b` right-padded sequences of length `s`, plus per-token tensors for the loss (`extras`)."""
-
-    tokens: torch.Tensor  # [b, s] long
-    position_ids: Optional[torch.Tensor] = None  # [b, s]; default 0..s-1
-    attention_mask: Optional[torch.Tensor] = None  # None: causal; else [b, 1, s, s] bool, True = masked
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # e.g. loss_mask, old_logprobs, advantages
-
-    def __post_init__(self):
-        if self.tokens.dim() != 2:
-            raise ValueError(f"MicroBatch.tokens must be [batch, seq], got shape {tuple(self.tokens.shape)}")
-        if self.position_ids is None:
-            b, s = self.tokens.shape
-            self.position_ids = torch.arange(s, device=self.tokens.device).unsqueeze(0).expand(b, s)
-
-    def to(self, device) -> "MicroBatch":
-        move = lambda t: t.to(device, non_blocking=True) if torch.is_tensor(t) else t
-        return MicroBatch(
-            move(self.tokens),
-            move(self.position_ids),
-            move(self.attention_mask),
-            {k: move(v) for k, v in self.extras.items()},
-        )
-
 
 PostFn = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
 LossFn = Callable[[torch.Tensor, MicroBatch], "tuple[torch.Tensor, dict]"]
@@ -68,8 +51,6 @@ def _build_optimizer(chunks, optim: OptimConfig, dtype: torch.dtype, total_steps
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    if optim.decay_style not in ("constant", "linear", "cosine"):
-        raise ValueError(f"actor.optim.decay_style {optim.decay_style!r} unknown; choose constant, linear or cosine")
     config = OptimizerConfig(
         optimizer="adam",
         lr=optim.lr,
@@ -128,52 +109,80 @@ def _wrap_ddp(chunks, transformer_config, use_distributed_optimizer: bool, dtype
     return wrapped
 
 
+def _freeze(chunks, transformer_config, dtype: torch.dtype):
+    """The reference model's chunks: no DDP (so no gradient buffers), parameters without gradients."""
+    from megatron.core.transformer.module import Float16Module
+
+    frozen = []
+    for chunk in chunks:
+        chunk.requires_grad_(False)
+        frozen.append(Float16Module(transformer_config, chunk) if dtype != torch.float32 else chunk)
+    return frozen
+
+
 class Actor:
-    """Model chunks (DDP-wrapped) + Megatron optimizer + LR scheduler of one process."""
+    """Model chunks (DDP-wrapped, or frozen) + Megatron optimizer + LR scheduler of one process."""
 
     def __init__(
-        self, cfg: Config, platform: Optional[Platform] = None, with_optimizer: bool = True, load_weights: bool = True
+        self,
+        cfg: Config,
+        platform: Optional[Platform] = None,
+        with_optimizer: bool = True,
+        load_weights: bool = True,
+        frozen: bool = False,
     ):
+        """`frozen`: the reference model (see `Actor.frozen`); implies no optimizer."""
         from megatron.core.distributed import finalize_model_grads
 
         self.cfg = cfg
         self.platform = platform or get_platform(cfg.platform)
         self.bridge = ModelBridge(cfg.model.path, self.platform)
-        self.info: ParallelInfo = init_parallel(
+        self.layout: Layout = init_parallel(
             cfg.actor.parallel, self.platform, self.bridge.hf_config, seed=cfg.trainer.seed
         )
-        self.parallel = self.info.effective_parallel(cfg.actor.parallel)
-        chunks = self.bridge.build_model(self.parallel, cfg.model, sequence_parallel=self.info.sequence_parallel)
+        chunks = self.bridge.build_model(self.layout, cfg.model)
         if load_weights:
             self.bridge.load_hf_weights(chunks)
         self.dtype = chunks[0].config.params_dtype
         self.tf_config = self.bridge.transformer_config
+        self.optimizer = self.scheduler = None
+        self.replay = None  # RoutingReplay, when cfg.algo.routing_replay is set (enable_routing_replay)
+        if frozen:
+            self.model = _freeze(chunks, self.tf_config, self.dtype)
+            return
         self.model = _wrap_ddp(chunks, self.tf_config, cfg.actor.optim.use_distributed_optimizer, self.dtype)
         self.tf_config.finalize_model_grads_func = finalize_model_grads
         self.tf_config.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
-        self.optimizer = self.scheduler = None
         if with_optimizer:
             self.optimizer, self.scheduler = _build_optimizer(
                 self.model, cfg.actor.optim, self.dtype, cfg.trainer.steps
             )
+
+    @classmethod
+    def frozen(cls, cfg: Config, platform: Optional[Platform] = None) -> "Actor":
+        """The KL reference: the initial policy in the same layout, forward only (no DDP, no gradients)."""
+        return cls(cfg, platform, with_optimizer=False, frozen=True)
 
     # ---- helpers -----------------------------------------------------------------------------
     @property
     def chunks(self) -> list[torch.nn.Module]:
         return self.model
 
+    @property
+    def hf_config(self):
+        return self.bridge.hf_config
+
     def _check(self, micro_batches: list[MicroBatch]) -> int:
         if not micro_batches:
             raise ValueError("no micro-batches given: pass at least one MicroBatch per rank")
-        shapes = {tuple(mb.tokens.shape) for mb in micro_batches}
-        multiple = self.info.layout.seq_len_multiple
-        for _, s in shapes:
+        multiple = self.layout.seq_len_multiple
+        for s in {mb.tokens.shape[1] for mb in micro_batches}:
             if s % multiple:
                 raise ValueError(
                     f"sequence length {s} is not a multiple of {multiple} (sequence parallel over tp = "
-                    f"{self.info.tp}): right-pad micro-batches to a multiple of {multiple}"
+                    f"{self.layout.tp}): right-pad micro-batches to a multiple of {multiple}"
                 )
-        return max(s for _, s in shapes)
+        return max(mb.tokens.shape[1] for mb in micro_batches)
 
     def _run_schedule(self, micro_batches: list[MicroBatch], loss_func_for: Callable, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -199,11 +208,9 @@ class Actor:
 
     def _from_last_stage(self, obj):
         """Broadcast a Python object from the last pipeline stage to every stage."""
-        from megatron.core import parallel_state as mpu
-
-        if self.info.pp == 1:
+        if self.layout.pp == 1:
             return obj
-        group = mpu.get_pipeline_model_parallel_group()
+        group = self.layout.groups.pp
         src = torch.distributed.get_process_group_ranks(group)[-1]
         box = [obj]
         torch.distributed.broadcast_object_list(box, src=src, group=group)
@@ -226,9 +233,47 @@ class Actor:
             return torch.zeros((), device=output.device), {"result": result}
 
         stored = self._run_schedule(micro_batches, collect, forward_only=True)
-        results = [d["result"].cpu() for d in stored] if self.info.is_last_stage else None
+        results = [d["result"].cpu() for d in stored] if self.layout.is_last_stage else None
         results = self._from_last_stage(results)
         return [r.to(self.platform.device) for r in results]
+
+    def log_probs(
+        self,
+        micro_batches: list[MicroBatch],
+        temperature: Optional[float] = None,
+        with_entropy: bool = False,
+        record_routes: bool = False,
+    ) -> list[torch.Tensor]:
+        """Next-token log-probs [b, s] per micro-batch ([2, b, s] with entropy), at `temperature`
+        (default algo.temperature). `record_routes` (R2): store the experts every router chose in each
+        micro-batch's `replay_routes`, for `train_policy` to replay."""
+        temperature = self.cfg.algo.temperature if temperature is None else temperature
+        post_fn = make_log_prob_fn(temperature, self.layout.groups.tp, with_entropy)
+        if not record_routes:
+            return self.forward_only(micro_batches, post_fn)
+        with self._require_replay().recording() as recorded:
+            out = self.forward_only(micro_batches, post_fn)
+        valid = [mb.loss_mask > 0 for mb in micro_batches]  # the mismatch metric counts response tokens only
+        for mb, routes in zip(micro_batches, self.replay.with_valid(recorded.routes, valid).micro_batches):
+            mb.replay_routes = routes
+        return out
+
+    def probe_log_probs(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float):
+        """Reference for sync verification: log-probs of each sequence's tokens after its prompt."""
+        seq_len = self.layout.pad_length(max(map(len, sequences)))
+        tokens = torch.zeros(len(sequences), seq_len, dtype=torch.long)
+        for i, s in enumerate(sequences):
+            tokens[i, : len(s)] = torch.tensor(s)
+        (lp,) = self.log_probs([MicroBatch(tokens=tokens)], temperature=temperature)
+        return [lp[i, p - 1 : len(s) - 1].cpu() for i, (s, p) in enumerate(zip(sequences, prompt_lens))]
+
+    def masked_sum(self, values: list[torch.Tensor], micro_batches: list[MicroBatch]) -> float:
+        """Sum of per-token `values` (one [b, s] tensor per micro-batch) over the response tokens of
+        every data-parallel rank's micro-batches."""
+        local = sum(float((v.cpu() * mb.loss_mask).sum()) for v, mb in zip(values, micro_batches))
+        total = torch.tensor([local], dtype=torch.float64)
+        torch.distributed.all_reduce(total, group=self.layout.groups.dp)
+        return float(total)
 
     # ---- train -------------------------------------------------------------------------------
     def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
@@ -239,17 +284,17 @@ class Actor:
         metrics by global counts inside loss_fn, like the loss), `grad_norm` (global, before clipping),
         `lr` (used for this step) and `update_successful` (1.0 / 0.0).
         """
-        from megatron.core import parallel_state as mpu
-
         if self.optimizer is None:
-            raise RuntimeError("Actor was built with with_optimizer=False; train_step needs the optimizer")
+            raise RuntimeError(
+                "Actor was built without an optimizer (with_optimizer=False / frozen); train_step needs one"
+            )
         for m in self.model:
             m.train()
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         # Megatron divides each micro-batch loss by the micro-batch count and multiplies it by cp, and
         # DDP averages gradients over dp x cp: scaling by n_micro * dp makes the result a plain sum.
-        scale = len(micro_batches) * mpu.get_data_parallel_world_size(with_context_parallel=False)
+        scale = len(micro_batches) * self.layout.dp
 
         def loss_and_metrics(mb, output):
             loss, metrics = loss_fn(output.float(), mb)
@@ -261,7 +306,7 @@ class Actor:
         update_successful, grad_norm, _ = self.optimizer.step()
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step(increment=1)
-        metrics = self._reduce_metrics(stored) if self.info.is_last_stage else None
+        metrics = self._reduce_metrics(stored) if self.layout.is_last_stage else None
         metrics = self._from_last_stage(metrics)
         metrics.update(
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
@@ -270,16 +315,74 @@ class Actor:
         )
         return metrics
 
-    def _reduce_metrics(self, stored: list[dict]) -> dict[str, float]:
-        from megatron.core import parallel_state as mpu
+    def train_policy(self, mini_batch: MiniBatch, algo: AlgoConfig) -> dict[str, float]:
+        """One optimizer step of the policy loss over this rank's share of `mini_batch`; under routing
+        replay the update routes with each micro-batch's `replay_routes` (R2: recorded by `log_probs`,
+        R3: the engine's, from `routed_experts`) and the metrics include the routing mismatch."""
+        loss_fn = make_policy_loss_fn(algo, mini_batch.counts, self.layout.groups.tp)
+        micro = mini_batch.micro_batches
+        if self.replay is None:
+            return self.train_step(micro, loss_fn)
+        with self.replay.replaying(self._replay_routes(micro)):
+            metrics = self.train_step(micro, loss_fn)
+        return {**metrics, **self.replay.mismatch_metrics()}
 
+    def _reduce_metrics(self, stored: list[dict]) -> dict[str, float]:
         keys = sorted(stored[0])
         local = torch.stack([sum(d[k].to(torch.float64).cpu() for d in stored) for k in keys])
         local = local.to(self.platform.device)
-        torch.distributed.all_reduce(local, group=mpu.get_data_parallel_group(with_context_parallel=True))
+        torch.distributed.all_reduce(local, group=self.layout.groups.dp_cp)
         return {k: float(v) for k, v in zip(keys, local.cpu())}
 
+    # ---- routing replay ----------------------------------------------------------------------
+    def enable_routing_replay(self) -> None:
+        """Wrap every MoE router of this rank for record / replay (cfg.algo.routing_replay). Collective over PP."""
+        from mcore_rl.megatron.routing_replay import RoutingReplay
+
+        self.replay = RoutingReplay.install(self.model, self.layout)
+
+    def _require_replay(self):
+        if self.replay is None:
+            raise RuntimeError("routing replay is not enabled: call Actor.enable_routing_replay() first")
+        return self.replay
+
+    def _replay_routes(self, micro_batches: list[MicroBatch]):
+        from mcore_rl.megatron.routing_replay import RecordedRoutes
+
+        for mb in micro_batches:
+            if mb.replay_routes is None:  # R3: the engine's routes, in the router's order (kept for later epochs)
+                mb.require("routed_experts", "route_valid")
+                (mb.replay_routes,) = self.replay.routes_from_rollout(
+                    [mb.routed_experts], [mb.route_valid]
+                ).micro_batches
+        return RecordedRoutes([mb.replay_routes for mb in micro_batches])
+
     # ---- weights -----------------------------------------------------------------------------
-    def export_hf_weights(self):
+    def export_hf_weights(self, receive: bool = True):
         """See ModelBridge.export_hf_weights: collective, every rank gets every full tensor."""
-        return self.bridge.export_hf_weights(self.model)
+        return self.bridge.export_hf_weights(self.model, receive=receive)
+
+    def save_hf(self, out_dir: str, source_dir: Optional[str] = None, max_shard_bytes: int = 4 << 30) -> None:
+        """Write the model as a Hugging Face folder (rank 0 writes; every rank takes part in the gathers).
+        `source_dir`: a HF folder whose tokenizer / generation files are copied next to the weights."""
+        from mcore_rl.models.hf_io import write_hf_folder
+
+        writer = torch.distributed.get_rank() == 0
+        stream = self.export_hf_weights(receive=writer)
+        if writer:
+            write_hf_folder(stream, out_dir, source_dir, self.hf_config, max_shard_bytes=max_shard_bytes)
+        else:
+            for _ in stream:
+                pass
+
+    def save_checkpoint(self, directory: str, extra: Optional[dict] = None) -> None:
+        """Model + optimizer + scheduler as a Megatron dist checkpoint, loadable into any layout (collective)."""
+        from mcore_rl.megatron.checkpoint import save_checkpoint
+
+        save_checkpoint(self, directory, extra)
+
+    def load_checkpoint(self, directory: str, load_optimizer: bool = True) -> dict:
+        """Load a checkpoint written by `save_checkpoint` (any layout); returns its `extra` (collective)."""
+        from mcore_rl.megatron.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, directory, load_optimizer=load_optimizer)

@@ -4,7 +4,7 @@ dist-checkpointing (torch_dist format), loadable into any other TP/PP/EP/DP layo
 `save_checkpoint(actor, directory, extra)` writes into an existing or new directory; the trainer
 publishes it atomically around this call. All ranks must call both functions (collective).
 
-Traps handled here (see shared/notes/cpu-megatron.md):
+Traps handled here (docs/megatron-on-cpu.md records how each was found):
   * the optimizer's sharded state dict must be built with is_loading=True for loading, or the
     optimizer state silently stays as it was;
   * the distributed optimizer is saved "fully_reshardable" so that a checkpoint written at one DP

@@ -1,7 +1,8 @@
 """Parallel layout validation: pure Python, no Megatron import, no process group.
 
 `validate_layout` checks a `ParallelConfig` against a world size and the model's dimensions before any
-process starts, and returns the derived sizes (DP, expert DP, layers per stage, ...). Each violated rule
+process starts, and returns the one `Layout` object (DP, expert DP, layers per stage, padding multiple, ...);
+`mcore_rl.megatron.parallel.init_parallel` later binds this process's ranks and groups to it. Each violated rule
 raises `LayoutError` with one line naming the constraint, the numbers and a fix, so that a wrong layout
 fails in a second instead of after minutes of model loading on 32 devices.
 
@@ -79,8 +80,38 @@ class ModelDims:
 
 
 @dataclass(frozen=True)
-class DerivedLayout:
-    """Sizes that follow from a valid layout; `warnings` lists what was adjusted and why."""
+class Ranks:
+    """This process's coordinates in each parallel dimension (set by `init_parallel`)."""
+
+    rank: int  # in the whole job
+    dp: int  # data-parallel rank: which share of a mini-batch this process trains on
+    tp: int
+    pp: int  # pipeline stage
+    cp: int
+    ep: int
+    etp: int
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The process groups of one layout (torch.distributed groups, fetched once from Megatron)."""
+
+    tp: Any
+    pp: Any
+    dp: Any  # data parallel without context parallel
+    dp_cp: Any  # data x context parallel: where DDP averages gradients
+    ep: Any
+    etp: Any
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One parallel layout of the actor: the sizes the pre-flight derives from config + world size, and,
+    once `init_parallel` created Megatron's groups, this process's `ranks` and the `groups` themselves.
+
+    Built by `validate_layout` (pure Python, before any process exists) and passed explicitly to
+    whatever needs sizes, ranks or groups. `warnings` lists what was adjusted and why.
+    """
 
     world_size: int
     tp: int
@@ -94,9 +125,41 @@ class DerivedLayout:
     sequence_parallel: bool  # effective value (auto-on for MoE with tp > 1, off for tp == 1)
     micro_batch_size: int
     layers_per_stage: tuple[int, ...]
+    num_layers_in_first_stage: Optional[int]  # uneven pipeline (None: even split)
+    num_layers_in_last_stage: Optional[int]
     padded_vocab_size: int
     seq_len_multiple: int  # every packed/padded sequence length must be a multiple of this
     warnings: tuple[str, ...] = ()
+    bound_ranks: Optional[Ranks] = None  # set by bind(); read through `ranks`
+    bound_groups: Optional[Groups] = None  # set by bind(); read through `groups`
+
+    def bind(self, ranks: Ranks, groups: Groups) -> "Layout":
+        """This layout with the process's coordinates and groups (after Megatron created them)."""
+        return dataclasses.replace(self, bound_ranks=ranks, bound_groups=groups)
+
+    @property
+    def ranks(self) -> Ranks:
+        if self.bound_ranks is None:
+            raise RuntimeError("this Layout has no process groups yet: build it with init_parallel(...)")
+        return self.bound_ranks
+
+    @property
+    def groups(self) -> Groups:
+        if self.bound_groups is None:
+            raise RuntimeError("this Layout has no process groups yet: build it with init_parallel(...)")
+        return self.bound_groups
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.ranks.pp == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.ranks.pp == self.pp - 1
+
+    def pad_length(self, length: int) -> int:
+        """`length` rounded up to the sequence-length multiple (sequence / context parallel splits)."""
+        return -(-length // self.seq_len_multiple) * self.seq_len_multiple
 
 
 def _divisors(n: int) -> list[int]:
@@ -250,9 +313,7 @@ def _check_context_parallel(p: ParallelConfig, platform: Optional[str]) -> None:
         )
 
 
-def validate_layout(
-    parallel: ParallelConfig, world_size: int, dims: Any, platform: Optional[str] = None
-) -> DerivedLayout:
+def validate_layout(parallel: ParallelConfig, world_size: int, dims: Any, platform: Optional[str] = None) -> Layout:
     """Check `parallel` for `world_size` processes and this model; raise LayoutError on the first violation.
 
     `dims` is a ModelDims or anything `ModelDims.from_hf` accepts (HF config object, dict, config.json path,
@@ -276,7 +337,7 @@ def validate_layout(
         )
     # Sequence parallel splits the sequence over TP; context parallel splits it into 2*cp load-balanced chunks.
     seq_multiple = (p.tp if sp else 1) * (2 * p.cp if p.cp > 1 else 1)
-    return DerivedLayout(
+    return Layout(
         world_size=world_size,
         tp=p.tp,
         pp=p.pp,
@@ -289,6 +350,8 @@ def validate_layout(
         sequence_parallel=sp,
         micro_batch_size=p.micro_batch_size,
         layers_per_stage=stages,
+        num_layers_in_first_stage=p.num_layers_in_first_stage,
+        num_layers_in_last_stage=p.num_layers_in_last_stage,
         padded_vocab_size=padded_vocab,
         seq_len_multiple=seq_multiple,
         warnings=tuple(warnings),
@@ -331,7 +394,7 @@ def validate_rollout_tp(rollout_tp: int, world_size: int, dims: Any) -> RolloutL
     return RolloutLayout(tp=rollout_tp, dp=world_size // rollout_tp, warnings=warnings)
 
 
-def validate_run(cfg: Config, world_size: int, dims: Any, platform: Optional[str] = None) -> DerivedLayout:
+def validate_run(cfg: Config, world_size: int, dims: Any, platform: Optional[str] = None) -> Layout:
     """The whole pre-flight for a run: actor layout, rollout TP (vLLM) and how a step's samples split.
 
     A step has prompts_per_step * n samples; they split evenly over the DP ranks and `algo.mini_batches`

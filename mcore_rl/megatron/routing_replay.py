@@ -1,6 +1,6 @@
 """MoE routing replay for the Megatron actor: R2 (old-policy routes) and R3 (rollout-engine routes).
 
-    replay = RoutingReplay.install(actor.chunks)         # once, after the model is built
+    replay = RoutingReplay.install(actor.chunks, layout)  # once, after the model is built
     with replay.recording() as rec:                       # old-log-prob pass (forward_only)
         old_lp = actor.forward_only(micro_all, post_fn)
     routes = rec.routes                                   # RecordedRoutes, one entry per micro-batch
@@ -8,8 +8,10 @@
         actor.train_step(micro_all[a:b], loss_fn)
     metrics = replay.mismatch_metrics()                   # collective; recorded vs current router picks
 
+(`Actor.log_probs(..., record_routes=True)` and `Actor.train_policy` do exactly this for the trainer.)
 R3: the engine's per-sequence routes ([T, moe_layers, k], `RolloutSample.routed_experts`), packed per
-micro-batch with `pack_rollout_routes`, become the same `RecordedRoutes` via `replay.routes_from_rollout`.
+micro-batch by `mcore_rl.batch.pack_rollout_routes`, become the same `RecordedRoutes` via
+`replay.routes_from_rollout`.
 `replay.with_valid(routes, masks)` restricts the mismatch metric to real tokens (R2 records pads too).
 
 How: every MoE router instance of the chunks gets its `routing` method wrapped (no megatron-core
@@ -39,9 +41,10 @@ from typing import Iterator, Optional
 
 import torch
 
-logger = logging.getLogger(__name__)
+from mcore_rl.batch import ROUTE_DTYPE
+from mcore_rl.megatron.layout import Layout
 
-ROUTE_DTYPE = torch.int16  # expert ids < 32768; uint8 would halve it for <= 256 experts
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -168,12 +171,17 @@ class RoutingReplay:
     """Record / replay the experts chosen by every MoE router of this rank's model chunks."""
 
     def __init__(
-        self, sites: list[_RouterSite], moe_layers: list[int], sequence_parallel: bool, top_k: int, recompute: bool
+        self,
+        sites: list[_RouterSite],
+        moe_layers: list[int],
+        sequence_shard: tuple[int, int],
+        top_k: int,
+        recompute: bool,
     ):
         self.sites = sites
         self.layers = [s.layer for s in sites]
         self.moe_layers = moe_layers  # global numbers of all MoE layers of the model (every PP stage)
-        self.sequence_parallel = sequence_parallel
+        self.sequence_shard = sequence_shard  # (parts, index): the routers' sequence shard under sequence parallel
         self.top_k = top_k
         self.recompute = recompute
         self._recording: Optional[_Recording] = None
@@ -181,8 +189,9 @@ class RoutingReplay:
         self._last_mismatch: dict[int, torch.Tensor] = {}
 
     @classmethod
-    def install(cls, chunks) -> "RoutingReplay":
-        """Wrap the routing of every MoE router in `chunks` (DDP-wrapped or not). Collective over PP."""
+    def install(cls, chunks, layout: Layout) -> "RoutingReplay":
+        """Wrap the routing of every MoE router in `chunks` (DDP-wrapped or not), built in `layout`
+        (bound to its process groups). Collective over PP."""
         sites = _moe_router_sites(chunks)
         if not sites:
             raise ValueError(
@@ -208,8 +217,8 @@ class RoutingReplay:
             )
         replay = cls(
             sites,
-            _all_moe_layers([s.layer for s in sites]),
-            sequence_parallel=bool(cfg.sequence_parallel) and cfg.tensor_model_parallel_size > 1,
+            _all_moe_layers([s.layer for s in sites], layout),
+            sequence_shard=(layout.tp, layout.ranks.tp) if layout.sequence_parallel else (1, 0),
             top_k=cfg.moe_router_topk,
             recompute=_recomputes_router(cfg),
         )
@@ -363,10 +372,7 @@ class RoutingReplay:
     # ---- R3 and masks ------------------------------------------------------------------------
     def _router_order(self, x: torch.Tensor) -> torch.Tensor:
         """[b, s, ...] -> [s_local * b, ...]: this rank's sequence shard, in the router's token order."""
-        from megatron.core import parallel_state as mpu
-
-        tp = mpu.get_tensor_model_parallel_world_size() if self.sequence_parallel else 1
-        rank = mpu.get_tensor_model_parallel_rank() if self.sequence_parallel else 0
+        tp, rank = self.sequence_shard
         b, s = x.shape[:2]
         if s % tp:
             raise ValueError(
@@ -408,33 +414,6 @@ class RoutingReplay:
         )
 
 
-def pack_rollout_routes(
-    per_sequence: list[torch.Tensor], seq_len: int, num_experts: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Engine routes of b sequences ([T_i, layers, k] each) -> ([b, seq_len, layers, k] ids, [b, seq_len] valid).
-
-    Positions past T_i (right padding) get k distinct dummy experts, spread over the experts so padding
-    neither duplicates an id in a token (dispatch needs distinct ids) nor piles onto one expert."""
-    if not per_sequence:
-        raise ValueError("pack_rollout_routes: no sequences given")
-    _, num_layers, k = per_sequence[0].shape
-    if k > num_experts:
-        raise ValueError(f"pack_rollout_routes: top-k {k} > num_experts {num_experts}")
-    b = len(per_sequence)
-    positions = torch.arange(seq_len)
-    dummy = (positions[:, None, None] * k + torch.arange(k)) % num_experts  # [s, 1, k], distinct within a row
-    ids = dummy.expand(seq_len, num_layers, k).repeat(b, 1, 1, 1).to(ROUTE_DTYPE)
-    valid = torch.zeros(b, seq_len, dtype=torch.bool)
-    for i, r in enumerate(per_sequence):
-        if r.dim() != 3 or r.shape[1:] != (num_layers, k):
-            raise ValueError(f"routes of sequence {i} have shape {tuple(r.shape)}, expected [T, {num_layers}, {k}]")
-        if r.shape[0] > seq_len:
-            raise ValueError(f"routes of sequence {i} cover {r.shape[0]} tokens > packed length {seq_len}")
-        ids[i, : r.shape[0]] = r.to(ROUTE_DTYPE)
-        valid[i, : r.shape[0]] = True
-    return ids, valid
-
-
 def _recomputes_router(cfg) -> bool:
     """Whether the training forward recomputes every router in backward (then each route is used twice)."""
     granularity = getattr(cfg, "recompute_granularity", None)
@@ -448,13 +427,11 @@ def _recomputes_router(cfg) -> bool:
     return granularity == "selective" and "moe" in (getattr(cfg, "recompute_modules", None) or [])
 
 
-def _all_moe_layers(local_layers: list[int]) -> list[int]:
+def _all_moe_layers(local_layers: list[int], layout: Layout) -> list[int]:
     """Global numbers of every MoE layer of the model, gathered over the pipeline stages."""
-    if not torch.distributed.is_initialized():
+    if layout.pp == 1:
         return sorted(local_layers)
-    from megatron.core import parallel_state as mpu
-
-    group = mpu.get_pipeline_model_parallel_group()
+    group = layout.groups.pp
     gathered: list = [None] * torch.distributed.get_world_size(group)
     torch.distributed.all_gather_object(gathered, local_layers, group=group)
     return sorted({layer for part in gathered for layer in part})

@@ -22,13 +22,13 @@ from typing import Iterator, Optional
 
 import torch
 
-from mcore_rl.config import ModelConfig, ParallelConfig
+from mcore_rl.config import ModelConfig
+from mcore_rl.megatron.layout import Layout
+from mcore_rl.models.hf_io import torch_dtype
 from mcore_rl.platform import Platform
 from mcore_rl.platform.shm_gather import Arena, GroupGather
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Fused kernels that need Transformer Engine / Apex; the local spec must run without them.
 _NO_FUSION = dict(
@@ -197,9 +197,10 @@ def _merge(canonical: str, shards: list[torch.Tensor], partition_dim: int, gated
 class ModelBridge:
     """One HF checkpoint folder and the Megatron model built from it.
 
-    Requires Megatron's parallel state to be initialised (see mcore_rl.megatron.parallel) before
-    `build_model`. Model chunks are plain `GPTModel`s (one per virtual pipeline stage); wrappers
-    (DDP, Float16Module) are looked through by `load_hf_weights` / `export_hf_weights`.
+    `build_model(layout, ...)` takes the layout bound to Megatron's process groups (see
+    mcore_rl.megatron.parallel.init_parallel) and keeps it for loading and exporting. Model chunks are plain
+    `GPTModel`s (one per virtual pipeline stage); wrappers (DDP, Float16Module) are looked through by
+    `load_hf_weights` / `export_hf_weights`.
     """
 
     def __init__(self, hf_path: str, platform: Platform):
@@ -207,15 +208,14 @@ class ModelBridge:
         self.platform = platform
         self.hf_config = load_hf_config(hf_path)
         self._backend: Optional[_MbridgeBackend] = None
+        self._layout: Optional[Layout] = None
         self._gather = GroupGather()  # export's all-gathers: shared memory between ranks of one host (gloo)
 
     # ---- build -------------------------------------------------------------------------------
-    def megatron_config_overrides(
-        self, parallel: ParallelConfig, model_cfg: ModelConfig, sequence_parallel: bool
-    ) -> dict:
+    def megatron_config_overrides(self, layout: Layout, model_cfg: ModelConfig) -> dict:
         use_te = self.platform.name != "cpu"
         extra = dict(
-            sequence_parallel=sequence_parallel,
+            sequence_parallel=layout.sequence_parallel,
             moe_token_dispatcher_type=model_cfg.moe_token_dispatcher,
             moe_router_dtype=model_cfg.moe_router_dtype,
             attention_dropout=0.0,
@@ -224,43 +224,40 @@ class ModelBridge:
         )
         if model_cfg.recompute:
             extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-        if parallel.num_layers_in_first_stage is not None:
-            extra["num_layers_in_first_pipeline_stage"] = parallel.num_layers_in_first_stage
-        if parallel.num_layers_in_last_stage is not None:
-            extra["num_layers_in_last_pipeline_stage"] = parallel.num_layers_in_last_stage
+        if layout.num_layers_in_first_stage is not None:
+            extra["num_layers_in_first_pipeline_stage"] = layout.num_layers_in_first_stage
+        if layout.num_layers_in_last_stage is not None:
+            extra["num_layers_in_last_pipeline_stage"] = layout.num_layers_in_last_stage
         if not use_te:
             extra.update(_NO_FUSION)
         return extra
 
-    def build_model(
-        self, parallel: ParallelConfig, model_cfg: ModelConfig, sequence_parallel: Optional[bool] = None
-    ) -> list[torch.nn.Module]:
-        """This rank's model chunks (several with virtual pipeline stages), on the platform's device."""
+    def build_model(self, layout: Layout, model_cfg: ModelConfig) -> list[torch.nn.Module]:
+        """This rank's model chunks (several with virtual pipeline stages), on the platform's device.
+
+        `layout` must be bound to the process groups (init_parallel); it is kept for load / export."""
         from megatron.core import parallel_state as mpu
         from megatron.core import tensor_parallel
 
-        if model_cfg.dtype not in _DTYPES:
-            raise ValueError(f"model.dtype {model_cfg.dtype!r} unknown; choose one of {sorted(_DTYPES)}")
-        if sequence_parallel is None:
-            sequence_parallel = parallel.sequence_parallel
-        extra = self.megatron_config_overrides(parallel, model_cfg, sequence_parallel)
+        extra = self.megatron_config_overrides(layout, model_cfg)
+        self._layout = layout
         self._backend = _MbridgeBackend(
-            self.hf_config, _DTYPES[model_cfg.dtype], extra, use_te=self.platform.name != "cpu"
+            self.hf_config, torch_dtype(model_cfg.dtype), extra, use_te=self.platform.name != "cpu"
         )
         provider = self._backend.provider()
-        vpp = parallel.virtual_pp
+        vpp = layout.vpp
+        if vpp and "vp_stage" not in inspect.signature(mpu.is_pipeline_first_stage).parameters:
+            raise ValueError(
+                "virtual_pp needs megatron-core >= 0.13 (vp_stage-aware model building); unset actor.parallel.virtual_pp"
+            )
+        first, last = layout.is_first_stage, layout.is_last_stage
         chunks = []
         for vp_stage in range(vpp or 1):
-            if vpp and "vp_stage" in inspect.signature(mpu.is_pipeline_first_stage).parameters:
-                pre = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
-                post = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+            if vpp:  # the first virtual chunk of the first stage embeds, the last of the last stage projects
+                pre, post = first and vp_stage == 0, last and vp_stage == vpp - 1
                 chunk = provider(pre_process=pre, post_process=post, vp_stage=vp_stage)
-            elif vpp:
-                raise ValueError(
-                    "virtual_pp needs megatron-core >= 0.13 (vp_stage-aware model building); unset actor.parallel.virtual_pp"
-                )
             else:
-                chunk = provider(pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage())
+                chunk = provider(pre_process=first, post_process=last)
             for p in chunk.parameters():
                 tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
             _mark_experts_expert_parallel(chunk)
@@ -276,11 +273,15 @@ class ModelBridge:
             raise RuntimeError("ModelBridge.build_model() must run before loading or exporting weights")
         return self._backend
 
+    @property
+    def layout(self) -> Layout:
+        if self._layout is None:
+            raise RuntimeError("ModelBridge.build_model() must run before loading or exporting weights")
+        return self._layout
+
     # ---- names -------------------------------------------------------------------------------
     def _param_infos(self, chunk: torch.nn.Module) -> dict[str, _ParamInfo]:
         """Local parameter name -> where it sits in the full model (global layer, global expert)."""
-        from megatron.core import parallel_state as mpu
-
         model = _unwrap(chunk)
         layer_map = (
             {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
@@ -288,7 +289,7 @@ class ModelBridge:
             else {}
         )
         num_experts = self.transformer_config.num_moe_experts or 0
-        ep_size, ep_rank = mpu.get_expert_model_parallel_world_size(), mpu.get_expert_model_parallel_rank()
+        ep_size, ep_rank = self.layout.ep, self.layout.ranks.ep
         infos = {}
         for name, param in model.named_parameters():
             canonical = name
@@ -314,12 +315,11 @@ class ModelBridge:
         """Fill this rank's shards from HF safetensors. Each rank reads only the tensors it holds;
         no collectives, so any rank subset may call it."""
         from mbridge.core.safetensor_io import SafeTensorIO
-        from megatron.core import parallel_state as mpu
 
         backend = self._require_backend()
         io = SafeTensorIO(path or self.hf_path)
-        tp = (mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank())
-        etp = (mpu.get_expert_tensor_parallel_world_size(), mpu.get_expert_tensor_parallel_rank())
+        layout = self.layout
+        tp, etp = (layout.tp, layout.ranks.tp), (layout.etp, layout.ranks.etp)
         for chunk in chunks:
             params = dict(_unwrap(chunk).named_parameters())
             infos = self._param_infos(chunk)
@@ -353,12 +353,10 @@ class ModelBridge:
         `receive=False`: this rank only contributes its shards and yields nothing (a rank without an engine
         replica; over shared memory it then skips reading its peers' shards).
         """
-        from megatron.core import parallel_state as mpu
-
         backend = self._require_backend()
         if gather_batch_mb <= 0:
             raise ValueError(f"gather_batch_mb={gather_batch_mb}; use a positive size in MB (e.g. 64)")
-        pp_group = mpu.get_pipeline_model_parallel_group()
+        pp_group = self.layout.groups.pp
         pp_ranks = torch.distributed.get_process_group_ranks(pp_group)
         local = []  # (info, tensor) on this pipeline stage
         for chunk in chunks:
@@ -367,7 +365,7 @@ class ModelBridge:
         meta = [(i.canonical, i.is_expert, i.partition_dim, tuple(t.shape), t.dtype) for i, t in local]
         per_stage = [None] * len(pp_ranks)
         torch.distributed.all_gather_object(per_stage, meta, group=pp_group)
-        my_stage = mpu.get_pipeline_model_parallel_rank()
+        my_stage = self.layout.ranks.pp
         gated = backend.gated()
         limit = int(gather_batch_mb * (1 << 20))
         for stage, stage_meta in enumerate(per_stage):
@@ -386,15 +384,12 @@ class ModelBridge:
                     batch, batch_bytes = [], 0
             yield from self._export_batch(batch, gated, receive)
 
-    @staticmethod
-    def _gather_factor(is_expert: bool, pdim: int) -> int:
+    def _gather_factor(self, is_expert: bool, pdim: int) -> int:
         """How many times a shard's bytes its gathered full tensor(s) hold."""
-        from megatron.core import parallel_state as mpu
-
+        layout = self.layout
         if is_expert:
-            etp = mpu.get_expert_tensor_parallel_world_size() if pdim >= 0 else 1
-            return mpu.get_expert_model_parallel_world_size() * etp
-        return mpu.get_tensor_model_parallel_world_size() if pdim >= 0 else 1
+            return layout.ep * (layout.etp if pdim >= 0 else 1)
+        return layout.tp if pdim >= 0 else 1
 
     def _export_batch(self, batch: list["_Exported"], gated: bool, receive: bool):
         """Gather a batch's shards with one collective call per process group, then yield its HF tensors.
@@ -402,12 +397,9 @@ class ModelBridge:
         Dense TP shards are gathered straight into their merged tensor; experts first over EP (the same local
         expert of every EP rank, each with its global id; this rank's own is used in place), then each of those
         over ETP into its merged tensor. With receive=False this rank only contributes shards, yields nothing."""
-        from megatron.core import parallel_state as mpu
-
-        tp_group, ep_group = mpu.get_tensor_model_parallel_group(), mpu.get_expert_model_parallel_group()
-        etp_group = mpu.get_expert_tensor_parallel_group()
-        tp, ep = mpu.get_tensor_model_parallel_world_size(), mpu.get_expert_model_parallel_world_size()
-        etp, ep_rank = mpu.get_expert_tensor_parallel_world_size(), mpu.get_expert_model_parallel_rank()
+        layout = self.layout
+        tp_group, ep_group, etp_group = layout.groups.tp, layout.groups.ep, layout.groups.etp
+        tp, ep, etp, ep_rank = layout.tp, layout.ep, layout.etp, layout.ranks.ep
         num_local = (self.transformer_config.num_moe_experts or 0) // ep
         # ETP gathers EP-gathered experts: with ETP > 1 a rank needs the EP step's data even if it yields nothing
         ep_receive = receive or (etp > 1 and any(x.is_expert and x.pdim >= 0 for x in batch))
@@ -499,53 +491,3 @@ def _merged_shape(shard: torch.Tensor, parts: int, partition_dim: int) -> tuple[
     shape = list(shard.shape)
     shape[partition_dim] *= parts
     return tuple(shape)
-
-
-def save_hf_checkpoint(
-    named_tensors, out_dir: str, hf_config, source_dir: Optional[str] = None, max_shard_bytes: int = 4 << 30
-) -> list[str]:
-    """Write (hf_name, tensor) pairs as safetensors shards (+ index when more than one), config.json and,
-    from `source_dir`, the tokenizer / generation files. Streams: at most one shard is held in memory."""
-    import json
-    import os
-    import shutil
-
-    from safetensors.torch import save_file
-
-    os.makedirs(out_dir, exist_ok=True)
-    shards, current, size = [], {}, 0
-
-    def flush():
-        nonlocal current, size
-        if current:
-            name = f"shard-{len(shards):05d}.safetensors.tmp"
-            save_file(current, os.path.join(out_dir, name), metadata={"format": "pt"})
-            shards.append((name, sorted(current)))
-            current, size = {}, 0
-
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if current and size + nbytes > max_shard_bytes:
-            flush()
-        current[name] = tensor.detach().to("cpu").contiguous().clone()
-        size += nbytes
-    flush()
-    total = len(shards)
-    final = (
-        ["model.safetensors"] if total == 1 else [f"model-{i + 1:05d}-of-{total:05d}.safetensors" for i in range(total)]
-    )
-    weight_map = {}
-    for (tmp, names), dst in zip(shards, final):
-        os.replace(os.path.join(out_dir, tmp), os.path.join(out_dir, dst))
-        weight_map.update({n: dst for n in names})
-    if total > 1:
-        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
-    hf_config.save_pretrained(out_dir)
-    if source_dir:
-        for fname in os.listdir(source_dir):
-            if fname.startswith(
-                ("tokenizer", "special_tokens", "generation_config", "chat_template", "vocab", "merges")
-            ):
-                shutil.copy2(os.path.join(source_dir, fname), os.path.join(out_dir, fname))
-    return final

@@ -38,9 +38,10 @@ def _npu_available() -> bool:
     return torch.npu.is_available()
 
 
-def _free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now (the rendezvous port of a job; "" binds every interface)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -76,7 +77,7 @@ class Platform:
         if not torch.distributed.is_initialized():
             if world_size == 1:  # not under torchrun: a private single-process group
                 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-                os.environ.setdefault("MASTER_PORT", str(_free_port()))
+                os.environ.setdefault("MASTER_PORT", str(free_port()))
             missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
             if missing:
                 raise RuntimeError(f"WORLD_SIZE={world_size} but {missing} unset; start the job with torchrun")
@@ -133,4 +134,4 @@ def get_platform(name: str = "auto") -> Platform:
     return Platform(name)
 
 
-__all__ = ["DistInfo", "Platform", "PLATFORMS", "get_platform"]
+__all__ = ["DistInfo", "Platform", "PLATFORMS", "free_port", "get_platform"]

@@ -5,7 +5,7 @@ compiled with CUDA"), so we route them to their CPU equivalents, the same idea a
 adaptor for Ascend. `apply()` is idempotent (each patch marks what it replaced) and refuses to run
 when CUDA is available, so it can never change behaviour on a GPU machine.
 
-Patches and why (megatron-core 0.12-0.19; the notes in shared/notes/cpu-megatron.md list the sites):
+Patches and why (megatron-core 0.12-0.19; docs/megatron-on-cpu.md lists the call sites each one serves):
  1. torch.cuda.current_device -> torch.device("cpu"): used as a `device=` argument by rotary
     embedding, MoE router, tensor-parallel layers/mappings, grad buffers, p2p communication, mbridge.
  2. torch.cuda.synchronize -> no-op: p2p communication waits on the device; CPU ops are synchronous.

@@ -13,7 +13,8 @@ from mcore_rl.rollout.base import RolloutEngine, RolloutSample, SamplingParams
 
 
 def share(count: int, index: int, parts: int) -> range:
-    """The contiguous slice of `count` items that part `index` of `parts` handles."""
+    """The contiguous slice of `count` items that part `index` of `parts` handles (the first parts take
+    one more when `count` does not divide evenly)."""
     base, extra = divmod(count, parts)
     start = index * base + min(index, extra)
     return range(start, start + base + (1 if index < extra else 0))

@@ -29,11 +29,10 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
+from mcore_rl.models.hf_io import torch_dtype
 from mcore_rl.rollout.base import RolloutEngine, RolloutSample, SamplingParams, check_generate_request, check_token_ids
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _weight_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -157,10 +156,8 @@ class EmbeddedEngine(RolloutEngine):
         """
         from transformers import AutoConfig, AutoTokenizer
 
-        if dtype not in _DTYPES:
-            raise ValueError(f"unknown engine dtype {dtype!r}; use one of {sorted(_DTYPES)}")
         self.model_path = str(model_path)
-        self.dtype = _DTYPES[dtype]
+        self.dtype = torch_dtype(dtype)
         self.device = torch.device(device)
         self.max_batch_tokens = max_batch_tokens  # bounds the sequences run in one batch (memory)
         self.config = config if config is not None else AutoConfig.from_pretrained(self.model_path)

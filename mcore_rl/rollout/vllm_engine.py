@@ -59,7 +59,6 @@ import logging
 import os
 import re
 import shutil
-import socket
 import tempfile
 import weakref
 from contextlib import contextmanager
@@ -70,13 +69,15 @@ from typing import Any, Iterable, Optional, Union
 import torch
 
 from mcore_rl.config import RolloutConfig
+from mcore_rl.megatron.layout import validate_rollout_tp
+from mcore_rl.models.hf_io import torch_dtype, write_hf_folder
+from mcore_rl.platform import free_port
 from mcore_rl.rollout.base import RolloutEngine, RolloutSample, SamplingParams, check_generate_request, check_token_ids
+from mcore_rl.rollout.data_parallel import share
 
 log = logging.getLogger(__name__)
 
-_DTYPES = ("float32", "bfloat16", "float16")
 # Weight files of a Hugging Face folder: a rebuild copies everything else (config, tokenizer).
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 _SHARD_BYTES = 2 << 30  # rebuild writes safetensors shards of at most ~2 GiB
 # "model.layers.7.mlp.experts.3.up_proj.weight" -> "model.layers.7.mlp": vLLM fuses weights only inside such a
 # block (q/k/v -> qkv_proj, all experts -> one FusedMoE), so a complete block is a safe unit to reload.
@@ -102,15 +103,7 @@ class ReplicaLayout:
 
     def share(self, count: int) -> range:
         """The contiguous slice of ``count`` items this replica handles (the first replicas take one more)."""
-        base, extra = divmod(count, self.num_replicas)
-        start = self.replica * base + min(self.replica, extra)
-        return range(start, start + base + (1 if self.replica < extra else 0))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return share(count, self.replica, self.num_replicas)
 
 
 def _ensure_launcher_env() -> None:
@@ -122,7 +115,7 @@ def _ensure_launcher_env() -> None:
         return
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         raise RuntimeError("torch.distributed is initialized with world > 1 but RANK is not set; start with torchrun")
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
 
 def _read_hf_config(model_path: str) -> dict:
@@ -223,8 +216,7 @@ class VllmEngine(RolloutEngine):
         self._original_path = self.model_path
         self.hf_config = _read_hf_config(self.model_path)
         self.layout = self._check_layout(cfg.tp)
-        if dtype not in _DTYPES:
-            raise ValueError(f"unknown engine dtype {dtype!r}; use one of {list(_DTYPES)}")
+        torch_dtype(dtype)  # an unknown name raises, listing the choices
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level={sleep_level}; vLLM offers 1 (offload weights) or 2 (discard them)")
         if reload not in _RELOAD_MODES:
@@ -264,14 +256,7 @@ class VllmEngine(RolloutEngine):
             rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         else:
             rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        if tp < 1 or world % tp:
-            raise ValueError(
-                f"rollout.tp={tp} must divide the world size {world}; "
-                f"pick one of {[d for d in range(1, world + 1) if world % d == 0]}"
-            )
-        heads = self.hf_config.get("num_attention_heads")
-        if heads is not None and heads % tp:
-            raise ValueError(f"rollout.tp={tp} must divide num_attention_heads={heads}; pick a divisor of {heads}")
+        validate_rollout_tp(tp, world, self.hf_config)
         return ReplicaLayout(rank=rank, world=world, tp=tp)
 
     def _pick_reload_mode(self, requested: str) -> str:
@@ -459,43 +444,10 @@ class VllmEngine(RolloutEngine):
         log.info("vLLM engine rebuilt from %s (exact path)", folder)
 
     def _write_folder(self, folder: str, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Config/tokenizer files of the original folder + the given weights as safetensors shards + index."""
-        from safetensors.torch import save_file
-
-        for f in Path(self._original_path).iterdir():
-            if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and not f.name.endswith(".index.json"):
-                shutil.copy2(f, folder)
-        shard: dict[str, torch.Tensor] = {}
-        files: list[dict[str, torch.Tensor]] = []
-        weight_map: dict[str, int] = {}
-        size = 0
-        seen: set[str] = set()
-
-        def flush() -> None:
-            nonlocal shard, size
-            if shard:
-                save_file(shard, os.path.join(folder, f"shard-{len(files):05d}.safetensors"))
-                files.append({})
-                shard, size = {}, 0
-
-        for name, tensor in weights:
-            if name not in self._names:
-                raise KeyError(f"rebuild: {name!r} is not a weight of the checkpoint; expected Hugging Face names")
-            shard[name] = tensor.detach().to("cpu").contiguous().clone()
-            weight_map[name] = len(files)
-            seen.add(name)
-            size += tensor.numel() * tensor.element_size()
-            if size >= _SHARD_BYTES:
-                flush()
-        flush()
-        missing = self._names - seen
-        if missing:
-            raise ValueError(
-                f"rebuild got {len(seen)} of {len(self._names)} weights; missing e.g. {sorted(missing)[:3]}"
-                f" - the exact rebuild needs a complete export"
-            )
-        index = {"metadata": {}, "weight_map": {n: f"shard-{i:05d}.safetensors" for n, i in weight_map.items()}}
-        Path(folder, "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+        """Config/tokenizer files of the original folder + the given (complete) weights as safetensors shards."""
+        write_hf_folder(
+            weights, folder, source_dir=self._original_path, expected_names=self._names, max_shard_bytes=_SHARD_BYTES
+        )
 
     def _shutdown(self) -> None:
         """Shut the engine down and free its memory; process groups stay (module docstring), and vLLM's

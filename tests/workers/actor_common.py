@@ -15,14 +15,14 @@ def my_micro_batches(tokens, loss_mask, n_micro: int):
     """This DP rank's rows of the global batch, split into n_micro micro-batches."""
     from megatron.core import parallel_state as mpu
 
-    from mcore_rl.megatron.actor import MicroBatch
+    from mcore_rl.batch import MicroBatch
 
     dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
     per_rank = tokens.shape[0] // dp
     size = per_rank // n_micro
     assert size * n_micro == per_rank, (per_rank, n_micro)
     rows = range(dp_rank * per_rank, (dp_rank + 1) * per_rank, size)
-    return [MicroBatch(tokens[r : r + size], extras={"mask": loss_mask[r : r + size]}) for r in rows]
+    return [MicroBatch(tokens[r : r + size], loss_mask=loss_mask[r : r + size].float()) for r in rows]
 
 
 def nll_loss(global_tokens):
@@ -34,7 +34,7 @@ def nll_loss(global_tokens):
         nll = tensor_parallel.vocab_parallel_cross_entropy(
             logits.clone().transpose(0, 1).contiguous(), labels.t().contiguous()
         ).t()
-        mask = mb.extras["mask"].float()
+        mask = mb.loss_mask
         return (nll * mask).sum() / global_tokens, {"tokens": mask.sum()}
 
     return loss_fn

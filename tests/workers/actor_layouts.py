@@ -19,8 +19,9 @@ def main():
     tp, pp, ep, etp, n_micro = map(int, sys.argv[3:8])
     mode = sys.argv[8]
 
+    from mcore_rl.batch import MicroBatch
     from mcore_rl.config import Config, ModelConfig, OptimConfig, ParallelConfig
-    from mcore_rl.megatron.actor import Actor, MicroBatch
+    from mcore_rl.megatron.actor import Actor
     from mcore_rl.platform import get_platform
 
     platform = get_platform("cpu")
@@ -54,7 +55,7 @@ def main():
     assert lp_diff <= 1e-4, f"log-probs differ from HF by {lp_diff}"
 
     # -- bad input fails fast with a message naming the numbers (before any collective)
-    if actor.info.sequence_parallel:
+    if actor.layout.sequence_parallel:
         try:
             actor.forward_only([MicroBatch(tokens[:, :15])], full_logits)
         except ValueError as e:

@@ -18,9 +18,9 @@ def main():
     work, model_dir = sys.argv[1], sys.argv[2]
     tp, ep, etp, n_micro, dist_opt = map(int, sys.argv[3:8])
     mode = sys.argv[8]
+    from mcore_rl.batch import MicroBatch
     from mcore_rl.config import Config, ModelConfig, OptimConfig, ParallelConfig
-    from mcore_rl.megatron.actor import Actor, MicroBatch
-    from mcore_rl.megatron.checkpoint import load_checkpoint, save_checkpoint
+    from mcore_rl.megatron.actor import Actor
     from mcore_rl.platform import get_platform
 
     cfg = Config(platform="cpu", model=ModelConfig(path=model_dir))
@@ -41,9 +41,9 @@ def main():
     ckpt = os.path.join(work, "ckpt")
     if mode == "save":
         actor.train_step(my_micro_batches(tokens, mask, n_micro), loss_fn)
-        save_checkpoint(actor, ckpt, extra={"step": 1, "note": "after one step"})
+        actor.save_checkpoint(ckpt, extra={"step": 1, "note": "after one step"})
     else:
-        extra = load_checkpoint(actor, ckpt)
+        extra = actor.load_checkpoint(ckpt)
         assert extra == {"step": 1, "note": "after one step"}, extra
     logits = torch.cat(actor.forward_only([MicroBatch(tokens)], full_logits))
     metrics = actor.train_step(my_micro_batches(tokens, mask, n_micro), loss_fn)

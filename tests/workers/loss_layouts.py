@@ -47,14 +47,14 @@ def main():
     from safetensors.torch import load_file
 
     from mcore_rl.algos import GlobalCounts, group_advantages
+    from mcore_rl.batch import MicroBatch
     from mcore_rl.config import AlgoConfig, Config, ModelConfig, OptimConfig, ParallelConfig
-    from mcore_rl.megatron.actor import Actor, MicroBatch
-    from mcore_rl.megatron.policy_loss import make_log_prob_fn, make_policy_loss_fn, policy_extras
+    from mcore_rl.megatron.actor import Actor
+    from mcore_rl.megatron.policy_loss import make_log_prob_fn, make_policy_loss_fn
     from mcore_rl.platform import get_platform
 
     platform = get_platform("cpu")
     platform.adapt_megatron()
-    from megatron.core import parallel_state as mpu
 
     before = load_file(os.path.join(model_dir, "model.safetensors"))
     tokens, loss_mask, rewards, noise = global_batch()
@@ -70,8 +70,8 @@ def main():
         # its scale (micro-batch or DP averaging) shows in the update, not only in grad_norm
         cfg.actor.optim = OptimConfig(lr=10.0, adam_eps=10.0, clip_grad=0.0)
         actor = Actor(cfg, platform)
-        tp_group = mpu.get_tensor_model_parallel_group()
-        dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+        tp_group = actor.layout.groups.tp
+        dp, dp_rank = actor.layout.dp, actor.layout.ranks.dp
         per_rank = B // dp
         size = per_rank // n_micro
         assert size * n_micro == per_rank, (B, dp, n_micro)
@@ -94,13 +94,11 @@ def main():
             train_mbs.append(
                 MicroBatch(
                     tokens[r0 : r0 + size],
-                    extras=policy_extras(
-                        loss_mask[r0 : r0 + size],
-                        old[sl],
-                        advantages[r0 : r0 + size],
-                        rollout_log_prob=rollout[sl],
-                        ref_log_prob=ref_lp[sl],
-                    ),
+                    loss_mask=loss_mask[r0 : r0 + size],
+                    old_log_prob=old[sl],
+                    advantages=advantages[r0 : r0 + size],
+                    rollout_log_prob=rollout[sl],
+                    ref_log_prob=ref_lp[sl],
                 )
             )
         metrics = actor.train_step(train_mbs, make_policy_loss_fn(algo, counts, tp_group))

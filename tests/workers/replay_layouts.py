@@ -40,25 +40,26 @@ def main():
     model_dir = sys.argv[1]
     tp, pp, ep, recompute = map(int, sys.argv[2:6])
 
+    from mcore_rl.batch import MicroBatch, pack_rollout_routes
     from mcore_rl.config import Config, ModelConfig, OptimConfig, ParallelConfig
-    from mcore_rl.megatron.actor import Actor, MicroBatch
+    from mcore_rl.megatron.actor import Actor
     from mcore_rl.platform import get_platform
 
     platform = get_platform("cpu")
     platform.adapt_megatron()
-    from megatron.core import parallel_state as mpu
-
-    from mcore_rl.megatron.routing_replay import RoutingReplay, pack_rollout_routes
+    from mcore_rl.megatron.routing_replay import RoutingReplay
 
     cfg = Config(platform="cpu", model=ModelConfig(path=model_dir, recompute=bool(recompute)))
     cfg.actor.parallel = ParallelConfig(tp=tp, pp=pp, ep=ep, etp=1)
     cfg.actor.optim = OptimConfig(lr=0.0, min_lr=0.0, clip_grad=0.0, weight_decay=0.0)  # weights never move
     actor = Actor(cfg, platform)
     rank = torch.distributed.get_rank()
-    replay = RoutingReplay.install(actor.chunks)
+    layout = actor.layout
+    replay = RoutingReplay.install(actor.chunks, layout)
     assert replay.moe_layers == [1, 2], replay.moe_layers
-    assert replay.sequence_parallel == (tp > 1) and replay.recompute == bool(recompute), (
-        replay.sequence_parallel,
+    want_shard = (tp, layout.ranks.tp) if tp > 1 else (1, 0)  # MoE with tp > 1 runs sequence parallel
+    assert replay.sequence_shard == want_shard and replay.recompute == bool(recompute), (
+        replay.sequence_shard,
         replay.recompute,
     )
     tokens, loss_mask = global_batch()
@@ -120,11 +121,11 @@ def main():
     assert abs(metrics["routing/token_mismatch"] - differ_rows / rows) < 1e-12, (metrics, differ_rows, rows)
     assert abs(metrics["routing/expert_mismatch"] - differ_experts / (rows * replay.top_k)) < 1e-12, metrics
     # the same over masked tokens only (with_valid), against a mask put into router order here
-    masks = [mb.extras["mask"] for mb in mbs]
+    masks = [mb.loss_mask > 0 for mb in mbs]
     with replay.replaying(replay.with_valid(perturbed, masks)):
         actor.forward_only(mbs, full_logits)
     masked = replay.mismatch_metrics()["routing/token_mismatch"]
-    shard = (lambda m: m.chunk(tp, dim=1)[mpu.get_tensor_model_parallel_rank()]) if tp > 1 else (lambda m: m)
+    shard = (lambda m: m.chunk(tp, dim=1)[layout.ranks.tp]) if tp > 1 else (lambda m: m)
     keep = torch.cat([shard(m).t().reshape(-1) for m in masks for _ in replay.layers])
     want = world_sum(float((a != b).any(-1)[keep].sum())) / world_sum(float(keep.sum()))
     assert abs(masked - want) < 1e-12 and masked != metrics["routing/token_mismatch"], (masked, want)
@@ -150,7 +151,7 @@ def main():
     for i, s in enumerate(samples):
         ids = s.prompt_ids + s.response_ids
         r3_tokens[i, : len(ids)] = torch.tensor(ids)
-    dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+    dp, dp_rank = layout.dp, layout.ranks.dp
     per = len(samples) // dp
     mine = range(dp_rank * per, (dp_rank + 1) * per)
     r3_mbs = [MicroBatch(r3_tokens[list(mine)])]

@@ -46,8 +46,8 @@ def main() -> None:
     rank = dist.get_rank()
     parallel = ParallelConfig(tp=tp, ep=ep, etp=etp, sequence_parallel=tp > 1)
     bridge = ModelBridge(tiny_dir, platform)
-    info = init_parallel(parallel, platform, bridge.hf_config)
-    chunks = bridge.build_model(info.effective_parallel(parallel), ModelConfig(path=tiny_dir, dtype="float32"))
+    layout = init_parallel(parallel, platform, bridge.hf_config)
+    chunks = bridge.build_model(layout, ModelConfig(path=tiny_dir, dtype="float32"))
     bridge.load_hf_weights(chunks)
     expected = {}
     for f in sorted(glob.glob(os.path.join(tiny_dir, "*.safetensors"))):

@@ -13,16 +13,14 @@ LAYOUTS = {"tp2": ParallelConfig(tp=2, sequence_parallel=True), "ep2": ParallelC
 
 
 def build_actor(layout: str, actor_ckpt: str):
-    """(bridge, model in eval mode, effective ParallelConfig) for LAYOUT loaded from the HF folder."""
+    """(bridge, model in eval mode, the bound Layout) for LAYOUT loaded from the HF folder."""
     platform = get_platform("cpu")
     bridge = ModelBridge(actor_ckpt, platform)
-    parallel = LAYOUTS[layout]
-    info = init_parallel(parallel, platform, bridge.hf_config)
-    parallel = info.effective_parallel(parallel)
-    (model,) = bridge.build_model(parallel, ModelConfig(path=actor_ckpt, dtype="float32"))
+    bound = init_parallel(LAYOUTS[layout], platform, bridge.hf_config)
+    (model,) = bridge.build_model(bound, ModelConfig(path=actor_ckpt, dtype="float32"))
     bridge.load_hf_weights([model], actor_ckpt)
     model.eval()
-    return bridge, model, parallel
+    return bridge, model, bound
 
 
 def tp_group():

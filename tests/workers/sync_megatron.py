@@ -69,10 +69,10 @@ def perturb(model) -> None:
 
 def main(layout: str, engine_ckpt: str, actor_ckpt: str) -> None:
     logging.basicConfig(level=logging.WARNING)
-    bridge, model, parallel = build_actor(layout, actor_ckpt)
+    bridge, model, bound = build_actor(layout, actor_ckpt)
     rank = dist.get_rank()
     engine = EmbeddedEngine(engine_ckpt) if rank == 0 else None
-    reference = actor_logprobs(model, parallel.tp)
+    reference = actor_logprobs(model, bound.tp)
     export = lambda: bridge.export_hf_weights([model])  # noqa: E731
     probe = ProbeBatch.random(bridge.hf_config.vocab_size, num_seqs=3, prompt_len=6, response_len=18, seed=4)
     result = {"layout": layout}

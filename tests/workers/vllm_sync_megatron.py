@@ -42,11 +42,11 @@ def move_actor(model, seed: int, scale: float = 0.02) -> None:
 
 def main(layout: str, rollout_tp: str, engine_ckpt: str, actor_ckpt: str, reload: str, rounds: str = "3") -> None:
     logging.basicConfig(level=logging.WARNING)
-    bridge, model, parallel = build_actor(layout, actor_ckpt)
+    bridge, model, bound = build_actor(layout, actor_ckpt)
     engine = VllmEngine(
         RolloutConfig(tp=int(rollout_tp)), engine_ckpt, dtype="float32", max_model_len=256, reload=reload
     )
-    reference = actor_logprobs(model, parallel.tp)
+    reference = actor_logprobs(model, bound.tp)
     export = lambda: bridge.export_hf_weights([model])  # noqa: E731
     probe = ProbeBatch.random(bridge.hf_config.vocab_size, num_seqs=3, prompt_len=6, response_len=18, seed=4)
     prompts = [[1, 5 + i, 20 + i, 7, 9 + i] for i in range(3)]

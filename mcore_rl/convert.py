@@ -1,0 +1,82 @@
+"""Convert between Hugging Face checkpoints and Megatron dist checkpoints (torch_dist).
+
+  hf-to-mcore: HF folder -> Megatron checkpoint (model only) in the given layout
+  mcore-to-hf: Megatron checkpoint (from training or hf-to-mcore) -> HF safetensors + config + tokenizer
+
+Any layout works in either direction; run under torchrun with tp*pp*ep-compatible process counts,
+e.g. `torchrun --nproc_per_node 2 -m mcore_rl.convert hf-to-mcore --hf M --out C --tp 2`
+(`mcore-rl convert ...` and `tools/convert_checkpoint.py ...` are the same program).
+A plain single process runs as layout 1x1x1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional, Sequence
+
+from mcore_rl.models.hf_io import DTYPES
+
+
+def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("direction", choices=["hf-to-mcore", "mcore-to-hf"])
+    parser.add_argument(
+        "--hf",
+        required=True,
+        help="HF checkpoint folder (source for hf-to-mcore; config/tokenizer source for mcore-to-hf)",
+    )
+    parser.add_argument("--ckpt", help="Megatron checkpoint folder to read (mcore-to-hf)")
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--etp", type=int, default=None)
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--platform", default="auto", choices=["auto", "cpu", "cuda", "npu"])
+    parser.add_argument("--max-shard-gb", type=float, default=4.0)
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> argparse.Namespace:
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    if args.direction == "mcore-to-hf" and not args.ckpt:
+        parser.error("mcore-to-hf needs --ckpt (the Megatron checkpoint folder to read)")
+    return args
+
+
+def convert(args: argparse.Namespace) -> None:
+    """Run one conversion (collective under torchrun)."""
+    import torch
+
+    from mcore_rl.config import Config, ModelConfig, ParallelConfig
+    from mcore_rl.megatron.actor import Actor
+    from mcore_rl.platform import get_platform
+
+    platform = get_platform(args.platform)
+    platform.adapt_megatron()
+    cfg = Config(platform=platform.name, model=ModelConfig(path=args.hf, dtype=args.dtype))
+    cfg.actor.parallel = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
+    from_hf = args.direction == "hf-to-mcore"
+    actor = Actor(cfg, platform, with_optimizer=False, load_weights=from_hf)
+    if from_hf:
+        actor.save_checkpoint(args.out, extra={"converted_from": os.path.abspath(args.hf)})
+    else:
+        actor.load_checkpoint(args.ckpt, load_optimizer=False)
+        actor.save_hf(args.out, source_dir=args.hf, max_shard_bytes=int(args.max_shard_gb * (1 << 30)))
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        print(f"{args.direction}: wrote {args.out}", flush=True)
+
+
+def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> int:
+    convert(parse_args(argv, prog))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Step data: pack_rollouts (padding, label alignment) and split_for_rank (mini-batches x DP x micro-batches)."""
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from mcore_rl.algos import GlobalCounts
+from mcore_rl.batch import MicroBatch, pack_rollouts, split_for_rank
+from mcore_rl.rollout.base import RolloutSample
+
+PAD = 0
+
+
+def sample(prompt, response, routes=False):
+    n = len(prompt) + len(response)
+    return RolloutSample(
+        prompt_ids=list(prompt),
+        response_ids=list(response),
+        logprobs=-torch.arange(1, len(response) + 1, dtype=torch.float32) / 10,
+        finish_reason="stop",
+        routed_experts=torch.arange(n * 2 * 2, dtype=torch.int16).view(n, 2, 2) % 8 if routes else None,
+    )
+
+
+def test_pack_rollouts_aligns_labels_and_pads_to_the_multiple():
+    samples = [sample([5, 6, 7], [8, 9]), sample([5], [4, 3, 2, 1]), sample([9, 9], [7])]
+    rewards = torch.tensor([1.0, 0.0, 0.5])
+    adv = torch.tensor([0.7, -0.7, 0.1])
+    batch = pack_rollouts(samples, rewards, adv, PAD, multiple=4)
+    assert batch.tokens.shape == (3, 8)  # longest 5 tokens -> multiple of 4
+    for i, s in enumerate(samples):
+        ids = s.prompt_ids + s.response_ids
+        assert batch.tokens[i, : len(ids)].tolist() == ids
+        assert (batch.tokens[i, len(ids) :] == PAD).all()
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        # column t is the prediction of tokens[t + 1]: exactly the response tokens are marked
+        marked = batch.loss_mask[i].nonzero().squeeze(-1).tolist()
+        assert [batch.tokens[i, t + 1].item() for t in marked] == s.response_ids
+        assert marked == list(range(p - 1, p + r - 1))
+        assert torch.equal(batch.rollout_log_prob[i, marked], s.logprobs)
+        assert (batch.advantages[i, marked] == adv[i]).all() and batch.advantages[i].count_nonzero() == r
+    assert batch.response_lengths.tolist() == [2, 4, 1] and batch.prompt_lengths.tolist() == [3, 1, 2]
+    assert batch.routed_experts is None  # an engine without routes
+
+
+def samples_of(lengths, routes=False):
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for p, r in lengths:
+        ids = torch.randint(3, 100, (p + r,), generator=g).tolist()
+        out.append(sample(ids[:p], ids[p:], routes))
+    return out
+
+
+def test_split_for_rank_covers_the_batch_once_with_global_counts():
+    lengths = [(3, 2), (2, 5), (4, 1), (1, 3), (2, 2), (3, 4), (5, 1), (2, 6)]
+    samples = samples_of(lengths)
+    batch = pack_rollouts(samples, torch.zeros(8), torch.arange(8.0), PAD, multiple=2)
+    seen = []
+    for dp_rank in range(2):
+        minis = split_for_rank(batch, num_mini_batches=2, dp_size=2, dp_rank=dp_rank, micro_batch_size=1, max_len=8)
+        assert len(minis) == 2
+        for m, mini in enumerate(minis):
+            whole = batch.loss_mask[m * 4 : (m + 1) * 4]
+            assert mini.counts == GlobalCounts.from_mask(whole, max_len=8)  # the whole mini-batch, not this rank's
+            assert len(mini.micro_batches) == 2
+            for mb in mini.micro_batches:
+                assert isinstance(mb, MicroBatch) and mb.tokens.shape == (1, batch.tokens.shape[1])
+                assert mb.old_log_prob is None and mb.ref_log_prob is None and mb.routed_experts is None
+                row = next(i for i in range(8) if torch.equal(batch.tokens[i], mb.tokens[0]))
+                assert torch.equal(mb.loss_mask[0], batch.loss_mask[row])
+                assert torch.equal(mb.advantages[0], batch.advantages[row])
+                assert torch.equal(mb.rollout_log_prob[0], batch.rollout_log_prob[row])
+                seen.append((m, dp_rank, row))
+    rows = sorted(r for _, _, r in seen)
+    assert rows == list(range(8)), "every sequence must land on exactly one rank"
+    # mini-batch m holds rows [4m, 4m + 4); DP rank d holds the d-th half of it
+    assert all(4 * m + 2 * d <= r < 4 * m + 2 * d + 2 for m, d, r in seen)
+
+
+def test_split_for_rank_packs_engine_routes_for_r3():
+    samples = samples_of([(3, 2), (2, 3)], routes=True)
+    batch = pack_rollouts(samples, torch.zeros(2), torch.zeros(2), PAD, multiple=4)
+    (mini,) = split_for_rank(batch, 1, 1, 0, micro_batch_size=2, route_experts=8)
+    (mb,) = mini.micro_batches
+    assert mb.routed_experts.shape == (2, 8, 2, 2) and mb.route_valid.shape == (2, 8)
+    for i, s in enumerate(samples):
+        n = len(s.prompt_ids) + len(s.response_ids)
+        assert torch.equal(mb.routed_experts[i, :n], s.routed_experts)
+        assert mb.route_valid[i].tolist() == [True] * n + [False] * (8 - n)
+    no_routes = pack_rollouts(samples_of([(3, 2), (2, 3)]), torch.zeros(2), torch.zeros(2), PAD)
+    with pytest.raises(ValueError, match="routing_replay=r3 needs the experts"):
+        split_for_rank(no_routes, 1, 1, 0, 2, route_experts=8)
+
+
+def test_split_for_rank_rejects_uneven_splits_with_the_fix():
+    batch = pack_rollouts(samples_of([(2, 2)] * 6), torch.zeros(6), torch.zeros(6), PAD)
+    with pytest.raises(ValueError, match="divisible by algo.mini_batches x dp x actor.parallel.micro_batch_size"):
+        split_for_rank(batch, num_mini_batches=1, dp_size=4, dp_rank=0, micro_batch_size=1)
+    with pytest.raises(ValueError, match="micro-batches of 4"):
+        split_for_rank(batch, num_mini_batches=1, dp_size=2, dp_rank=0, micro_batch_size=4)
+
+
+def test_micro_batch_to_keeps_every_field():
+    mb = MicroBatch(torch.ones(1, 4, dtype=torch.long), loss_mask=torch.tensor([[0.0, 1.0, 1.0, 0.0]]))
+    mb.replay_routes = "routes"
+    moved = mb.to("cpu")
+    assert torch.equal(moved.loss_mask, mb.loss_mask) and moved.replay_routes == "routes"
+    assert moved.position_ids.tolist() == [[0, 1, 2, 3]]
+    with pytest.raises(ValueError, match=r"lacks \['old_log_prob'\]"):
+        mb.require("loss_mask", "old_log_prob")
+
+
+def test_trainer_imports_nothing_from_megatron():
+    """The RL loop talks to Megatron only through the Actor: no megatron.* import, and from our
+    Megatron-facing package only the Actor class."""
+    tree = ast.parse(Path(__file__).resolve().parents[1].joinpath("mcore_rl/trainer.py").read_text())
+    modules = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules += [(a.name, None) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            modules += [(node.module or "", a.name) for a in node.names]
+    assert not [m for m, _ in modules if m == "megatron" or m.startswith("megatron.")], modules
+    ours = [(m, n) for m, n in modules if m.startswith("mcore_rl.megatron")]
+    assert ours == [("mcore_rl.megatron.actor", "Actor")], ours
