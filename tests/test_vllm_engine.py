@@ -69,7 +69,7 @@ def test_replica_layout_shares_cover_every_item_once():
 
 
 def test_bad_layout_is_rejected_before_start(tiny_model_dir):
-    with pytest.raises(ValueError, match="rollout.tp=3 must divide the world size 1"):
+    with pytest.raises(ValueError, match="rollout.tp = 3 must be >= 1 and divide the world size 1"):
         VllmEngine(RolloutConfig(tp=3), tiny_model_dir)
 
 
