@@ -9,6 +9,17 @@ Per-token tensors follow Megatron's label convention: column t holds quantities 
 (the token predicted from the prefix up to t); so `loss_mask[:, -1]` is always 0.
 Routes (`routed_experts`) are the exception: row t holds the experts of token t itself.
 
+Two ways to cut a rank's share into micro-batches (`split_for_rank`):
+  * fixed size (`micro_batch_size` sequences, right-padded to the longest sequence of the global batch);
+  * token budget (`max_tokens`, actor.max_tokens_per_micro_batch): `partition_by_tokens` balances the
+    data-parallel shares by tokens and cuts each share into micro-batches under the budget, and every
+    micro-batch is PACKED: its sequences concatenated in one row [1, T] (T = their total length padded
+    to the layout's multiple), position ids restarting per sequence, `seq_lengths` naming the segments
+    (the actor confines attention to each segment). Per-token fields are packed the same way and keep
+    the label convention inside each segment; the last position of a segment is never marked (it would
+    predict the next segment's first token). Outputs of forward passes stay in this packed alignment
+    (`unpack_rows` cuts one back into per-sequence pieces).
+
 `mcore_rl.megatron` consumes these containers; this module imports nothing from it.
 """
 
@@ -49,6 +60,11 @@ class MicroBatch:
     replay_routes: Optional[Any] = None
     position_ids: Optional[torch.Tensor] = None  # [b, s]; default 0..s-1
     attention_mask: Optional[torch.Tensor] = None  # None: causal (Megatron's default)
+    # Packed micro-batch (b = 1): lengths of the segments of the row, in order, summing to s; the last
+    # one may be padding. None: b right-padded sequences. Attention never crosses a segment boundary.
+    seq_lengths: Optional[list[int]] = None
+    # Packed: the mini-batch row (index into the padded batch it was cut from) of each sequence segment.
+    sequences: Optional[list[int]] = None
 
     def __post_init__(self):
         if self.tokens.dim() != 2:
@@ -78,9 +94,27 @@ class MicroBatch:
                 "loss_mask[:, -1] is set, but the last position has no next token: shift the response mask "
                 "left by one so that position t marks tokens[:, t + 1]"
             )
+        if self.seq_lengths is not None and (shape[0] != 1 or sum(self.seq_lengths) != shape[1]):
+            raise ValueError(
+                f"packed MicroBatch: tokens {shape} must be one row whose length equals sum(seq_lengths) = "
+                f"{sum(self.seq_lengths)}"
+            )
         if self.position_ids is None:
             b, s = shape
-            self.position_ids = torch.arange(s, device=self.tokens.device).unsqueeze(0).expand(b, s)
+            if self.seq_lengths is not None:
+                self.position_ids = torch.cat([torch.arange(n) for n in self.seq_lengths]).unsqueeze(0)
+                self.position_ids = self.position_ids.to(self.tokens.device)
+            else:
+                self.position_ids = torch.arange(s, device=self.tokens.device).unsqueeze(0).expand(b, s)
+
+    @property
+    def packed(self) -> bool:
+        return self.seq_lengths is not None
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the model computes for this micro-batch (padding included)."""
+        return self.tokens.numel()
 
     def to(self, device) -> "MicroBatch":
         """A copy with every tensor on `device`."""
@@ -118,13 +152,25 @@ class RolloutBatch:
     response_lengths: torch.Tensor  # [B]
     prompt_lengths: torch.Tensor  # [B]
     routed_experts: Optional[list] = None  # per sequence [T, layers, k] or None
+    pad_id: int = 0
 
     @property
     def size(self) -> int:
         return self.tokens.shape[0]
 
-    def rows(self, index: slice) -> "RolloutBatch":
-        routes = None if self.routed_experts is None else self.routed_experts[index]
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens of each sequence (prompt + response), without padding."""
+        return (self.prompt_lengths + self.response_lengths).tolist()
+
+    def rows(self, index: "slice | list[int]") -> "RolloutBatch":
+        """The sequences at `index` (a slice, or a list of row numbers)."""
+        routes = None
+        if isinstance(index, list):
+            routes = None if self.routed_experts is None else [self.routed_experts[i] for i in index]
+            index = torch.tensor(index, dtype=torch.long)
+        elif self.routed_experts is not None:
+            routes = self.routed_experts[index]
         return RolloutBatch(
             self.tokens[index],
             self.loss_mask[index],
@@ -134,6 +180,7 @@ class RolloutBatch:
             self.response_lengths[index],
             self.prompt_lengths[index],
             routes,
+            self.pad_id,
         )
 
 
@@ -166,7 +213,15 @@ def pack_rollouts(
         response_lengths=torch.tensor([len(s.response_ids) for s in samples]),
         prompt_lengths=torch.tensor([len(s.prompt_ids) for s in samples]),
         routed_experts=routes if all(r is not None for r in routes) else None,
+        pad_id=pad_id,
     )
+
+
+def _dummy_routes(seq_len: int, num_layers: int, k: int, num_experts: int) -> torch.Tensor:
+    """[seq_len, layers, k] ids for padding: k distinct experts per position, cycling over all experts."""
+    positions = torch.arange(seq_len)
+    dummy = (positions[:, None, None] * k + torch.arange(k)) % num_experts  # [s, 1, k], distinct within a row
+    return dummy.expand(seq_len, num_layers, k).to(ROUTE_DTYPE)
 
 
 def pack_rollout_routes(
@@ -182,9 +237,7 @@ def pack_rollout_routes(
     if k > num_experts:
         raise ValueError(f"pack_rollout_routes: top-k {k} > num_experts {num_experts}")
     b = len(per_sequence)
-    positions = torch.arange(seq_len)
-    dummy = (positions[:, None, None] * k + torch.arange(k)) % num_experts  # [s, 1, k], distinct within a row
-    ids = dummy.expand(seq_len, num_layers, k).repeat(b, 1, 1, 1).to(ROUTE_DTYPE)
+    ids = _dummy_routes(seq_len, num_layers, k, num_experts).repeat(b, 1, 1, 1)
     valid = torch.zeros(b, seq_len, dtype=torch.bool)
     for i, r in enumerate(per_sequence):
         if r.dim() != 3 or r.shape[1:] != (num_layers, k):
@@ -199,12 +252,7 @@ def pack_rollout_routes(
 def _micro_batch(part: RolloutBatch, route_experts: Optional[int]) -> MicroBatch:
     routes = valid = None
     if route_experts is not None:
-        if part.routed_experts is None:
-            raise ValueError(
-                "algo.routing_replay=r3 needs the experts the engine chose, but this engine returned none "
-                "(the embedded engine records them; vLLM only where it can return routed experts): use r2 "
-                "or the embedded engine"
-            )
+        _require_routes(part)
         routes, valid = pack_rollout_routes(part.routed_experts, part.tokens.shape[1], route_experts)
     return MicroBatch(
         tokens=part.tokens,
@@ -216,36 +264,213 @@ def _micro_batch(part: RolloutBatch, route_experts: Optional[int]) -> MicroBatch
     )
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _lpt(items: list[int], sizes: list[int], bins: int) -> list[list[int]]:
+    """Longest-processing-time greedy: items (largest size first, ties by index) each go to the bin with
+    the fewest tokens so far (ties: fewest items, then lowest bin). Bins list their items in index order."""
+    load = [(0, 0, b) for b in range(bins)]
+    out: list[list[int]] = [[] for _ in range(bins)]
+    for i in sorted(items, key=lambda i: (-sizes[i], i)):
+        tokens, count, b = min(load)
+        out[b].append(i)
+        load[b] = (tokens + sizes[i], count + 1, b)
+    return [sorted(b) for b in out]
+
+
+def partition_by_tokens(
+    lengths: list[int], dp_size: int, max_tokens: int, multiple: int = 1
+) -> list[list[list[int]]]:
+    """Sequence indices of one mini-batch per data-parallel rank and micro-batch: [dp][micro] -> indices.
+
+    DP shares: greedy LPT over sequence lengths (longest first, each to the rank with the fewest tokens),
+    so shares differ by at most one sequence's length. Each share: LPT into k micro-batches, k the smallest
+    count for which every rank's micro-batches fit `max_tokens` (a micro-batch costs its total length
+    rounded up to `multiple`), the SAME k on every rank (with expert parallelism each micro-batch's
+    all-to-all spans DP ranks); a rank with fewer sequences than k gets empty micro-batches. Pure and
+    deterministic: every rank computes the same partition from the same lengths.
+    """
+    if max_tokens < 1 or dp_size < 1 or multiple < 1:
+        raise ValueError(f"partition_by_tokens: max_tokens {max_tokens}, dp {dp_size}, multiple {multiple} must be >= 1")
+    longest = max(lengths, default=0)
+    if _round_up(longest, multiple) > max_tokens:
+        raise ValueError(
+            f"a sequence of {longest} tokens (padded to {_round_up(longest, multiple)}) exceeds "
+            f"actor.max_tokens_per_micro_batch = {max_tokens}: raise it to at least "
+            f"data.max_prompt_len + rollout.max_new_tokens"
+        )
+    shares = _lpt(list(range(len(lengths))), lengths, dp_size)
+    k = max(1, max(-(-sum(lengths[i] for i in share) // max_tokens) for share in shares))
+    while True:
+        parts = [_lpt(share, lengths, k) for share in shares]
+        cost = max(_round_up(sum(lengths[i] for i in mb), multiple) for rank in parts for mb in rank)
+        if cost <= max_tokens:
+            return parts
+        k += 1  # terminates: with one sequence per micro-batch every micro-batch fits
+
+
+def pack_sequences(
+    part: RolloutBatch, multiple: int, route_experts: Optional[int] = None, segment_lengths: Optional[list] = None
+) -> MicroBatch:
+    """The sequences of `part` concatenated in one row [1, T], T = total length rounded up to `multiple`
+    (a trailing padding segment of pad ids, masked out). An empty `part` gives one padding segment
+    of `multiple` tokens: a micro-batch that contributes nothing (loss mask 0) but runs every collective.
+    `route_experts`: the model's expert count, to pack the engine's routes (R3) with dummy experts at pads."""
+    lengths = part.lengths if part.size else []
+    total = sum(lengths)
+    row = _round_up(max(total, 1), multiple)
+    seq_lengths = lengths + ([row - total] if row > total else [])
+    tokens = torch.full((1, row), part.pad_id, dtype=torch.long)
+    fields = {name: torch.zeros(1, row) for name in ("loss_mask", "advantages", "rollout_log_prob")}
+    start = 0
+    for i, n in enumerate(lengths):
+        tokens[0, start : start + n] = part.tokens[i, :n]
+        for name, packed in fields.items():
+            packed[0, start : start + n] = getattr(part, name)[i, :n]
+        start += n
+    routes = valid = None
+    if route_experts is not None:
+        routes, valid = _packed_routes(part, lengths, row, route_experts)
+    return MicroBatch(tokens=tokens, routed_experts=routes, route_valid=valid, seq_lengths=seq_lengths, **fields)
+
+
+def pack_token_lists(sequences: list[list[int]], multiple: int, pad_id: int = 0) -> MicroBatch:
+    """Token lists in one packed row (no per-token fields): the forward-only probe's micro-batch."""
+    lengths = [len(s) for s in sequences]
+    row = _round_up(max(sum(lengths), 1), multiple)
+    tail = [row - sum(lengths)] if row > sum(lengths) else []
+    tokens = torch.tensor([t for s in sequences for t in s] + [pad_id] * sum(tail), dtype=torch.long)
+    return MicroBatch(tokens=tokens.unsqueeze(0), seq_lengths=lengths + tail)
+
+
+def _packed_routes(part: RolloutBatch, lengths: list[int], row: int, num_experts: int):
+    """Engine routes of the packed sequences at their offsets in the row; dummy experts elsewhere."""
+    if part.size == 0:  # a filler micro-batch: layer count and k are not known from it
+        raise ValueError("_packed_routes: no sequences (the caller packs routes of filler micro-batches)")
+    _require_routes(part)
+    _, num_layers, k = part.routed_experts[0].shape
+    ids, valid = pack_rollout_routes(part.routed_experts, max(lengths), num_experts)  # checks the shapes
+    packed = _dummy_routes(row, num_layers, k, num_experts).unsqueeze(0).clone()
+    packed_valid = torch.zeros(1, row, dtype=torch.bool)
+    start = 0
+    for i, n in enumerate(lengths):
+        packed[0, start : start + n] = torch.where(valid[i, :n, None, None], ids[i, :n], packed[0, start : start + n])
+        packed_valid[0, start : start + n] = valid[i, :n]
+        start += n
+    return packed, packed_valid
+
+
+def pack_field(values: torch.Tensor, micro_batch: MicroBatch) -> torch.Tensor:
+    """A per-token field of the padded mini-batch ([N, S], rows as in `micro_batch.sequences`) in the
+    packed micro-batch's alignment [1, T] (zeros on the padding segment)."""
+    if not micro_batch.packed or micro_batch.sequences is None:
+        raise ValueError("pack_field: the micro-batch is not packed from a mini-batch (sequences is None)")
+    out = torch.zeros(1, micro_batch.tokens.shape[1], dtype=values.dtype)
+    start = 0
+    for row, n in zip(micro_batch.sequences, micro_batch.seq_lengths):
+        out[0, start : start + n] = values[row, :n]
+        start += n
+    return out
+
+
+def unpack_rows(values: torch.Tensor, micro_batch: MicroBatch) -> list[torch.Tensor]:
+    """A per-token output of a packed micro-batch ([1, T] or [c, 1, T]) -> one [..., n_i] piece per
+    segment (the trailing padding segment included, if any)."""
+    if not micro_batch.packed:
+        raise ValueError("unpack_rows: the micro-batch is not packed (seq_lengths is None)")
+    return list(values.split(micro_batch.seq_lengths, dim=-1))
+
+
+def segment_rows(values: torch.Tensor, seq_lengths: list[int]) -> torch.Tensor:
+    """A packed per-token tensor [..., 1, T] -> [..., n, L]: one right-padded row per segment (L the longest
+    segment, zeros past each segment's end), differentiable. Per-sequence reductions (sequence ratios,
+    seq-mean aggregation) then run on rows exactly as in the padded layout."""
+    lengths = torch.tensor(seq_lengths, device=values.device)
+    starts = lengths.cumsum(0) - lengths
+    cols = torch.arange(max(seq_lengths), device=values.device)
+    inside = cols[None] < lengths[:, None]
+    index = (starts[:, None] + cols[None]).clamp(max=values.shape[-1] - 1)
+    gathered = values[..., 0, :][..., index]
+    return torch.where(inside, gathered, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+def _require_routes(part: RolloutBatch) -> None:
+    if part.routed_experts is None:
+        raise ValueError(
+            "algo.routing_replay=r3 needs the experts the engine chose, but this engine returned none "
+            "(the embedded engine records them; vLLM only where it can return routed experts): use r2 "
+            "or the embedded engine"
+        )
+
+
 def split_for_rank(
     batch: RolloutBatch,
     num_mini_batches: int,
     dp_size: int,
     dp_rank: int,
-    micro_batch_size: int,
+    micro_batch_size: Optional[int] = None,
     max_len: Optional[int] = None,
     route_experts: Optional[int] = None,
+    max_tokens: Optional[int] = None,
+    multiple: int = 1,
 ) -> list[MiniBatch]:
     """For each mini-batch: its global counts and this DP rank's micro-batches.
 
+    Either `micro_batch_size` (fixed-size, right-padded micro-batches: the rows of the padded batch) or
+    `max_tokens` (packed micro-batches under a token budget, see `partition_by_tokens`; `multiple` is
+    the layout's sequence-length multiple). The mini-batches are consecutive slices of the global batch.
     max_len: the Dr.GRPO denominator L_max (the configured generation length keeps it constant).
     route_experts: the model's expert count, to pack the engine's routes (rollout routing replay, R3)
     into each micro-batch's `routed_experts` / `route_valid`.
     """
+    if (micro_batch_size is None) == (max_tokens is None):
+        raise ValueError("split_for_rank: give exactly one of micro_batch_size and max_tokens")
     per_mini, rest = divmod(batch.size, num_mini_batches)
-    per_rank, rest2 = divmod(per_mini, dp_size)
-    if rest or rest2 or per_rank % micro_batch_size:
+    if rest:
         raise ValueError(
-            f"global batch of {batch.size} sequences does not split into {num_mini_batches} mini-batches x "
-            f"{dp_size} data-parallel ranks x micro-batches of {micro_batch_size}: choose data.prompts_per_step x "
-            f"rollout.n divisible by algo.mini_batches x dp x actor.parallel.micro_batch_size"
+            f"global batch of {batch.size} sequences does not split into {num_mini_batches} mini-batches: "
+            f"choose data.prompts_per_step x rollout.n divisible by algo.mini_batches"
         )
     out = []
     for m in range(num_mini_batches):
         mini = batch.rows(slice(m * per_mini, (m + 1) * per_mini))
-        mine = mini.rows(slice(dp_rank * per_rank, (dp_rank + 1) * per_rank))
-        micro = [
-            _micro_batch(mine.rows(slice(start, start + micro_batch_size)), route_experts)
-            for start in range(0, per_rank, micro_batch_size)
-        ]
-        out.append(MiniBatch(GlobalCounts.from_mask(mini.loss_mask, max_len=max_len), micro))
+        counts = GlobalCounts.from_mask(mini.loss_mask, max_len=max_len)
+        if max_tokens is None:
+            micro = _fixed_micro_batches(mini, dp_size, dp_rank, micro_batch_size, route_experts)
+        else:
+            micro = _packed_micro_batches(mini, dp_size, dp_rank, max_tokens, multiple, route_experts)
+        out.append(MiniBatch(counts, micro))
     return out
+
+
+def _fixed_micro_batches(mini: RolloutBatch, dp_size, dp_rank, micro_batch_size, route_experts) -> list[MicroBatch]:
+    per_rank, rest = divmod(mini.size, dp_size)
+    if rest or per_rank % micro_batch_size:
+        raise ValueError(
+            f"mini-batch of {mini.size} sequences does not split into {dp_size} data-parallel ranks x "
+            f"micro-batches of {micro_batch_size}: choose data.prompts_per_step x rollout.n divisible by "
+            f"algo.mini_batches x dp x actor.parallel.micro_batch_size"
+        )
+    mine = mini.rows(slice(dp_rank * per_rank, (dp_rank + 1) * per_rank))
+    return [
+        _micro_batch(mine.rows(slice(start, start + micro_batch_size)), route_experts)
+        for start in range(0, per_rank, micro_batch_size)
+    ]
+
+
+def _packed_micro_batches(mini: RolloutBatch, dp_size, dp_rank, max_tokens, multiple, route_experts):
+    parts = partition_by_tokens(mini.lengths, dp_size, max_tokens, multiple)[dp_rank]
+    micro = []
+    for indices in parts:
+        rows = mini.rows(indices)
+        mb = pack_sequences(rows, multiple, route_experts if indices else None)
+        mb.sequences = list(indices)
+        if route_experts is not None and not indices:  # filler: dummy experts everywhere, none valid
+            _require_routes(mini)
+            _, num_layers, k = mini.routed_experts[0].shape
+            mb.routed_experts = _dummy_routes(mb.tokens.shape[1], num_layers, k, route_experts).unsqueeze(0)
+            mb.route_valid = torch.zeros_like(mb.tokens, dtype=torch.bool)
+        micro.append(mb)
+    return micro

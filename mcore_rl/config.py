@@ -79,6 +79,10 @@ class OptimConfig:
 class ActorConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    # Token budget of one micro-batch (padding removal: sequences packed into rows, see mcore_rl.batch);
+    # at least data.max_prompt_len + rollout.max_new_tokens. None: fixed-size micro-batches of
+    # parallel.micro_batch_size right-padded sequences.
+    max_tokens_per_micro_batch: Optional[int] = None
 
 
 @dataclass
@@ -435,6 +439,9 @@ def _check_ranges(cfg: Config) -> None:
         "trainer.log_every": cfg.trainer.log_every,
         "trainer.val_prompts": cfg.trainer.val_prompts,
     }
+    budget = cfg.actor.max_tokens_per_micro_batch
+    if budget is not None:
+        positive_ints["actor.max_tokens_per_micro_batch"] = budget
     for key, v in positive_ints.items():
         _require(v >= 1, f"{key} = {v} must be >= 1: set it to 1 or more")
     non_negative = {
@@ -483,6 +490,19 @@ def _check_ranges(cfg: Config) -> None:
 def _check_combinations(cfg: Config) -> list[str]:
     a, r = cfg.algo, cfg.rollout
     warnings: list[str] = []
+    budget = cfg.actor.max_tokens_per_micro_batch
+    if budget is not None:
+        longest = cfg.data.max_prompt_len + r.max_new_tokens
+        _require(
+            budget >= longest,
+            f"actor.max_tokens_per_micro_batch = {budget} < data.max_prompt_len + rollout.max_new_tokens = {longest}: "
+            f"the longest sequence must fit one micro-batch; raise it to at least {longest}",
+        )
+        _require(
+            not (cfg.model.moe_token_dispatcher == "allgather" and cfg.actor.parallel.ep > 1),
+            "packed micro-batches (actor.max_tokens_per_micro_batch) differ in length between data-parallel ranks, "
+            "which the allgather token dispatcher cannot exchange with ep > 1: use model.moe_token_dispatcher=alltoall",
+        )
     _require(
         a.temperature == r.temperature,
         f"algo.temperature = {a.temperature} differs from rollout.temperature = {r.temperature}: the trainer's log-probs "

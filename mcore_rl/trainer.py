@@ -196,9 +196,11 @@ class Trainer:
             cfg.algo.mini_batches,
             layout.dp,
             layout.ranks.dp,
-            cfg.actor.parallel.micro_batch_size,
+            None if cfg.actor.max_tokens_per_micro_batch else cfg.actor.parallel.micro_batch_size,
             max_len=cfg.rollout.max_new_tokens,
             route_experts=self.actor.hf_config.num_experts if cfg.algo.routing_replay == "r3" else None,
+            max_tokens=cfg.actor.max_tokens_per_micro_batch,
+            multiple=layout.seq_len_multiple,
         )
         micro_all = [mb for mini in mini_batches for mb in mini.micro_batches]
         with timer("old_logprob"):

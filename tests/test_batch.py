@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from mcore_rl.algos import GlobalCounts
-from mcore_rl.batch import MicroBatch, pack_rollouts, split_for_rank
+from mcore_rl.batch import (
+    MicroBatch,
+    pack_rollouts,
+    partition_by_tokens,
+    segment_rows,
+    split_for_rank,
+    unpack_rows,
+)
 from mcore_rl.rollout.base import RolloutSample
 
 PAD = 0
@@ -126,3 +133,104 @@ def test_trainer_imports_nothing_from_megatron():
     assert not [m for m, _ in modules if m == "megatron" or m.startswith("megatron.")], modules
     ours = [(m, n) for m, n in modules if m.startswith("mcore_rl.megatron")]
     assert ours == [("mcore_rl.megatron.actor", "Actor")], ours
+
+
+# ---- token-budget partition and packing ------------------------------------------------------
+
+
+def seed_like_lengths(n, max_len, seed):
+    """Long-tailed lengths with a few at the maximum (the shape of RL response lengths)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = (torch.distributions.Exponential(4.0 / max_len).sample((n,)) + 1).clamp(max=max_len).long()
+    lengths[torch.randperm(n, generator=g)[: max(1, n // 16)]] = max_len
+    return lengths.tolist()
+
+
+@pytest.mark.parametrize("dp, budget, multiple", [(1, 64, 1), (2, 64, 2), (4, 100, 4), (3, 64, 8)])
+def test_partition_respects_the_budget_and_balances_dp(dp, budget, multiple):
+    torch.manual_seed(0)
+    lengths = seed_like_lengths(61, 64, seed=dp)
+    parts = partition_by_tokens(lengths, dp, budget, multiple)
+    assert len(parts) == dp
+    assert len({len(rank) for rank in parts}) == 1, "micro-batch count must be equal on every DP rank"
+    flat = sorted(i for rank in parts for mb in rank for i in mb)
+    assert flat == list(range(len(lengths))), "every sequence exactly once"
+    for rank in parts:
+        for mb in rank:
+            assert mb == sorted(mb)
+            assert -(-sum(lengths[i] for i in mb) // multiple) * multiple <= budget
+    shares = [sum(lengths[i] for mb in rank for i in mb) for rank in parts]
+    assert max(shares) - min(shares) <= max(lengths), f"DP shares unbalanced by tokens: {shares}"
+    # no more micro-batches than needed by more than one: the count is near the lower bound
+    lower = max(-(-s // budget) for s in shares)
+    assert len(parts[0]) <= lower + 1, (len(parts[0]), lower)
+
+
+def test_partition_gives_empty_micro_batches_to_ranks_with_fewer_sequences():
+    # rank 0 gets the one long sequence, rank 1 the short ones: counts equalised with an empty micro-batch
+    parts = partition_by_tokens([60, 10, 10, 10, 10, 10, 10], 2, max_tokens=64)
+    assert [len(r) for r in parts] == [1, 1] or [len(r) for r in parts] == [2, 2]
+    parts = partition_by_tokens([60, 60, 60, 5], 2, max_tokens=64)
+    assert [len(r) for r in parts] == [2, 2]
+    assert sorted(len(mb) for r in parts for mb in r) == [1, 1, 1, 1]
+    parts = partition_by_tokens([60, 60, 60], 2, max_tokens=64)
+    assert [len(r) for r in parts] == [2, 2] and [] in parts[0] + parts[1]
+
+
+def test_partition_rejects_a_sequence_longer_than_the_budget_naming_both():
+    with pytest.raises(ValueError, match=r"sequence of 70 tokens \(padded to 72\) exceeds actor.max_tokens_per_micro_batch = 64"):
+        partition_by_tokens([10, 70, 3], 2, max_tokens=64, multiple=8)
+    with pytest.raises(ValueError, match=r"padded to 72\) exceeds .* = 70"):
+        partition_by_tokens([70], 1, max_tokens=70, multiple=8)
+
+
+def test_packed_split_equals_the_padded_rows_segment_by_segment():
+    lengths = [(3, 1), (2, 9), (4, 1), (1, 3), (2, 2), (3, 4), (5, 1), (2, 6)]
+    samples = samples_of(lengths, routes=True)
+    batch = pack_rollouts(samples, torch.zeros(8), torch.arange(8.0), PAD, multiple=4)
+    seen = []
+    for dp_rank in range(2):
+        minis = split_for_rank(batch, 2, 2, dp_rank, max_tokens=12, multiple=4, max_len=9, route_experts=8)
+        padded = split_for_rank(batch, 2, 2, dp_rank, micro_batch_size=1, max_len=9)
+        for m, (mini, ref) in enumerate(zip(minis, padded)):
+            assert mini.counts == ref.counts == GlobalCounts.from_mask(batch.loss_mask[4 * m : 4 * m + 4], max_len=9)
+            for mb in mini.micro_batches:
+                assert mb.packed and mb.tokens.shape[0] == 1 and mb.tokens.shape[1] % 4 == 0
+                assert mb.tokens.shape[1] <= 12 and sum(mb.seq_lengths) == mb.tokens.shape[1]
+                start = 0
+                for n in mb.seq_lengths:
+                    seg = slice(start, start + n)
+                    assert mb.position_ids[0, seg].tolist() == list(range(n))
+                    row = [
+                        i
+                        for i in range(4 * m, 4 * m + 4)
+                        if sum(lengths[i]) == n and torch.equal(batch.tokens[i, :n], mb.tokens[0, seg])
+                    ]
+                    if not row:  # the trailing padding segment
+                        assert start + n == mb.tokens.shape[1] and n <= 4  # tail pad, or a filler micro-batch
+                        assert (mb.tokens[0, seg] == PAD).all() and not mb.loss_mask[0, seg].any()
+                        assert not mb.route_valid[0, seg].any()
+                        assert (mb.routed_experts[0, seg, :, 0] != mb.routed_experts[0, seg, :, 1]).all()
+                    else:
+                        i = row[0]
+                        for name in ("loss_mask", "advantages", "rollout_log_prob"):
+                            assert torch.equal(getattr(mb, name)[0, seg], getattr(batch, name)[i, :n]), name
+                        assert torch.equal(mb.routed_experts[0, seg], samples[i].routed_experts)
+                        assert mb.route_valid[0, seg].all()
+                        seen.append(i)
+                    start += n
+    assert sorted(seen) == list(range(8))
+
+
+def test_segment_rows_and_unpack_rows_undo_packing():
+    mb = MicroBatch(torch.arange(8).view(1, 8), seq_lengths=[3, 1, 4])
+    values = torch.arange(8.0).view(1, 8).requires_grad_()
+    rows = segment_rows(values, mb.seq_lengths)
+    assert rows.tolist() == [[0, 1, 2, 0], [3, 0, 0, 0], [4, 5, 6, 7]]
+    rows.sum().backward()
+    assert values.grad.tolist() == [[1.0] * 8]
+    assert [p.tolist() for p in unpack_rows(values.detach(), mb)] == [[[0, 1, 2]], [[3]], [[4, 5, 6, 7]]]
+    stacked = segment_rows(torch.stack([values.detach(), -values.detach()]), mb.seq_lengths)
+    assert stacked.shape == (2, 3, 4) and stacked[1, 2].tolist() == [-4, -5, -6, -7]
+    with pytest.raises(ValueError, match="sum\\(seq_lengths\\)"):
+        MicroBatch(torch.zeros(1, 8, dtype=torch.long), seq_lengths=[3, 4])

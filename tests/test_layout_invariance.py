@@ -9,6 +9,10 @@ names (embed_tokens, q/k/v/o_proj, q_norm/k_norm, input/post-attention layernorm
 `mlp.gate`, every expert's gate/up/down_proj, the final norm and lm_head): max |update - reference
 update| <= 1e-5 x the largest reference update. Adam runs with eps = 10, which makes its first step
 linear in the gradient, so a wrong gradient scale cannot hide behind Adam's normalisation.
+
+Each job also runs the packed path (token-budget micro-batches, padding removed; one sequence at the
+maximum length, one with a single response token) against the same padded world-1 reference: log-probs
+(<= 1e-5 abs at response tokens), loss and every update, at world 1 (in the reference job) and in each layout.
 """
 
 import pytest
@@ -21,7 +25,7 @@ WORKER = REPO / "tests/workers/loss_layouts.py"
 def reference(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("loss_layouts")
     log = run_torchrun(WORKER, 1, out, tiny_model_dir, 1, 1, 1, 1, "ref", timeout=240)
-    assert log.count("REF ") == 3, log[-3000:]
+    assert log.count("REF ") == 3 and log.count("PACKED_OK ") == 3, log[-3000:]
     return out
 
 
@@ -33,3 +37,4 @@ def test_loss_and_update_match_world1(reference, tiny_model_dir, tp, pp, ep, n_m
     log = run_torchrun(WORKER, 2, reference, tiny_model_dir, tp, pp, ep, n_micro, "check", timeout=240)
     for loss in ("grpo", "gspo", "sapo"):
         assert log.count(f"LAYOUT_OK {loss} ") == 2, log[-3000:]
+        assert log.count(f"PACKED_OK {loss} ") == 2, log[-3000:]

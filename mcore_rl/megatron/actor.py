@@ -22,7 +22,9 @@ Conventions the caller relies on:
     Megatron's division by the micro-batch count and DDP's average over DP x CP, so gradients equal
     the gradient of that global loss for any layout and any number of micro-batches.
   * Sequences are right-padded (the causal mask makes pads invisible to real tokens; Megatron's RoPE
-    uses positions 0..s-1, so left padding would shift positions). Mask pads in the loss.
+    uses positions 0..s-1, so left padding would shift positions) or packed (`MicroBatch.seq_lengths`:
+    one row of concatenated sequences, attention confined to each, see mcore_rl.megatron.packing;
+    outputs keep the packed alignment). Mask pads in the loss.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Callable, Optional
 
 import torch
 
-from mcore_rl.batch import MicroBatch, MiniBatch
+from mcore_rl.batch import MicroBatch, MiniBatch, pack_token_lists, partition_by_tokens, unpack_rows
 from mcore_rl.config import AlgoConfig, Config, OptimConfig
 from mcore_rl.megatron.layout import Layout
 from mcore_rl.megatron.parallel import init_parallel
@@ -175,6 +177,8 @@ class Actor:
     def _check(self, micro_batches: list[MicroBatch]) -> int:
         if not micro_batches:
             raise ValueError("no micro-batches given: pass at least one MicroBatch per rank")
+        if len({mb.packed for mb in micro_batches}) > 1:
+            raise ValueError("a pass mixes packed and right-padded micro-batches: build them with one split_for_rank")
         multiple = self.layout.seq_len_multiple
         for s in {mb.tokens.shape[1] for mb in micro_batches}:
             if s % multiple:
@@ -182,18 +186,31 @@ class Actor:
                     f"sequence length {s} is not a multiple of {multiple} (sequence parallel over tp = "
                     f"{self.layout.tp}): right-pad micro-batches to a multiple of {multiple}"
                 )
+        if micro_batches[0].packed and self.layout.cp > 1:
+            raise ValueError(
+                "packed micro-batches with context parallel (cp > 1) are not supported: set "
+                "actor.max_tokens_per_micro_batch to null (fixed-size micro-batches) or cp = 1"
+            )
         return max(mb.tokens.shape[1] for mb in micro_batches)
 
     def _run_schedule(self, micro_batches: list[MicroBatch], loss_func_for: Callable, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.utils import get_model_config
+
+        from mcore_rl.megatron.packing import model_inputs
 
         seq_len = self._check(micro_batches)
+        # pipeline stages exchange activation shapes first when micro-batches differ in length
+        # (packed micro-batches); the schedule reads this flag from the model's config at each p2p call
+        get_model_config(self.model[0]).variable_seq_lengths = len({mb.tokens.shape for mb in micro_batches}) > 1
         device = self.platform.device
+        mode = self.platform.packed_attention
         batches = iter([mb.to(device) for mb in micro_batches])
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            output = model(mb.tokens, mb.position_ids, mb.attention_mask)
+            attention_mask, extra = model_inputs(mb, mode)
+            output = model(mb.tokens, mb.position_ids, attention_mask, **extra)
             return output, functools.partial(loss_func_for, mb)  # the schedule calls loss_func(output)
 
         return get_forward_backward_func()(
@@ -259,13 +276,24 @@ class Actor:
         return out
 
     def probe_log_probs(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float):
-        """Reference for sync verification: log-probs of each sequence's tokens after its prompt."""
-        seq_len = self.layout.pad_length(max(map(len, sequences)))
-        tokens = torch.zeros(len(sequences), seq_len, dtype=torch.long)
-        for i, s in enumerate(sequences):
-            tokens[i, : len(s)] = torch.tensor(s)
-        (lp,) = self.log_probs([MicroBatch(tokens=tokens)], temperature=temperature)
-        return [lp[i, p - 1 : len(s) - 1].cpu() for i, (s, p) in enumerate(zip(sequences, prompt_lens))]
+        """Reference for sync verification: log-probs of each sequence's tokens after its prompt.
+        Packed under the actor's token budget (actor.max_tokens_per_micro_batch), like the training passes."""
+        budget = self.cfg.actor.max_tokens_per_micro_batch
+        if budget is None:
+            seq_len = self.layout.pad_length(max(map(len, sequences)))
+            tokens = torch.zeros(len(sequences), seq_len, dtype=torch.long)
+            for i, s in enumerate(sequences):
+                tokens[i, : len(s)] = torch.tensor(s)
+            (lp,) = self.log_probs([MicroBatch(tokens=tokens)], temperature=temperature)
+            return [lp[i, p - 1 : len(s) - 1].cpu() for i, (s, p) in enumerate(zip(sequences, prompt_lens))]
+        multiple = self.layout.seq_len_multiple
+        parts = partition_by_tokens([len(s) for s in sequences], 1, budget, multiple)[0]
+        micro = [pack_token_lists([sequences[i] for i in part], multiple) for part in parts]
+        out: list = [None] * len(sequences)
+        for part, mb, lp in zip(parts, micro, self.log_probs(micro, temperature=temperature)):
+            for i, piece in zip(part, unpack_rows(lp.cpu(), mb)):
+                out[i] = piece[0, prompt_lens[i] - 1 : len(sequences[i]) - 1]
+        return out
 
     def masked_sum(self, values: list[torch.Tensor], micro_batches: list[MicroBatch]) -> float:
         """Sum of per-token `values` (one [b, s] tensor per micro-batch) over the response tokens of

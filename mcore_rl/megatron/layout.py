@@ -398,7 +398,8 @@ def validate_run(cfg: Config, world_size: int, dims: Any, platform: Optional[str
     """The whole pre-flight for a run: actor layout, rollout TP (vLLM) and how a step's samples split.
 
     A step has prompts_per_step * n samples; they split evenly over the DP ranks and `algo.mini_batches`
-    optimizer steps, and each rank's share of a mini-batch splits into micro-batches of micro_batch_size.
+    optimizer steps, and each rank's share of a mini-batch splits into micro-batches of micro_batch_size
+    (unless micro-batches are cut by actor.max_tokens_per_micro_batch).
     """
     if platform is None and cfg.platform != "auto":
         platform = cfg.platform
@@ -407,15 +408,17 @@ def validate_run(cfg: Config, world_size: int, dims: Any, platform: Optional[str
     if cfg.rollout.engine == "vllm":
         warnings += validate_rollout_tp(cfg.rollout.tp, world_size, dims).warnings
     samples = cfg.data.prompts_per_step * cfg.rollout.n
-    splits = layout.dp * cfg.algo.mini_batches
+    packed = cfg.actor.max_tokens_per_micro_batch is not None  # DP shares are then balanced by tokens, not counts
+    splits = cfg.algo.mini_batches if packed else layout.dp * cfg.algo.mini_batches
     if samples % splits:
         raise LayoutError(
             f"a step's {samples} samples (data.prompts_per_step {cfg.data.prompts_per_step} x rollout.n {cfg.rollout.n}) must split "
-            f"evenly over dp {layout.dp} x algo.mini_batches {cfg.algo.mini_batches} = {splits}: make prompts_per_step * n a multiple of {splits}"
+            f"evenly over {'' if packed else f'dp {layout.dp} x '}algo.mini_batches {cfg.algo.mini_batches} = {splits}: "
+            f"make prompts_per_step * n a multiple of {splits}"
         )
     per_rank = samples // splits
     mbs = layout.micro_batch_size
-    if per_rank % mbs:
+    if not packed and per_rank % mbs:
         raise LayoutError(
             f"each DP rank's mini-batch of {per_rank} samples must split into micro-batches of actor.parallel.micro_batch_size = {mbs}: "
             f"use a micro_batch_size in {_divisors(per_rank)}"

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from mcore_rl.algos import GlobalCounts, policy_loss
-from mcore_rl.batch import MicroBatch
+from mcore_rl.batch import MicroBatch, segment_rows
 from mcore_rl.config import AlgoConfig
 from mcore_rl.megatron.logprobs import vocab_parallel_log_probs
 
@@ -61,17 +61,19 @@ def make_policy_loss_fn(algo: AlgoConfig, counts: GlobalCounts, tp_group) -> Cal
         log_prob, entropy = next_token_log_probs(
             logits_shard, mb.tokens, algo.temperature, tp_group, with_entropy=algo.entropy_coef > 0
         )
-        optional = lambda t: None if t is None else t.float()
+        # packed: one row per sequence, so per-sequence reductions see the same rows as the padded layout
+        rows = (lambda t: segment_rows(t, mb.seq_lengths)) if mb.packed else (lambda t: t)
+        optional = lambda t: None if t is None else rows(t.float())
         return policy_loss(
-            log_prob,
-            mb.old_log_prob.float(),
-            mb.advantages.float(),
-            mb.loss_mask.float(),
+            rows(log_prob),
+            rows(mb.old_log_prob.float()),
+            rows(mb.advantages.float()),
+            rows(mb.loss_mask.float()),
             algo,
             counts,
             rollout_log_prob=optional(mb.rollout_log_prob),
             ref_log_prob=optional(mb.ref_log_prob),
-            entropy=entropy,
+            entropy=optional(entropy),
         )
 
     return loss_fn

@@ -54,6 +54,13 @@ class Platform:
         return _BACKENDS[self.name]
 
     @property
+    def packed_attention(self) -> str:
+        """How attention is confined to each sequence of a packed micro-batch: "thd" (Megatron's
+        PackedSeqParams with cu_seqlens, for Transformer Engine / MindSpeed flash attention) or "mask"
+        (a block-diagonal causal mask that Megatron's local DotProductAttention applies; CPU)."""
+        return "mask" if self.name == "cpu" else "thd"
+
+    @property
     def local_rank(self) -> int:
         return int(os.environ.get("LOCAL_RANK", "0"))
 

@@ -5,6 +5,12 @@ check = compare with it). For each of grpo / gspo / sapo a fresh Actor takes one
 the same global batch; every rank takes its data-parallel share split into N_MICRO micro-batches.
 Compared with the reference: the global loss, and the update (after - before) of EVERY parameter,
 exported with its Hugging Face name. Prints "LAYOUT_OK ..." lines; any mismatch raises.
+
+Then, in the same job, the packed path: another fresh Actor takes the step on the same global batch cut
+by `split_for_rank(max_tokens=BUDGET)` (DP shares balanced by tokens, sequences packed into rows,
+attention confined to each). Its log-probs (per sequence, at response positions), loss and updates
+are compared with the same padded world-1 reference: "PACKED_OK ..." lines. The MoE load-balancing
+loss is off in both (mbridge's Qwen3-MoE config: moe_router_load_balancing_type = "none"; asserted).
 """
 
 import os
@@ -14,6 +20,7 @@ import torch
 
 B, S, GROUP = 8, 16, 4
 REL_TOL = 1e-5
+BUDGET = 2 * S  # packed micro-batches: the longest sequence (S tokens) fits, several per rank
 ALGOS = {
     # hard clips (dual clip too) + token-level rollout IS: clipping paths must be hit
     "grpo": dict(loss="grpo", agg_mode="token-mean", clip_low=0.2, clip_high=0.28, dual_clip=1.5, rollout_is="token"),
@@ -31,12 +38,66 @@ def global_batch():
     loss_mask = torch.zeros(B, S)
     for i in range(B):
         prompt = 3 + i % 4
-        resp = 1 if i == 5 else int(torch.randint(3, S - prompt + 1, (1,), generator=g))
+        resp = int(torch.randint(3, S - prompt + 1, (1,), generator=g))
+        resp = 1 if i == 5 else S - prompt if i == 2 else resp  # a one-token response; one at the maximum
         tokens[i, : prompt + resp] = torch.randint(3, 128, (prompt + resp,), generator=g)
         loss_mask[i, prompt - 1 : prompt - 1 + resp] = 1.0  # position t predicts tokens[t + 1]
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.3, 0.9, 0.1, 0.5])
     noise = torch.randn(3, B, S, generator=g)
     return tokens, loss_mask, rewards, noise
+
+
+def compare(tag, name, metrics, update, want, layout_text, loss_abs_tol=0.0):
+    """Loss within REL_TOL relative (or `loss_abs_tol` absolute), every update within REL_TOL x the largest."""
+    rel_loss = abs(metrics["loss"] - want["loss"]) / abs(want["loss"])
+    assert rel_loss <= REL_TOL or abs(metrics["loss"] - want["loss"]) <= loss_abs_tol, (
+        f"{tag} {name}: loss {metrics['loss']} vs reference {want['loss']} (rel {rel_loss:.2e})"
+    )
+    assert set(update) == set(want["update"])
+    scale = max(float(u.abs().max()) for u in want["update"].values())
+    worst_name, worst = max(
+        ((n, float((update[n] - want["update"][n]).abs().max())) for n in update), key=lambda x: x[1]
+    )
+    assert worst <= REL_TOL * scale, (
+        f"{tag} {name}: update of {worst_name} differs by {worst:.3e} (largest update {scale:.3e})"
+    )
+    print(
+        f"{tag} {name} {layout_text} rank{torch.distributed.get_rank()}: loss {metrics['loss']:.8f} rel "
+        f"{rel_loss:.1e}; {len(update)} params, max |d update| {worst:.2e} ({worst_name}) vs largest update {scale:.2e}",
+        flush=True,
+    )
+
+
+def packed_step(actor, algo, tokens, loss_mask, advantages, lp_full, fields, counts):
+    """One step on packed token-budget micro-batches of the same global batch; returns (metrics, max
+    |packed - padded log-prob| at response positions, the micro-batches' lengths)."""
+    from mcore_rl.batch import RolloutBatch, pack_field, split_for_rank, unpack_rows
+    from mcore_rl.megatron.policy_loss import make_log_prob_fn, make_policy_loss_fn
+
+    layout = actor.layout
+    prompt_lens = (loss_mask.argmax(-1) + 1).long()
+    batch = RolloutBatch(
+        tokens,
+        loss_mask,
+        fields["rollout"],
+        advantages,
+        torch.zeros(B),
+        loss_mask.sum(-1).long(),
+        prompt_lens,
+    )
+    (mini,) = split_for_rank(batch, 1, layout.dp, layout.ranks.dp, max_tokens=BUDGET, multiple=layout.seq_len_multiple)
+    assert mini.counts == counts, (mini.counts, counts)
+    mbs = mini.micro_batches
+    lps = actor.forward_only(mbs, make_log_prob_fn(algo.temperature, layout.groups.tp))
+    lp_diff = 0.0
+    for mb, lp in zip(mbs, lps):
+        for row, piece in zip(mb.sequences, unpack_rows(lp.cpu(), mb)):
+            n = piece.shape[-1]
+            lp_diff = max(lp_diff, float(((piece[0] - lp_full[row, :n]) * loss_mask[row, :n]).abs().max()))
+        mb.old_log_prob = pack_field(fields["old"], mb)
+        mb.ref_log_prob = pack_field(fields["ref"], mb)
+    metrics = actor.train_step(mbs, make_policy_loss_fn(algo, mini.counts, layout.groups.tp))
+    return metrics, lp_diff, [mb.tokens.shape[1] for mb in mbs]
 
 
 def main():
@@ -101,29 +162,13 @@ def main():
                     ref_log_prob=ref_lp[sl],
                 )
             )
+        assert actor.tf_config.moe_router_load_balancing_type == "none", actor.tf_config.moe_router_load_balancing_type
         metrics = actor.train_step(train_mbs, make_policy_loss_fn(algo, counts, tp_group))
         update = {n: (t.float() - before[n].float()).clone() for n, t in actor.export_hf_weights()}
         results[name] = {"loss": metrics["loss"], "metrics": metrics, "update": update, "log_prob_full": lp_here}
+        layout_text = f"tp{tp} pp{pp} ep{ep} dp{dp}"
         if mode == "check":
-            want = ref[name]
-            rel_loss = abs(metrics["loss"] - want["loss"]) / abs(want["loss"])
-            assert rel_loss <= REL_TOL, (
-                f"{name}: loss {metrics['loss']} vs reference {want['loss']} (rel {rel_loss:.2e})"
-            )
-            assert set(update) == set(want["update"])
-            scale = max(float(u.abs().max()) for u in want["update"].values())
-            worst_name, worst = max(
-                ((n, float((update[n] - want["update"][n]).abs().max())) for n in update), key=lambda x: x[1]
-            )
-            assert worst <= REL_TOL * scale, (
-                f"{name}: update of {worst_name} differs by {worst:.3e} (largest update {scale:.3e})"
-            )
-            print(
-                f"LAYOUT_OK {name} tp{tp} pp{pp} ep{ep} dp{dp} micro{n_micro} rank{torch.distributed.get_rank()}: "
-                f"loss {metrics['loss']:.8f} rel {rel_loss:.1e}; {len(update)} params, max |d update| {worst:.2e} "
-                f"({worst_name}) vs largest update {scale:.2e}",
-                flush=True,
-            )
+            compare("LAYOUT_OK", name, metrics, update, ref[name], f"{layout_text} micro{n_micro}")
         else:
             cf = metrics.get("clipfrac_upper", 0.0) + metrics.get("clipfrac_lower", 0.0)
             if name == "grpo":  # every clipping branch is exercised by this batch
@@ -133,6 +178,26 @@ def main():
             if name == "gspo":  # some sequences clipped, some not (so the gradient is not all zero)
                 assert 0 < cf < 1, metrics
             print(f"REF {name}: loss {metrics['loss']:.8f} clipfrac {cf:.3f} metrics {metrics}", flush=True)
+        del actor
+
+        # -- the packed path, same global batch, same reference
+        actor = Actor(cfg, platform)
+        lp_all = ref[name]["log_prob_full"] if mode == "check" else lp_here
+        fields = {
+            "old": lp_all + 0.3 * noise[0],
+            "rollout": lp_all + 0.3 * noise[0] + 0.2 * noise[1],
+            "ref": lp_all + 0.5 * noise[2],
+        }
+        metrics, lp_diff, lengths = packed_step(actor, algo, tokens, loss_mask, advantages, lp_all, fields, counts)
+        assert lp_diff <= 1e-5, f"{name}: packed log-probs differ from the padded reference by {lp_diff:.2e}"
+        update = {n: (t.float() - before[n].float()).clone() for n, t in actor.export_hf_weights()}
+        want = ref[name] if mode == "check" else results[name]
+        # Packed log-probs equal the padded ones to ~5e-7, not bit for bit (RoPE angles of the same relative
+        # position are computed at other absolute positions of the row), and the loss averages them times
+        # advantages of order 1: an absolute 1e-6 is what that allows (gspo's loss, ~-0.008, is a difference
+        # of two terms ~0.015 and cannot meet 1e-5 relative from rounding alone). Updates: the usual bound.
+        text = f"{layout_text} rows {lengths} (padded {B // dp}x{S}) lp {lp_diff:.1e}"
+        compare("PACKED_OK", name, metrics, update, want, text, loss_abs_tol=1e-6)
         del actor
     if mode == "ref" and torch.distributed.get_rank() == 0:
         torch.save(results, os.path.join(out_dir, "ref.pt"))
