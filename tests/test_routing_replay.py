@@ -1,7 +1,7 @@
 """MoE routing replay (R2 / R3) on the real Megatron actor: see tests/workers/replay_layouts.py for the checks
 (replay of same-weight routes is bit-identical in logits, loss and grads; replay of perturbed routes uses
 exactly those experts and the mismatch metric equals an independent count; R3 from the embedded engine's
-routes gives 0 mismatch; misuse raises). Plus the packing of engine routes, in-process."""
+routes gives 0 mismatch; misuse raises; the same on packed token-budget micro-batches). Plus the packing of engine routes, in-process."""
 
 import pytest
 import torch
@@ -21,7 +21,7 @@ WORKER = REPO / "tests" / "workers" / "replay_layouts.py"
 )
 def test_routing_replay_layout(tiny_model_dir, nproc, tp, pp, ep, recompute):
     out = run_torchrun(WORKER, nproc, tiny_model_dir, tp, pp, ep, recompute)
-    assert out.count(" OK replay ") == nproc, out[-3000:]
+    assert out.count(" OK replay ") == nproc and out.count(" PACKED_REPLAY_OK ") == nproc, out[-3000:]
 
 
 def test_pack_rollout_routes_pads_with_distinct_experts():
