@@ -150,9 +150,7 @@ def main():
         print("| path | micro-batches per rank | computed / useful tokens | seconds | loss |")
         print("|---|---|---|---|---|")
         for path, r in results.items():
-            print(
-                f"| {path} | {r['micro']} | {r['computed'] / useful:.3f} | {r['seconds']:.2f} | {r['loss']:.6f} |"
-            )
+            print(f"| {path} | {r['micro']} | {r['computed'] / useful:.3f} | {r['seconds']:.2f} | {r['loss']:.6f} |")
         speedup = results["padded"]["seconds"] / results["packed"]["seconds"]
         print(
             f"packed: computed/useful {results['packed']['computed'] / useful:.3f} (target <= 1.1), "

@@ -280,9 +280,7 @@ def _lpt(items: list[int], sizes: list[int], bins: int) -> list[list[int]]:
     return [sorted(b) for b in out]
 
 
-def partition_by_tokens(
-    lengths: list[int], dp_size: int, max_tokens: int, multiple: int = 1
-) -> list[list[list[int]]]:
+def partition_by_tokens(lengths: list[int], dp_size: int, max_tokens: int, multiple: int = 1) -> list[list[list[int]]]:
     """Sequence indices of one mini-batch per data-parallel rank and micro-batch: [dp][micro] -> indices.
 
     DP shares: greedy LPT over sequence lengths (longest first, each to the rank with the fewest tokens),
@@ -293,7 +291,9 @@ def partition_by_tokens(
     deterministic: every rank computes the same partition from the same lengths.
     """
     if max_tokens < 1 or dp_size < 1 or multiple < 1:
-        raise ValueError(f"partition_by_tokens: max_tokens {max_tokens}, dp {dp_size}, multiple {multiple} must be >= 1")
+        raise ValueError(
+            f"partition_by_tokens: max_tokens {max_tokens}, dp {dp_size}, multiple {multiple} must be >= 1"
+        )
     longest = max(lengths, default=0)
     if _round_up(longest, multiple) > max_tokens:
         raise ValueError(

@@ -178,7 +178,9 @@ def test_partition_gives_empty_micro_batches_to_ranks_with_fewer_sequences():
 
 
 def test_partition_rejects_a_sequence_longer_than_the_budget_naming_both():
-    with pytest.raises(ValueError, match=r"sequence of 70 tokens \(padded to 72\) exceeds actor.max_tokens_per_micro_batch = 64"):
+    with pytest.raises(
+        ValueError, match=r"sequence of 70 tokens \(padded to 72\) exceeds actor.max_tokens_per_micro_batch = 64"
+    ):
         partition_by_tokens([10, 70, 3], 2, max_tokens=64, multiple=8)
     with pytest.raises(ValueError, match=r"padded to 72\) exceeds .* = 70"):
         partition_by_tokens([70], 1, max_tokens=70, multiple=8)

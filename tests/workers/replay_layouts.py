@@ -59,7 +59,9 @@ def packed_checks(actor, replay, samples, layout, full_logits):
     assert r3["routing/token_mismatch"] == 0.0, f"packed R3 routes misaligned: {r3}"
     gap = r3_gap = 0.0
     for mb, a, b in zip(mbs, plain, r3_logits):
-        for row, piece, replayed in zip(mb.sequences, unpack_rows(a.transpose(1, 2), mb), unpack_rows(b.transpose(1, 2), mb)):
+        for row, piece, replayed in zip(
+            mb.sequences, unpack_rows(a.transpose(1, 2), mb), unpack_rows(b.transpose(1, 2), mb)
+        ):
             length = int(batch.lengths[row])
             gap = max(gap, float((piece[0].t() - padded[row, :length]).abs().max()))
             r3_gap = max(r3_gap, float((replayed[0] - piece[0]).abs().max()))
