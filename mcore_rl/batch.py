@@ -362,6 +362,30 @@ def _packed_routes(part: RolloutBatch, lengths: list[int], row: int, num_experts
     return packed, packed_valid
 
 
+def merge_packed(micro_batches: list[MicroBatch], multiple: int, pad_id: int = 0) -> MicroBatch:
+    """Tokens of consecutive packed micro-batches in one packed row (their segments kept as they are), for a
+    forward-only pass under a larger token budget; no micro-batch: a filler of `multiple` pad tokens."""
+    if not micro_batches:
+        return MicroBatch(tokens=torch.full((1, multiple), pad_id, dtype=torch.long), seq_lengths=[multiple])
+    if not all(mb.packed for mb in micro_batches):
+        raise ValueError("merge_packed: every micro-batch must be packed (seq_lengths set)")
+    tokens = torch.cat([mb.tokens for mb in micro_batches], dim=1)
+    return MicroBatch(tokens=tokens, seq_lengths=[n for mb in micro_batches for n in mb.seq_lengths])
+
+
+def forward_groups(micro_batches: list[MicroBatch], max_tokens: int) -> list[list[int]]:
+    """Consecutive runs of micro-batches whose tokens together stay within `max_tokens` (greedy)."""
+    groups: list[list[int]] = []
+    total = max_tokens + 1
+    for i, mb in enumerate(micro_batches):
+        if total + mb.num_tokens > max_tokens:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += mb.num_tokens
+    return groups
+
+
 def pack_field(values: torch.Tensor, micro_batch: MicroBatch) -> torch.Tensor:
     """A per-token field of the padded mini-batch ([N, S], rows as in `micro_batch.sequences`) in the
     packed micro-batch's alignment [1, T] (zeros on the padding segment)."""

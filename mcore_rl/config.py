@@ -83,6 +83,10 @@ class ActorConfig:
     # at least data.max_prompt_len + rollout.max_new_tokens. None: fixed-size micro-batches of
     # parallel.micro_batch_size right-padded sequences.
     max_tokens_per_micro_batch: Optional[int] = None
+    # Forward-only passes (old-policy, reference, sync probe) may merge consecutive packed micro-batches up to
+    # this larger budget (no activations are kept for backward). None: the training budget. Not with R2
+    # (its routes are recorded per training micro-batch).
+    max_tokens_per_forward_micro_batch: Optional[int] = None
 
 
 @dataclass
@@ -442,6 +446,12 @@ def _check_ranges(cfg: Config) -> None:
     budget = cfg.actor.max_tokens_per_micro_batch
     if budget is not None:
         positive_ints["actor.max_tokens_per_micro_batch"] = budget
+    elif cfg.actor.max_tokens_per_forward_micro_batch is not None:
+        _require(
+            False,
+            "actor.max_tokens_per_forward_micro_batch is set but actor.max_tokens_per_micro_batch is not: "
+            "set the training budget too (packing), or unset the forward one",
+        )
     for key, v in positive_ints.items():
         _require(v >= 1, f"{key} = {v} must be >= 1: set it to 1 or more")
     non_negative = {
@@ -497,6 +507,12 @@ def _check_combinations(cfg: Config) -> list[str]:
             budget >= longest,
             f"actor.max_tokens_per_micro_batch = {budget} < data.max_prompt_len + rollout.max_new_tokens = {longest}: "
             f"the longest sequence must fit one micro-batch; raise it to at least {longest}",
+        )
+        forward = cfg.actor.max_tokens_per_forward_micro_batch
+        _require(
+            forward is None or forward >= budget,
+            f"actor.max_tokens_per_forward_micro_batch = {forward} < actor.max_tokens_per_micro_batch = {budget}: "
+            f"the forward-only budget must be at least the training one (or null)",
         )
         _require(
             not (cfg.model.moe_token_dispatcher == "allgather" and cfg.actor.parallel.ep > 1),

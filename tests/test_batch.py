@@ -9,6 +9,8 @@ import torch
 from mcore_rl.algos import GlobalCounts
 from mcore_rl.batch import (
     MicroBatch,
+    forward_groups,
+    merge_packed,
     pack_rollouts,
     partition_by_tokens,
     segment_rows,
@@ -236,3 +238,14 @@ def test_segment_rows_and_unpack_rows_undo_packing():
     assert stacked.shape == (2, 3, 4) and stacked[1, 2].tolist() == [-4, -5, -6, -7]
     with pytest.raises(ValueError, match="sum\\(seq_lengths\\)"):
         MicroBatch(torch.zeros(1, 8, dtype=torch.long), seq_lengths=[3, 4])
+
+
+def test_forward_groups_merge_consecutive_micro_batches_under_the_budget():
+    mbs = [MicroBatch(torch.arange(n).view(1, n), seq_lengths=[n - 1, 1]) for n in (4, 8, 4, 4, 12)]
+    assert forward_groups(mbs, 12) == [[0, 1], [2, 3], [4]]
+    assert forward_groups(mbs, 100) == [[0, 1, 2, 3, 4]]
+    merged = merge_packed(mbs[:2], multiple=4)
+    assert merged.seq_lengths == [3, 1, 7, 1] and merged.tokens.tolist() == [[0, 1, 2, 3] + list(range(8))]
+    assert merged.position_ids.tolist() == [[0, 1, 2, 0, 0, 1, 2, 3, 4, 5, 6, 0]]
+    filler = merge_packed([], multiple=4)
+    assert filler.seq_lengths == [4] and filler.tokens.shape == (1, 4)

@@ -35,7 +35,15 @@ from typing import Callable, Optional
 
 import torch
 
-from mcore_rl.batch import MicroBatch, MiniBatch, pack_token_lists, partition_by_tokens, unpack_rows
+from mcore_rl.batch import (
+    MicroBatch,
+    MiniBatch,
+    forward_groups,
+    merge_packed,
+    pack_token_lists,
+    partition_by_tokens,
+    unpack_rows,
+)
 from mcore_rl.config import AlgoConfig, Config, OptimConfig
 from mcore_rl.megatron.layout import Layout
 from mcore_rl.megatron.parallel import init_parallel
@@ -267,7 +275,7 @@ class Actor:
         temperature = self.cfg.algo.temperature if temperature is None else temperature
         post_fn = make_log_prob_fn(temperature, self.layout.groups.tp, with_entropy)
         if not record_routes:
-            return self.forward_only(micro_batches, post_fn)
+            return self._forward_merged(micro_batches, post_fn)
         with self._require_replay().recording() as recorded:
             out = self.forward_only(micro_batches, post_fn)
         valid = [mb.loss_mask > 0 for mb in micro_batches]  # the mismatch metric counts response tokens only
@@ -275,10 +283,28 @@ class Actor:
             mb.replay_routes = routes
         return out
 
+    def _forward_merged(self, micro_batches: list[MicroBatch], post_fn: PostFn) -> list[torch.Tensor]:
+        """forward_only, merging consecutive packed micro-batches up to actor.max_tokens_per_forward_micro_batch;
+        results are cut back to one per given micro-batch (packed alignment). Every DP rank runs the same
+        number of forwards (the max over DP; fillers make up the rest): expert all-to-alls span DP ranks."""
+        budget = self.cfg.actor.max_tokens_per_forward_micro_batch
+        if budget is None or not micro_batches or not micro_batches[0].packed:
+            return self.forward_only(micro_batches, post_fn)
+        groups = forward_groups(micro_batches, budget)
+        count = torch.tensor([len(groups)], dtype=torch.int64, device=self.platform.device)
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=self.layout.groups.dp)
+        groups += [[] for _ in range(int(count) - len(groups))]
+        multiple = self.layout.seq_len_multiple
+        merged = [merge_packed([micro_batches[i] for i in g], multiple) for g in groups]
+        out = []
+        for group, result in zip(groups, self.forward_only(merged, post_fn)):
+            out += list(result.split([micro_batches[i].num_tokens for i in group], dim=-1)) if group else []
+        return out
+
     def probe_log_probs(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float):
         """Reference for sync verification: log-probs of each sequence's tokens after its prompt.
         Packed under the actor's token budget (actor.max_tokens_per_micro_batch), like the training passes."""
-        budget = self.cfg.actor.max_tokens_per_micro_batch
+        budget = self.cfg.actor.max_tokens_per_forward_micro_batch or self.cfg.actor.max_tokens_per_micro_batch
         if budget is None:
             seq_len = self.layout.pad_length(max(map(len, sequences)))
             tokens = torch.zeros(len(sequences), seq_len, dtype=torch.long)

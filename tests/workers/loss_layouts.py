@@ -8,7 +8,7 @@ exported with its Hugging Face name. Prints "LAYOUT_OK ..." lines; any mismatch 
 
 Then, in the same job, the packed path: another fresh Actor takes the step on the same global batch cut
 by `split_for_rank(max_tokens=BUDGET)` (DP shares balanced by tokens, sequences packed into rows,
-attention confined to each). Its log-probs (per sequence, at response positions), loss and updates
+attention confined to each; the log-prob pass merges micro-batches up to a forward budget of 2 x BUDGET). Its log-probs (per sequence, at response positions), loss and updates
 are compared with the same padded world-1 reference: "PACKED_OK ..." lines. The MoE load-balancing
 loss is off in both (mbridge's Qwen3-MoE config: moe_router_load_balancing_type = "none"; asserted).
 """
@@ -72,7 +72,7 @@ def packed_step(actor, algo, tokens, loss_mask, advantages, lp_full, fields, cou
     """One step on packed token-budget micro-batches of the same global batch; returns (metrics, max
     |packed - padded log-prob| at response positions, the micro-batches' lengths)."""
     from mcore_rl.batch import RolloutBatch, pack_field, split_for_rank, unpack_rows
-    from mcore_rl.megatron.policy_loss import make_log_prob_fn, make_policy_loss_fn
+    from mcore_rl.megatron.policy_loss import make_policy_loss_fn
 
     layout = actor.layout
     prompt_lens = (loss_mask.argmax(-1) + 1).long()
@@ -88,7 +88,8 @@ def packed_step(actor, algo, tokens, loss_mask, advantages, lp_full, fields, cou
     (mini,) = split_for_rank(batch, 1, layout.dp, layout.ranks.dp, max_tokens=BUDGET, multiple=layout.seq_len_multiple)
     assert mini.counts == counts, (mini.counts, counts)
     mbs = mini.micro_batches
-    lps = actor.forward_only(mbs, make_log_prob_fn(algo.temperature, layout.groups.tp))
+    # through log_probs: merged forwards under actor.max_tokens_per_forward_micro_batch, cut back per micro-batch
+    lps = actor.log_probs(mbs, temperature=algo.temperature)
     lp_diff = 0.0
     for mb, lp in zip(mbs, lps):
         for row, piece in zip(mb.sequences, unpack_rows(lp.cpu(), mb)):
@@ -181,6 +182,7 @@ def main():
         del actor
 
         # -- the packed path, same global batch, same reference
+        cfg.actor.max_tokens_per_micro_batch, cfg.actor.max_tokens_per_forward_micro_batch = BUDGET, 2 * BUDGET
         actor = Actor(cfg, platform)
         lp_all = ref[name]["log_prob_full"] if mode == "check" else lp_here
         fields = {
