@@ -122,6 +122,19 @@ def test_close_choice_hint():
         (["actor.optim.decay_steps=0"], "actor.optim.decay_steps = 0 must be >= 1 or null"),
         (["checkpoint.keep_last=0"], "checkpoint.keep_last = 0 must be >= 1"),
         (["reward.fn=not a function"], "use 'task', 'math' or 'package.module:function'"),
+        (
+            ["actor.max_tokens_per_micro_batch=100", "data.max_prompt_len=64", "rollout.max_new_tokens=64"],
+            "actor.max_tokens_per_micro_batch = 100 < data.max_prompt_len + rollout.max_new_tokens = 128",
+        ),
+        (
+            ["actor.max_tokens_per_micro_batch=4096", "actor.max_tokens_per_forward_micro_batch=2048"],
+            "max_tokens_per_forward_micro_batch = 2048 < actor.max_tokens_per_micro_batch = 4096",
+        ),
+        (["actor.max_tokens_per_forward_micro_batch=2048"], "set the training budget too"),
+        (
+            ["actor.max_tokens_per_micro_batch=4096", "model.moe_token_dispatcher=allgather", "actor.parallel.ep=2"],
+            "use model.moe_token_dispatcher=alltoall",
+        ),
     ],
 )
 def test_impossible_combinations_rejected(overrides, expected):
