@@ -1,4 +1,4 @@
-"""`mcore-rl` command line: make-tiny, make-task, check, train, plot, convert.
+"""`mcore-rl` command line: make-tiny, make-task, check, plan, train, plot, convert.
 
 `train CONFIG [key=value ...]` validates the config and the parallel layout first (seconds, no process
 started), then re-executes itself under `torch.distributed.run` with trainer.nproc processes on this
@@ -111,6 +111,23 @@ def cmd_check(args) -> int:
     print(f"OK: {args.config}")
     print(describe(cfg, layout, nnodes, nproc))
     return 0
+
+
+def cmd_plan(args) -> int:
+    """The per-rank memory plan by phase (same inputs as `check`); exit 1 when it does not fit the device."""
+    from mcore_rl.megatron.memory_plan import plan_memory
+
+    cfg = load_config(args.config, args.overrides)
+    world, nnodes, nproc = _world(args, cfg)
+    dims = model_dims(cfg, args.model_config)
+    layout = validate_run(cfg, world, dims)
+    if args.device_memory is not None and args.device_memory <= 0:
+        raise ConfigError(f"--device-memory = {args.device_memory} must be > 0 GiB, e.g. --device-memory 80")
+    plan = plan_memory(cfg, layout, dims, args.device_memory)
+    print(f"plan: {args.config}")
+    print(describe(cfg, layout, nnodes, nproc))
+    print(plan.table())
+    return 1 if plan.fits is False else 0
 
 
 def _resolve_platform(cfg: Config) -> str:
@@ -229,16 +246,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, func, text in (
         ("check", cmd_check, "validate a config and its layout without starting anything"),
+        ("plan", cmd_plan, "per-rank device memory by phase, its peak and a verdict (no process, no weights)"),
         ("train", cmd_train, "train (starts torchrun with trainer.nproc processes, or runs inside one)"),
     ):
         p = sub.add_parser(name, help=text)
         p.add_argument("config")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.loss=sapo actor.parallel.tp=2")
-        if name == "check":
+        if name in ("check", "plan"):
             p.add_argument("--world-size", type=int)
             p.add_argument("--nnodes", type=int)
             p.add_argument("--nproc-per-node", type=int)
             p.add_argument("--model-config", help="the model's config.json (default: model.path/config.json)")
+        if name == "plan":
+            p.add_argument(
+                "--device-memory", type=float, help="device memory in GiB (e.g. 64, 80, 141) for the verdict"
+            )
         p.set_defaults(func=func)
 
     p = sub.add_parser("plot", help="write PNG curves of a run's metrics")

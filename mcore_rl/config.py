@@ -73,6 +73,10 @@ class OptimConfig:
     decay_style: DecayStyle = "constant"
     decay_steps: Optional[int] = None  # steps of the lr decay (after warmup); None -> trainer.steps
     use_distributed_optimizer: bool = False
+    grad_reduce_in_fp32: bool = True  # DDP gradient buffer in fp32 (false: the model dtype, half the bytes)
+    # Megatron's HybridDeviceOptimizer: this fraction of the optimizer state and its step on the host
+    # (0: off). Needs an accelerator and the distributed optimizer.
+    optimizer_offload_fraction: float = 0.0
 
 
 @dataclass
@@ -490,6 +494,10 @@ def _check_ranges(cfg: Config) -> None:
         0 < r.gpu_memory_utilization <= 1,
         f"rollout.gpu_memory_utilization = {r.gpu_memory_utilization} must lie in (0, 1]",
     )
+    _require(
+        0 <= o.optimizer_offload_fraction <= 1,
+        f"actor.optim.optimizer_offload_fraction = {o.optimizer_offload_fraction} must lie in [0, 1] (0: off)",
+    )
     _require(o.min_lr <= o.lr, f"actor.optim.min_lr = {o.min_lr} exceeds actor.optim.lr = {o.lr}: lower min_lr")
     _require(
         o.decay_steps is None or o.decay_steps >= 1,
@@ -561,6 +569,18 @@ def _check_combinations(cfg: Config) -> list[str]:
     if a.loss == "sapo" and a.tau_neg < a.tau_pos:
         warnings.append(
             f"sapo with tau_neg={a.tau_neg} < tau_pos={a.tau_pos}: the paper damps negative updates harder (tau_neg > tau_pos)"
+        )
+    o = cfg.actor.optim
+    if o.optimizer_offload_fraction > 0:
+        _require(
+            cfg.platform != "cpu",
+            "actor.optim.optimizer_offload_fraction > 0 moves optimizer state from the device to the host, "
+            "which is the same memory on platform=cpu: set it to 0",
+        )
+        _require(
+            o.use_distributed_optimizer,
+            "actor.optim.optimizer_offload_fraction > 0 runs Megatron's HybridDeviceOptimizer on the distributed "
+            "optimizer's shards: set actor.optim.use_distributed_optimizer=true",
         )
     _require(
         re.fullmatch(r"task|math|[\w.]+:\w+", cfg.reward.fn) is not None,

@@ -19,6 +19,8 @@ QWEN = ModelDims(
     hidden=2048,
     moe_ffn_hidden_size=768,
     moe_top_k=8,
+    head_dim=128,
+    ffn_hidden_size=6144,
 )
 DENSE = ModelDims(num_layers=4, num_attention_heads=8, num_query_groups=8, num_experts=0, vocab_size=1000, hidden=64)
 

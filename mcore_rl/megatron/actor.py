@@ -74,6 +74,9 @@ def _build_optimizer(chunks, optim: OptimConfig, dtype: torch.dtype, total_steps
         fp16=dtype == torch.float16,
         params_dtype=dtype,
         use_distributed_optimizer=optim.use_distributed_optimizer,
+        # HybridDeviceOptimizer (megatron-core 0.12.1 and 0.16.1 both have these fields)
+        optimizer_cpu_offload=optim.optimizer_offload_fraction > 0,
+        optimizer_offload_fraction=optim.optimizer_offload_fraction,
     )
     optimizer = get_megatron_optimizer(config, chunks)
     decay_steps = optim.decay_steps or total_steps
@@ -98,14 +101,14 @@ def _build_optimizer(chunks, optim: OptimConfig, dtype: torch.dtype, total_steps
     return optimizer, scheduler
 
 
-def _wrap_ddp(chunks, transformer_config, use_distributed_optimizer: bool, dtype: torch.dtype):
+def _wrap_ddp(chunks, transformer_config, optim: OptimConfig, dtype: torch.dtype):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
+        grad_reduce_in_fp32=optim.grad_reduce_in_fp32,
         overlap_grad_reduce=False,
-        use_distributed_optimizer=use_distributed_optimizer,
+        use_distributed_optimizer=optim.use_distributed_optimizer,
     )
     wrapped = []
     for i, chunk in enumerate(chunks):
@@ -160,7 +163,7 @@ class Actor:
         if frozen:
             self.model = _freeze(chunks, self.tf_config, self.dtype)
             return
-        self.model = _wrap_ddp(chunks, self.tf_config, cfg.actor.optim.use_distributed_optimizer, self.dtype)
+        self.model = _wrap_ddp(chunks, self.tf_config, cfg.actor.optim, self.dtype)
         self.tf_config.finalize_model_grads_func = finalize_model_grads
         self.tf_config.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
         if with_optimizer:

@@ -48,6 +48,9 @@ class ModelDims:
     hidden: int
     moe_ffn_hidden_size: int = 0  # per-expert FFN size (0: unknown / dense)
     moe_top_k: int = 0
+    head_dim: int = 0  # 0: hidden / heads
+    ffn_hidden_size: int = 0  # dense MLP size (intermediate_size)
+    tie_embeddings: bool = False
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> "ModelDims":
@@ -76,6 +79,9 @@ class ModelDims:
             hidden=int(get("hidden_size")),
             moe_ffn_hidden_size=int(get("moe_intermediate_size") or 0) if num_experts else 0,
             moe_top_k=int(get("num_experts_per_tok") or 0) if num_experts else 0,
+            head_dim=int(get("head_dim") or 0),
+            ffn_hidden_size=int(get("intermediate_size") or 0),
+            tie_embeddings=bool(get("tie_word_embeddings", False)),
         )
 
 

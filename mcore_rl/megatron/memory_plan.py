@@ -1,0 +1,510 @@
+"""Per-rank device memory of a run, by phase, before anything starts: pure Python, no Megatron import.
+
+`plan_memory(cfg, layout, dims, device_gib)` counts, for the most loaded pipeline stage, the bytes one
+rank holds in each phase of a step, from the model's dimensions (`ModelDims`), the layout that
+`validate_run` derived (`Layout`) and the config. `mcore-rl plan` prints the table, the peak, a verdict
+against the device memory and, for a plan that does not fit, the levers that would make it fit.
+
+What each phase holds (see docs/memory.md for the derivations):
+
+  rollout    the engine: weights at rollout.tp + its KV cache (vLLM reserves gpu_memory_utilization x
+             device, or weights + kv_cache_gb); the actor's state stays resident (parameters, gradient
+             buffers, optimizer state after the first step); the reference model's parameters (KL).
+  log-probs  the old-log-prob / reference pass: resident state + one layer's forward working set + the
+             output layer's logits [tokens, V/tp] and the log-prob chunk (the engine is asleep).
+  update     resident state + the activations kept for backward (all layers, or one layer's input each
+             under full recompute plus one recomputed layer) + the logits, their fp32 copy and gradient
+             + the largest parameter's gradient before DDP accumulates it; the optimizer step itself.
+  save       resident state after the step (the checkpoint writer stages tensors on the host).
+
+Resident actor state per rank (P_dense parameters replicated over DP x CP, P_expert over expert DP):
+  parameters (model dtype) + gradient buffer (fp32 with grad_reduce_in_fp32, else the model dtype)
+  + distributed optimizer shard: fp32 main parameters (half-precision models only), fp32 Adam moments
+    (2 x 4 bytes), fp32 main gradients when the buffer is half precision; sharded over DP x CP for
+    dense parameters and over expert DP for expert parameters; a fraction `optimizer_offload_fraction`
+    of it lives on the host instead (Megatron's HybridDeviceOptimizer).
+Activation bytes are the tensors autograd keeps in Megatron's layers as built by this project (local
+attention, our RMSNorm, SequentialMLP experts, alltoall dispatcher); device kernels (TE, MindSpeed)
+keep fewer, so on a device the activation rows are an upper estimate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from mcore_rl.config import Config
+from mcore_rl.megatron.layout import Layout, ModelDims
+
+GIB = 1 << 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+FP32 = 4
+ADAM_MOMENTS = 2  # exp_avg, exp_avg_sq (fp32 each)
+# Share of the device the runtime keeps outside tensors (allocator caches, communicator buffers,
+# kernels): the verdict keeps this headroom.
+RUNTIME_RESERVE = 0.08
+# vLLM's own non-KV, non-weight memory beyond the weights (activations of its profile run, graphs),
+# when kv_cache_gb is given instead of gpu_memory_utilization.
+ENGINE_OVERHEAD_GIB = 2.0
+LOGPROB_CHUNK_ELEMENTS = 1 << 25  # mcore_rl.megatron.logprobs.CHUNK_ELEMENTS (no torch import here)
+LOGPROB_CHUNK_TEMPS = 3  # fp32 [chunk, V/tp] temporaries alive at once in its forward/backward
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameters one rank of pipeline stage `stage` holds."""
+
+    stage: int
+    dense: int  # replicated over DP x CP (the distributed optimizer shards them over it)
+    expert: int  # replicated over expert DP
+    largest: int  # elements of the largest single parameter (its gradient exists once before accumulation)
+    first: bool
+    last: bool
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+def _head_dim(dims: ModelDims) -> int:
+    return dims.head_dim or dims.hidden // dims.num_attention_heads
+
+
+def layer_params(dims: ModelDims, layout: Layout) -> tuple[int, int, int]:
+    """(dense, expert, largest) parameters of one transformer layer on one rank."""
+    h, tp = dims.hidden, layout.tp
+    d = _head_dim(dims)
+    q, kv = dims.num_attention_heads * d, dims.num_query_groups * d
+    qkv = h * (q + 2 * kv) // tp
+    proj = q * h // tp
+    norms = 2 * h + 2 * d  # input / pre-MLP norms, q / k norms (replicated over TP)
+    if dims.num_experts:
+        ffn = dims.moe_ffn_hidden_size // layout.etp
+        per_expert = 3 * h * ffn  # fc1 (gate + up) and fc2
+        router = dims.num_experts * h
+        expert = dims.num_experts // layout.ep * per_expert
+        return qkv + proj + norms + router, expert, max(qkv, 2 * h * ffn, router)
+    ffn = dims.ffn_hidden_size // tp
+    return qkv + proj + norms + 3 * h * ffn, 0, max(qkv, 2 * h * ffn)
+
+
+def stage_params(dims: ModelDims, layout: Layout) -> list[StageParams]:
+    """Parameters per rank of every pipeline stage (embedding on the first, norm + output layer on the last)."""
+    dense, expert, largest = layer_params(dims, layout)
+    table = dims.vocab_size * dims.hidden // layout.tp
+    out = []
+    for s, layers in enumerate(layout.layers_per_stage):
+        first, last = s == 0, s == layout.pp - 1
+        d = layers * dense + (table if first else 0)
+        if last:
+            d += dims.hidden + (0 if (dims.tie_embeddings and first) else table)
+        big = max(largest, table if (first or last) else 0)
+        out.append(StageParams(s, d, layers * expert, big, first, last))
+    return out
+
+
+def total_params(dims: ModelDims) -> int:
+    """Parameters of the whole model (one copy, no parallelism)."""
+    whole = Layout(
+        world_size=1,
+        tp=1,
+        pp=1,
+        cp=1,
+        dp=1,
+        ep=1,
+        etp=1,
+        edp=1,
+        vpp=None,
+        sequence_parallel=False,
+        micro_batch_size=1,
+        layers_per_stage=(dims.num_layers,),
+        num_layers_in_first_stage=None,
+        num_layers_in_last_stage=None,
+        padded_vocab_size=dims.vocab_size,
+        seq_len_multiple=1,
+    )
+    return stage_params(dims, whole)[0].total
+
+
+@dataclass(frozen=True)
+class Item:
+    name: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    items: tuple[Item, ...]
+
+    @property
+    def total(self) -> int:
+        return sum(i.bytes for i in self.items)
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """The actor's resident state on one rank (device side)."""
+
+    params: int
+    grads: int
+    main_params: int  # fp32 copy of this rank's shard (half-precision models)
+    moments: int  # Adam exp_avg + exp_avg_sq of this rank's shard
+    main_grads: int  # fp32 copy of the shard's gradients when the buffer is half precision
+    host: int  # optimizer bytes kept on the host (optimizer_offload_fraction)
+
+    @property
+    def optimizer(self) -> int:
+        return self.main_params + self.moments + self.main_grads
+
+
+def state_bytes(cfg: Config, layout: Layout, sp: StageParams) -> StateBytes:
+    b = DTYPE_BYTES[cfg.model.dtype]
+    o = cfg.actor.optim
+    grad_b = FP32 if (o.grad_reduce_in_fp32 or b == FP32) else b
+    if o.use_distributed_optimizer:
+        shard = math.ceil(sp.dense / (layout.dp * layout.cp)) + math.ceil(sp.expert / layout.edp)
+    else:
+        shard = sp.total
+    main_params = shard * FP32 if b != FP32 else 0
+    moments = shard * FP32 * ADAM_MOMENTS
+    main_grads = shard * FP32 if grad_b != FP32 else 0
+    device = 1.0 - o.optimizer_offload_fraction
+    opt = main_params + moments + main_grads
+    return StateBytes(
+        params=sp.total * b,
+        grads=sp.total * grad_b,
+        main_params=int(main_params * device),
+        moments=int(moments * device),
+        main_grads=int(main_grads * device),
+        host=opt - int(opt * device),
+    )
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Token counts of one micro-batch on one rank."""
+
+    seq: int  # padded sequence length (prompt + response)
+    attn: int  # tokens of this CP rank: mbs * seq / cp
+    local: int  # tokens in sequence-parallel regions: attn / tp under sequence parallelism
+
+
+def micro_batch_tokens(cfg: Config, layout: Layout) -> Tokens:
+    """Today's batches are padded to max_prompt_len + max_new_tokens; one micro-batch holds
+    micro_batch_size of them (the worst case a step can reach)."""
+    seq = layout.pad_length(cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
+    attn = layout.micro_batch_size * seq // layout.cp
+    local = attn // layout.tp if layout.sequence_parallel else attn
+    return Tokens(seq, attn, local)
+
+
+def layer_activation_bytes(dims: ModelDims, layout: Layout, tok: Tokens, b: int) -> int:
+    """Bytes one transformer layer keeps for backward on one rank (no recompute).
+
+    Attention (T = tokens of this CP rank, t = T / tp under sequence parallelism, q = heads * head_dim):
+      input norm: fp32 input + normalised output (4 + b) t h, and the QKV linear's input b t h
+      q / k norms: (4 + b) T (q + kv) / tp; rotated q, GQA-expanded k and v, the context: 4 b T q / tp
+      scores: fp32 softmax output + its cast, (4 + b) per score (b = 4: the same tensor), mbs * heads/tp * s^2
+    MoE (k = top-k, f = expert FFN / etp, E = experts): pre-MLP norm (4 + b) t h, router input in fp32
+      4 t h (b < 4), router probabilities 3 x 4 t E; per routed row (t k of them): the sorted tokens and
+      the expert outputs before unpermute 2 b h, fc1 output + SiLU + product 4 b f.
+    Dense MLP (f = FFN / tp): fc1 input b t h, fc1 output + SiLU + product 4 b T f.
+    """
+    h, tp = dims.hidden, layout.tp
+    d = _head_dim(dims)
+    q, kv = dims.num_attention_heads * d, dims.num_query_groups * d
+    t, T = tok.local, tok.attn
+    half = b if b != FP32 else 0  # a cast to fp32 of an fp32 tensor is the tensor itself
+    attn = (FP32 + half + b) * t * h
+    attn += (FP32 + half) * T * (q + kv) // tp + 4 * b * T * q // tp
+    heads = dims.num_attention_heads // tp
+    seq_cp = tok.seq // layout.cp
+    attn += (FP32 + half) * layout.micro_batch_size * heads * seq_cp * seq_cp
+    if dims.num_experts:
+        f = dims.moe_ffn_hidden_size // layout.etp
+        rows = t * dims.moe_top_k
+        mlp = (FP32 + half) * t * h + (FP32 * t * h if b != FP32 else 0) + 3 * FP32 * t * dims.num_experts
+        mlp += rows * (2 * b * h + 4 * b * f)
+    else:
+        f = dims.ffn_hidden_size // tp
+        mlp = (FP32 + half) * t * h + b * t * h + 4 * b * T * f
+    return attn + mlp
+
+
+def logits_bytes(dims: ModelDims, layout: Layout, tok: Tokens, b: int, backward: bool) -> int:
+    """The output layer's logits [T, V/tp] (model dtype), their fp32 copy for the loss (b < 4), the
+    log-prob chunk's fp32 temporaries and, in backward, the fp32 gradient and its cast."""
+    v = dims.vocab_size // layout.tp
+    n = tok.attn * v
+    chunk = min(tok.attn, max(1, LOGPROB_CHUNK_ELEMENTS // v)) * v * FP32 * LOGPROB_CHUNK_TEMPS
+    out = n * b + (n * FP32 if b != FP32 else 0) + chunk
+    if backward:
+        out += n * FP32 + (n * b if b != FP32 else 0)
+    return out
+
+
+@dataclass(frozen=True)
+class EngineBytes:
+    weights: int
+    kv_cache: int
+    kv_tokens: int  # tokens the KV cache holds on this rank's replica
+    needed_tokens: int  # tokens of all the replica's samples at once
+
+
+def engine_bytes(cfg: Config, dims: ModelDims, layout: Layout, device_bytes: Optional[int]) -> EngineBytes:
+    """The rollout engine on one rank: vLLM at rollout.tp (weights, KV cache), or the embedded engine
+    (a full copy of the model, KV cache of all this rank's samples)."""
+    r = cfg.rollout
+    b = DTYPE_BYTES[cfg.model.dtype]
+    seq = cfg.data.max_prompt_len + r.max_new_tokens
+    samples = cfg.data.prompts_per_step * r.n
+    d = _head_dim(dims)
+    kv_per_token = 2 * dims.num_layers * dims.num_query_groups * d * b  # K and V, whole model
+    if r.engine == "embedded":
+        weights = total_params(dims) * b
+        mine = -(-samples // layout.world_size)
+        return EngineBytes(weights, kv_per_token * mine * seq, mine * seq, mine * seq)
+    weights = total_params(dims) * b // r.tp
+    per_rank_token = kv_per_token // min(r.tp, dims.num_query_groups)  # KV heads replicate beyond their count
+    if r.kv_cache_gb is not None:
+        kv = int(r.kv_cache_gb * GIB)
+    elif device_bytes is not None:
+        kv = max(0, int(r.gpu_memory_utilization * device_bytes) - weights - int(ENGINE_OVERHEAD_GIB * GIB))
+    else:
+        kv = 0
+    replicas = layout.world_size // r.tp
+    need = -(-samples // replicas) * seq
+    return EngineBytes(weights, kv, kv // max(per_rank_token, 1), need)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    phases: tuple[Phase, ...]
+    stage: int  # the pipeline stage the table shows (the most loaded one)
+    device_bytes: Optional[int]
+    state: StateBytes
+    engine: EngineBytes
+    notes: tuple[str, ...]
+    levers: tuple[str, ...]  # what would make a misfit fit (empty when it fits)
+
+    @property
+    def peak(self) -> Phase:
+        return max(self.phases, key=lambda p: p.total)
+
+    @property
+    def usable_bytes(self) -> Optional[int]:
+        return None if self.device_bytes is None else int(self.device_bytes * (1 - RUNTIME_RESERVE))
+
+    @property
+    def fits(self) -> Optional[bool]:
+        return None if self.device_bytes is None else self.peak.total <= self.usable_bytes
+
+    def phase(self, name: str) -> Phase:
+        return next(p for p in self.phases if p.name == name)
+
+    def table(self) -> str:
+        width = max(len(i.name) for p in self.phases for i in p.items) + 2
+        lines = [f"per-rank device memory, pipeline stage {self.stage} (GiB)"]
+        for p in self.phases:
+            lines.append(f"  {p.name:<{width}} {_gib(p.total):>8}")
+            lines += [f"    {i.name:<{width - 2}} {_gib(i.bytes):>8}" for i in p.items if i.bytes]
+        lines.append(f"  peak: {self.peak.name} {_gib(self.peak.total)} GiB")
+        if self.state.host:
+            lines.append(f"  host: optimizer state offloaded {_gib(self.state.host)} GiB per rank")
+        lines += [f"  note: {n}" for n in self.notes]
+        if self.device_bytes is not None:
+            verdict = "fits" if self.fits else "DOES NOT FIT"
+            lines.append(
+                f"verdict: {verdict} on a {_gib(self.device_bytes)} GiB device "
+                f"(usable {_gib(self.usable_bytes)} GiB after {RUNTIME_RESERVE:.0%} runtime reserve)"
+            )
+            lines += [f"  to fit: {lever}" for lever in self.levers]
+        return "\n".join(lines)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.1f}"
+
+
+def _phases(cfg: Config, dims: ModelDims, layout: Layout, sp: StageParams, device_bytes: Optional[int]):
+    b = DTYPE_BYTES[cfg.model.dtype]
+    st = state_bytes(cfg, layout, sp)
+    tok = micro_batch_tokens(cfg, layout)
+    layers = layout.layers_per_stage[sp.stage]
+    act = layer_activation_bytes(dims, layout, tok, b)
+    ref = sp.total * b if cfg.algo.kl_coef > 0 else 0
+    eng = engine_bytes(cfg, dims, layout, device_bytes)
+    resident = [
+        Item("actor parameters", st.params),
+        Item("actor gradient buffer", st.grads),
+        Item("optimizer shard (after step 1)", st.optimizer),
+        Item("reference parameters", ref),
+    ]
+    if cfg.rollout.engine == "vllm" and cfg.rollout.kv_cache_gb is None and device_bytes is not None:
+        engine_items = [
+            Item(
+                f"engine (gpu_memory_utilization {cfg.rollout.gpu_memory_utilization})",
+                eng.weights + eng.kv_cache + int(ENGINE_OVERHEAD_GIB * GIB),
+            )
+        ]
+    else:
+        overhead = int(ENGINE_OVERHEAD_GIB * GIB) if cfg.rollout.engine == "vllm" else 0
+        engine_items = [
+            Item("engine weights", eng.weights),
+            Item("engine KV cache", eng.kv_cache),
+            Item("engine runtime", overhead),
+        ]
+    rollout = Phase("rollout", tuple(engine_items + resident))
+    logits_fwd = logits_bytes(dims, layout, tok, b, backward=False) if sp.last else 0
+    logprob = Phase(
+        "log-probs", tuple(resident + [Item("one layer's forward", act), Item("logits + log-prob chunk", logits_fwd)])
+    )
+    # 1F1B keeps up to pp - stage micro-batches in flight on stage `stage`.
+    in_flight = min(layout.pp - sp.stage, _micro_batches(cfg, layout))
+    if cfg.model.recompute:
+        kept = in_flight * layers * tok.local * dims.hidden * b + act  # layer inputs + one recomputed layer
+        act_name = "activations (full recompute)"
+    else:
+        kept = in_flight * layers * act
+        act_name = "activations"
+    logits_bwd = logits_bytes(dims, layout, tok, b, backward=True) if sp.last else 0
+    update = Phase(
+        "update",
+        tuple(
+            resident
+            + [
+                Item(act_name, kept),
+                Item("logits, fp32 copy, gradient", logits_bwd),
+                Item("largest parameter's gradient", sp.largest * b),
+            ]
+        ),
+    )
+    save = Phase("save", tuple(resident + _save_items(cfg, layout, sp)))
+    return (rollout, logprob, update, save), st, eng, act
+
+
+def _save_items(cfg: Config, layout: Layout, sp: StageParams) -> list[Item]:
+    """What a checkpoint save adds (mcore_rl.megatron.checkpoint: distributed-optimizer state in the
+    "fully_reshardable" format, gathered with gloo into host memory of DP rank 0). Nothing on an
+    accelerator; on platform=cpu the host IS the device: DP rank 0 holds the gathered fp32 state
+    (param, exp_avg, exp_avg_sq) of every parameter, plus its own shard of the largest buffer, that
+    buffer's gathered list and its concatenation."""
+    if not cfg.actor.optim.use_distributed_optimizer or cfg.platform != "cpu":
+        return []
+    biggest, shards = max((sp.dense, layout.dp * layout.cp), (sp.expert, layout.edp))
+    host = 3 * FP32 * sp.total + 3 * FP32 * biggest // shards + 2 * FP32 * biggest
+    return [Item("checkpoint: gathered optimizer state (platform=cpu: host = device)", host)]
+
+
+def _micro_batches(cfg: Config, layout: Layout) -> int:
+    samples = cfg.data.prompts_per_step * cfg.rollout.n
+    return max(1, samples // (layout.dp * cfg.algo.mini_batches * layout.micro_batch_size))
+
+
+def plan_memory(
+    cfg: Config, layout: Layout, dims: ModelDims, device_gib: Optional[float] = None, with_levers: bool = True
+) -> MemoryPlan:
+    """The memory plan of `cfg` in `layout` (from `validate_run`) for a model of `dims`; for a misfit
+    (and `with_levers`) also the single changes that would make it fit."""
+    dims = ModelDims.from_hf(dims)
+    device_bytes = None if device_gib is None else int(device_gib * GIB)
+    best = None
+    for sp in stage_params(dims, layout):
+        phases, st, eng, act = _phases(cfg, dims, layout, sp, device_bytes)
+        peak = max(p.total for p in phases)
+        if best is None or peak > best[0]:
+            best = (peak, sp, phases, st, eng)
+    _, sp, phases, st, eng = best
+    notes = []
+    if cfg.rollout.engine == "vllm":
+        notes.append(
+            f"vLLM KV cache holds ~{eng.kv_tokens:,} tokens per replica; all its samples at once need {eng.needed_tokens:,}"
+        )
+    plan = MemoryPlan(phases, sp.stage, device_bytes, st, eng, tuple(notes), ())
+    if plan.fits is False and with_levers:
+        plan = replace(plan, levers=tuple(levers(cfg, layout, dims, plan)))
+    return plan
+
+
+def levers(cfg: Config, layout: Layout, dims: ModelDims, plan: MemoryPlan) -> list[str]:
+    """Each change that alone brings the peak under the usable device memory, with its new peak."""
+    out = []
+    usable = plan.usable_bytes
+    candidates = []
+    o = cfg.actor.optim
+    if not o.use_distributed_optimizer:
+        candidates.append(
+            ("actor.optim.use_distributed_optimizer=true", _with(cfg, "actor.optim.use_distributed_optimizer", True))
+        )
+    if o.grad_reduce_in_fp32 and cfg.model.dtype != "float32":
+        candidates.append(
+            ("actor.optim.grad_reduce_in_fp32=false", _with(cfg, "actor.optim.grad_reduce_in_fp32", False))
+        )
+    if not cfg.model.recompute:
+        candidates.append(("model.recompute=true", _with(cfg, "model.recompute", True)))
+    if o.optimizer_offload_fraction < 1.0 and cfg.platform != "cpu":
+        candidates.append(
+            ("actor.optim.optimizer_offload_fraction=1.0", _with(cfg, "actor.optim.optimizer_offload_fraction", 1.0))
+        )
+    if cfg.rollout.engine == "vllm":
+        for util in (0.5, 0.4, 0.3):
+            if util < cfg.rollout.gpu_memory_utilization:
+                candidates.append(
+                    (f"rollout.gpu_memory_utilization={util}", _with(cfg, "rollout.gpu_memory_utilization", util))
+                )
+    if cfg.rollout.max_new_tokens > 1024:
+        half = cfg.rollout.max_new_tokens // 2
+        candidates.append((f"rollout.max_new_tokens={half} (token budget)", _with(cfg, "rollout.max_new_tokens", half)))
+    for label, c in candidates:
+        p = plan_memory(c, layout, dims, plan.device_bytes / GIB, with_levers=False)
+        if p.fits:
+            out.append(f"{label} -> peak {_gib(p.peak.total)} GiB ({p.peak.name})")
+    if cfg.rollout.engine == "vllm" and plan.phase("rollout").total > usable:
+        resident = plan.state.params + plan.state.grads + plan.state.optimizer
+        out.append(
+            f"offloading the actor around rollout (not built yet) would take {_gib(resident)} GiB off the rollout phase"
+        )
+    out += layout_levers(cfg, layout, dims, plan)
+    if not out:
+        out.append("no single change suffices: combine the levers above, or a layout with more ranks (dp / ep / pp)")
+    return out
+
+
+def layout_levers(cfg: Config, layout: Layout, dims: ModelDims, plan: MemoryPlan, count: int = 2) -> list[str]:
+    """Other layouts of the same world size (tp, pp, ep; etp 1) that fit, lowest peak first."""
+    from mcore_rl.megatron.layout import LayoutError, validate_run
+
+    found = []
+    world = layout.world_size
+    for tp in (1, 2, 4, 8):
+        for pp in (1, 2, 4, 8):
+            for ep in (1, 2, 4, 8, 16, 32, 64):
+                if (tp, pp, ep) == (layout.tp, layout.pp, layout.ep) or world % (tp * pp * layout.cp):
+                    continue
+                c = _with(
+                    _with(_with(_with(cfg, "actor.parallel.tp", tp), "actor.parallel.pp", pp), "actor.parallel.ep", ep),
+                    "actor.parallel.etp",
+                    1,
+                )
+                try:
+                    lay = validate_run(c, world, dims)
+                except LayoutError:
+                    continue
+                p = plan_memory(c, lay, dims, plan.device_bytes / GIB, with_levers=False)
+                if p.fits:
+                    found.append(
+                        (
+                            p.peak.total,
+                            f"layout tp{tp} pp{pp} ep{ep} etp1 (dp{lay.dp}, edp{lay.edp}) -> peak {_gib(p.peak.total)} GiB ({p.peak.name})",
+                        )
+                    )
+    return [text for _, text in sorted(found)[:count]]
+
+
+def _with(cfg: Config, dotted: str, value) -> Config:
+    section, *rest = dotted.split(".")
+    if not rest:
+        return replace(cfg, **{section: value})
+    return replace(cfg, **{section: _with(getattr(cfg, section), ".".join(rest), value)})

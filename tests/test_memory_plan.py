@@ -1,0 +1,168 @@
+"""The memory plan (mcore_rl.megatron.memory_plan, `mcore-rl plan`): pure Python, no process.
+
+Parameter counts are checked against real models (the tiny HF checkpoint, the Qwen3 config's known
+size); the byte rules against hand-computed cases; the presets against the devices they name.
+The plan's agreement with measured peaks is benchmarks/memory_plan.py (README: "Memory plan").
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mcore_rl.config import load_config
+from mcore_rl.megatron.layout import ModelDims, validate_run
+from mcore_rl.megatron.memory_plan import plan_memory, stage_params, state_bytes, total_params
+from tests.test_cli import QWEN_JSON, cli
+
+PRESETS = sorted(QWEN_JSON.parent.glob("*.yaml"))
+
+
+def test_total_params_equal_the_hf_models(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    want = sum(p.numel() for p in hf.parameters())
+    assert total_params(ModelDims.from_hf(tiny_model_dir)) == want
+    # Qwen3-30B-A3B: 30.5B parameters (its model card)
+    assert abs(total_params(ModelDims.from_hf(QWEN_JSON)) / 1e9 - 30.5) < 0.1
+
+
+def test_stage_params_split_over_the_layout():
+    dims = ModelDims.from_hf(QWEN_JSON)
+    one = stage_params(dims, validate_run(load_config(None), 1, dims))[0]
+    cfg = load_config(
+        None, ["actor.parallel.tp=2", "actor.parallel.pp=2", "actor.parallel.ep=4", "actor.parallel.etp=1"]
+    )
+    first, last = stage_params(dims, validate_run(cfg, 16, dims))
+    # experts split over EP x stages; embedding on the first stage, output layer on the last, both over TP
+    assert first.expert + last.expert == one.expert // 4
+    table = dims.vocab_size * dims.hidden
+    assert first.dense - last.dense == table // 2 - (table // 2 + dims.hidden)
+
+
+def test_state_bytes_follow_the_levers():
+    dims = ModelDims.from_hf(QWEN_JSON)
+    base = ["model.dtype=bfloat16", "actor.parallel.ep=2", "platform=cuda"]
+    cfg = load_config(None, base)
+    lay = validate_run(cfg, 4, dims)  # dp 4, edp 2
+    sp = stage_params(dims, lay)[0]
+    plain = state_bytes(cfg, lay, sp)
+    assert plain.params == 2 * sp.total and plain.grads == 4 * sp.total
+    assert plain.main_params == 4 * sp.total and plain.moments == 8 * sp.total and plain.main_grads == 0
+    dist = state_bytes(load_config(None, base + ["actor.optim.use_distributed_optimizer=true"]), lay, sp)
+    shard = -(-sp.dense // 4) + -(-sp.expert // 2)
+    assert dist.moments == 8 * shard and dist.main_params == 4 * shard
+    bf16_grads = state_bytes(
+        load_config(
+            None, base + ["actor.optim.use_distributed_optimizer=true", "actor.optim.grad_reduce_in_fp32=false"]
+        ),
+        lay,
+        sp,
+    )
+    assert bf16_grads.grads == 2 * sp.total and bf16_grads.main_grads == 4 * shard
+    off = state_bytes(
+        load_config(
+            None, base + ["actor.optim.use_distributed_optimizer=true", "actor.optim.optimizer_offload_fraction=1"]
+        ),
+        lay,
+        sp,
+    )
+    assert off.optimizer == 0 and off.host == dist.optimizer
+
+
+def test_recompute_and_budget_lower_the_update_peak():
+    dims = ModelDims.from_hf(QWEN_JSON)
+    cfg = load_config(QWEN_JSON.parent / "gpu8_tp2_ep8.yaml", ["model.recompute=false"])
+    lay = validate_run(cfg, 8, dims)
+    full = plan_memory(cfg, lay, dims).phase("update").total
+    recompute = plan_memory(load_config(QWEN_JSON.parent / "gpu8_tp2_ep8.yaml"), lay, dims).phase("update").total
+    shorter = load_config(QWEN_JSON.parent / "gpu8_tp2_ep8.yaml", ["rollout.max_new_tokens=1024"])
+    budget = plan_memory(shorter, validate_run(shorter, 8, dims), dims).phase("update").total
+    assert full > recompute > budget
+
+
+def test_a_misfit_names_levers_that_fit():
+    dims = ModelDims.from_hf(QWEN_JSON)
+    cfg = load_config(QWEN_JSON.parent / "gpu8_tp2_ep8.yaml", ["actor.optim.optimizer_offload_fraction=0"])
+    plan = plan_memory(cfg, validate_run(cfg, 8, dims), dims, device_gib=80)
+    assert plan.fits is False and plan.levers
+    assert any(lever.startswith("actor.optim.optimizer_offload_fraction=1.0 -> peak") for lever in plan.levers)
+    # npu16 without the optimizer offload: other layouts of the same 16 devices fit a 64 GB NPU
+    npu16 = ["actor.optim.optimizer_offload_fraction=0", "rollout.gpu_memory_utilization=0.35"]
+    cfg = load_config(QWEN_JSON.parent / "npu16_tp4_ep4.yaml", npu16)
+    plan = plan_memory(cfg, validate_run(cfg, 16, dims), dims, device_gib=64)
+    layouts = [lever for lever in plan.levers if lever.startswith("layout tp")]
+    assert plan.fits is False and layouts
+    for lever in layouts:  # each suggested layout passes the pre-flight and fits when planned on its own
+        tp, pp, ep = (int(lever.split()[1 + i][2:]) for i in range(3))
+        alt = load_config(
+            QWEN_JSON.parent / "npu16_tp4_ep4.yaml",
+            [
+                *npu16,
+                f"actor.parallel.tp={tp}",
+                f"actor.parallel.pp={pp}",
+                f"actor.parallel.ep={ep}",
+                "actor.parallel.etp=1",
+            ],
+        )
+        assert plan_memory(alt, validate_run(alt, 16, dims), dims, device_gib=64).fits
+
+
+def _named_devices(preset: Path) -> list[float]:
+    """The devices a preset is written for: its `# devices: 64, 80` comment line (GiB)."""
+    for line in preset.read_text().splitlines():
+        if line.startswith("# devices:"):
+            return [float(x) for x in line.split(":", 1)[1].replace("GiB", "").split(",")]
+    raise AssertionError(f"{preset.name} has no '# devices: ...' line naming the devices it is sized for")
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
+def test_every_preset_fits_the_devices_it_names(preset):
+    cfg = load_config(preset)
+    dims = ModelDims.from_hf(QWEN_JSON)
+    lay = validate_run(cfg, cfg.trainer.nnodes * cfg.trainer.nproc, dims)
+    for gib in _named_devices(preset):
+        plan = plan_memory(cfg, lay, dims, device_gib=gib)
+        assert plan.fits, f"{preset.name} does not fit {gib} GiB:\n{plan.table()}"
+
+
+def test_plan_cli_prints_phases_and_verdict(tmp_path):
+    preset = QWEN_JSON.parent / "gpu8_tp2_ep8.yaml"
+    proc = cli("plan", preset, "--model-config", QWEN_JSON, "--device-memory", 141)
+    assert proc.returncode == 0, proc.stderr
+    for phase in ("rollout", "log-probs", "update", "save", "peak:", "verdict: fits on a 141.0 GiB device"):
+        assert phase in proc.stdout
+    proc = cli("plan", preset, "--model-config", QWEN_JSON, "--device-memory", 24)
+    assert proc.returncode == 1 and "DOES NOT FIT" in proc.stdout and "to fit:" in proc.stdout
+    proc = cli("plan", preset, "--model-config", QWEN_JSON, "--device-memory", -1)
+    assert proc.returncode == 2 and "--device-memory" in proc.stderr
+    # same inputs as `check`: a layout `check` rejects is rejected here, with the same message
+    bad = cli(
+        "plan",
+        QWEN_JSON.parent / "npu32_tp4_pp4_ep8.yaml",
+        "--nnodes",
+        2,
+        "--nproc-per-node",
+        8,
+        "--model-config",
+        QWEN_JSON,
+    )
+    assert bad.returncode == 2 and "ep*etp = 8*1 = 8 must divide" in bad.stderr
+
+
+def test_offload_fraction_is_checked_at_load_time():
+    from mcore_rl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="platform=cpu"):
+        load_config(None, ["platform=cpu", "actor.optim.optimizer_offload_fraction=0.5"])
+    with pytest.raises(ConfigError, match="use_distributed_optimizer=true"):
+        load_config(None, ["platform=cuda", "actor.optim.optimizer_offload_fraction=0.5"])
+    with pytest.raises(ConfigError, match=r"must lie in \[0, 1\]"):
+        load_config(None, ["actor.optim.optimizer_offload_fraction=2"])
+
+
+def test_qwen_config_is_what_the_plan_reads():
+    raw = json.loads(QWEN_JSON.read_text())
+    dims = ModelDims.from_hf(QWEN_JSON)
+    assert (dims.head_dim, dims.ffn_hidden_size, dims.tie_embeddings) == (128, raw["intermediate_size"], False)
