@@ -71,6 +71,48 @@ def test_bad_input_is_rejected():
 def test_tp2_equals_full_vocab(nproc):
     out = run_torchrun(REPO / "tests/workers/loss_logprobs_tp.py", nproc, timeout=120)
     assert out.count("LOGPROB_TP_OK") == nproc, out
+    assert out.count("FUSED_TP_OK") == nproc, out  # fused_output_log_probs at TP2 (same job)
+
+
+@pytest.mark.parametrize("temperature,dtype", [(1.0, torch.float32), (0.7, torch.float32)])
+def test_fused_output_log_probs_equal_todays_path_tp1(temperature, dtype):
+    """TP1: fused (hidden + output weight, chunked, recomputed in backward) == projection + today's path."""
+    from mcore_rl.megatron.logprobs import fused_output_log_probs, vocab_parallel_log_probs
+
+    g = torch.Generator().manual_seed(3)
+    n, vocab, h = 41, 96, 16
+    hidden = torch.randn(2, n, h, generator=g, dtype=dtype)
+    weight = torch.randn(vocab, h, generator=g, dtype=dtype) * 0.7
+    target = torch.randint(0, vocab, (2, n), generator=g)
+    g_lp, g_h = torch.randn(2, n, generator=g), torch.randn(2, n, generator=g)
+
+    def run(fused):
+        x, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        if fused:
+            lp, ent = fused_output_log_probs(x, w, target, temperature, with_entropy=True, chunk_tokens=7)
+        else:
+            lp, ent = vocab_parallel_log_probs(x @ w.t(), target, temperature, with_entropy=True)
+        ((lp * g_lp).sum() + (ent * g_h).sum()).backward()
+        return lp.detach(), ent.detach(), x.grad, w.grad
+
+    for a, b in zip(run(True), run(False)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # and without entropy: only log-probs, no entropy gradient path
+    x = hidden.clone().requires_grad_(True)
+    lp, ent = fused_output_log_probs(x, weight, target, temperature)
+    assert ent is None
+    lp.sum().backward()
+    want = torch.log_softmax(hidden @ weight.t() / temperature, -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(lp.detach(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_output_log_probs_rejects_bad_shapes():
+    from mcore_rl.megatron.logprobs import fused_output_log_probs
+
+    with pytest.raises(ValueError, match=r"must be target"):
+        fused_output_log_probs(torch.zeros(4, 8), torch.zeros(10, 6), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        fused_output_log_probs(torch.zeros(4, 8), torch.zeros(10, 8), torch.zeros(4, dtype=torch.long), 0.0)
 
 
 # ---------------------------------------------------------------- the actor's loss_fn (world 1)

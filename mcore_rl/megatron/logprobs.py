@@ -137,3 +137,125 @@ def vocab_parallel_log_probs(
         flat_logits, target.reshape(-1).long(), float(temperature), group, int(chunk_tokens), with_entropy
     )
     return log_prob.view(lead), (entropy.view(lead) if with_entropy else None)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# From the last hidden states: the output projection fused into the chunks (no [tokens, V/tp] logits)
+# ---------------------------------------------------------------------------------------------------------
+
+FUSED_CHUNK_ELEMENTS = 1 << 24  # fused path: ~16M fp32 values (64 MiB) per [chunk, V/tp] temporary
+
+
+def _project(hidden_chunk: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Scaled fp32 logits of one chunk, computed as the output layer does (in the weight's dtype)."""
+    return _scaled(hidden_chunk @ weight.t(), temperature)
+
+
+class _FusedOutputLogProbs(torch.autograd.Function):
+    """log p(target) and entropy from hidden [n, h] and this rank's output weight shard [V/tp, h].
+
+    Forward keeps per token only the max and log Z; backward recomputes each chunk's logits from the
+    saved hidden states and weight, so at no time does more than one chunk of [chunk, V/tp] exist.
+    Returns d/d hidden as THIS rank's partial sum over its vocabulary shard (like the matrix product
+    of a column-parallel output layer): the caller's tensor-parallel region op sums it over TP.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, temperature, group, chunk_tokens, with_entropy):
+        n = hidden.shape[0]
+        local_vocab = weight.shape[0]
+        vocab_start = _vocab_start(local_vocab, group)
+        log_prob = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        entropy, maxes, log_zs = torch.empty_like(log_prob), torch.empty_like(log_prob), torch.empty_like(log_prob)
+        for s in range(0, n, chunk_tokens):
+            e = min(s + chunk_tokens, n)
+            z = _project(hidden[s:e], weight, temperature)
+            m, log_z, tgt, mean_shifted = _chunk_stats(z, target[s:e], vocab_start, group)
+            del z
+            log_prob[s:e] = tgt - log_z
+            entropy[s:e] = log_z - mean_shifted
+            maxes[s:e], log_zs[s:e] = m, log_z
+        ctx.save_for_backward(hidden, weight, target, maxes, log_zs, entropy)
+        ctx.temperature, ctx.chunk_tokens, ctx.vocab_start, ctx.with_entropy = (
+            temperature,
+            chunk_tokens,
+            vocab_start,
+            with_entropy,
+        )
+        ctx.mark_non_differentiable(target)
+        return log_prob, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_prob, grad_entropy):
+        hidden, weight, target, maxes, log_zs, entropy = ctx.saved_tensors
+        n, local_vocab = hidden.shape[0], weight.shape[0]
+        g_lp = grad_log_prob.float()
+        g_h = grad_entropy.float() if ctx.with_entropy and grad_entropy is not None else torch.zeros_like(g_lp)
+        a, b = -g_lp - g_h * entropy, -g_h  # as in _VocabParallelLogProbs.backward
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        )
+        for s in range(0, n, ctx.chunk_tokens):
+            e = min(s + ctx.chunk_tokens, n)
+            log_p = _project(hidden[s:e], weight, ctx.temperature)
+            log_p -= (maxes[s:e] + log_zs[s:e]).unsqueeze(-1)
+            g = torch.addcmul(a[s:e].unsqueeze(-1), b[s:e].unsqueeze(-1), log_p)
+            g.mul_(log_p.exp_())
+            del log_p
+            local_ids = target[s:e] - ctx.vocab_start
+            rows = torch.nonzero((local_ids >= 0) & (local_ids < local_vocab)).squeeze(-1)
+            g[rows, local_ids[rows]] += g_lp[s:e][rows]
+            if ctx.temperature != 1.0:
+                g.div_(ctx.temperature)
+            g = g.to(weight.dtype)  # d logits, in the dtype the output layer's backward would see
+            if grad_hidden is not None:
+                grad_hidden[s:e] = g @ weight
+            if grad_weight is not None:
+                grad_weight.addmm_(g.t().float(), hidden[s:e].float())
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def fused_output_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    temperature: float = 1.0,
+    group: dist.ProcessGroup | None = None,
+    with_entropy: bool = False,
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`vocab_parallel_log_probs(hidden @ weight.T, ...)` without the [tokens, V/tp] logits, in forward
+    or backward: the output projection runs per chunk of tokens and is recomputed in backward.
+
+    hidden: [..., h] the last hidden states (after the final norm), the same on every rank of `group`;
+    weight: [V/tp, h] this rank's output-layer shard (rank r owns ids [r * V/tp, (r+1) * V/tp));
+    target: [...] global token ids. Returns (log_prob [...], entropy [...] or None), fp32.
+    Gradients: w.r.t. weight (this shard), and w.r.t. hidden as this rank's partial sum over its
+    vocabulary shard - wrap `hidden` with the tensor-parallel region op that sums it (Megatron's
+    copy_to_tensor_model_parallel_region, or gather_from_sequence_parallel_region under sequence
+    parallelism) as the output layer does.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}; use the rollout's sampling temperature")
+    if hidden.shape[:-1] != target.shape or hidden.shape[-1] != weight.shape[-1]:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} must be target {tuple(target.shape)} x h and weight {tuple(weight.shape)} [V/tp, h]"
+        )
+    if chunk_tokens is None:
+        chunk_tokens = max(1, FUSED_CHUNK_ELEMENTS // weight.shape[0])
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    lead = target.shape
+    log_prob, entropy = _FusedOutputLogProbs.apply(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        target.reshape(-1).long(),
+        float(temperature),
+        group,
+        int(chunk_tokens),
+        with_entropy,
+    )
+    return log_prob.view(lead), (entropy.view(lead) if with_entropy else None)

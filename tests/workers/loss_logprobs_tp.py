@@ -2,12 +2,16 @@
 
 Every rank builds the same full logits, keeps its vocabulary slice, and compares values and the
 gradient of its slice with the plain-torch reference. Prints LOGPROB_TP_OK on success.
+Then the fused path (`fused_output_log_probs`: hidden states + this rank's output-weight shard, no
+logits tensor) against today's path on the same shard (projection + `vocab_parallel_log_probs`):
+log-probs, entropy, d hidden (this rank's partial sum) and d weight shard, and the summed d hidden
+against the full-vocabulary plain-torch reference. Prints FUSED_TP_OK on success.
 """
 
 import torch
 import torch.distributed as dist
 
-from mcore_rl.megatron.logprobs import vocab_parallel_log_probs
+from mcore_rl.megatron.logprobs import fused_output_log_probs, vocab_parallel_log_probs
 
 
 def reference(logits, target, temperature, g_lp, g_h):
@@ -43,7 +47,47 @@ def main():
         f"rank {rank}: LOGPROB_TP_OK max|dlp|={float((lp.detach() - want_lp).abs().max()):.2e} max|dgrad|={float(err):.2e}",
         flush=True,
     )
+    check_fused(rank, world)
     dist.destroy_process_group()
+
+
+def check_fused(rank, world):
+    g = torch.Generator().manual_seed(1)
+    n, vocab, h, temperature = 29, 128, 24, 0.8
+    hidden = torch.randn(n, h, generator=g)
+    weight = torch.randn(vocab, h, generator=g) / h**0.5 * 3
+    target = torch.randint(0, vocab, (n,), generator=g)
+    g_lp, g_h = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    shard = vocab // world
+    w_mine = weight[rank * shard : (rank + 1) * shard]
+
+    def run(fused):
+        x = hidden.clone().requires_grad_(True)
+        w = w_mine.clone().requires_grad_(True)
+        if fused:
+            lp, ent = fused_output_log_probs(x, w, target, temperature, dist.group.WORLD, True, chunk_tokens=6)
+        else:
+            lp, ent = vocab_parallel_log_probs(x @ w.t(), target, temperature, dist.group.WORLD, True, chunk_tokens=6)
+        ((lp * g_lp).sum() + (ent * g_h).sum()).backward()
+        return lp.detach(), ent.detach(), x.grad, w.grad
+
+    got, today = run(True), run(False)
+    for name, a, b in zip(("log_prob", "entropy", "d_hidden", "d_weight"), got, today):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"fused {name}: {m}")
+    # independent reference: the full-vocabulary projection + log_softmax on one rank
+    x = hidden.clone().requires_grad_(True)
+    want_lp, want_ent, _ = reference(x @ weight.t(), target, temperature, g_lp, g_h)
+    torch.testing.assert_close(got[0], want_lp, rtol=1e-5, atol=1e-5)
+    x = hidden.clone().requires_grad_(True)
+    logp_all = torch.log_softmax(x @ weight.t() / temperature, dim=-1)
+    lp = logp_all.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    ((lp * g_lp).sum() + (ent * g_h).sum()).backward()
+    summed = got[2].clone()
+    dist.all_reduce(summed)  # what the tensor-parallel region op does with the partial sums
+    torch.testing.assert_close(summed, x.grad, rtol=1e-5, atol=1e-5)
+    err = max(float((a - b).abs().max()) for a, b in zip(got, today))
+    print(f"rank {rank}: FUSED_TP_OK max|fused - today|={err:.2e}", flush=True)
 
 
 if __name__ == "__main__":
