@@ -23,7 +23,15 @@ from mcore_rl.models.bridge import _unwrap
 
 # Optimizer state keyed by parameter, not by optimizer index: layouts differ in how many optimizers
 # Megatron chains (dense + expert), so a prefix per optimizer would not match across layouts.
-_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+# The distributed optimizer's state is gathered over DP with gloo into host memory of DP rank 0
+# ("mem_efficient"); the default gathers each whole gradient buffer in fp32 on the DEVICE of every
+# rank (4 bytes x the expert buffer: ~29 GiB per NPU for Qwen3-30B-A3B at TP4 EP4), which the memory
+# plan (mcore_rl/megatron/memory_plan.py) showed to be the peak of a checkpoint save.
+_SHARDING = {
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "distrib_optim_fully_reshardable_mem_efficient": True,
+    "chained_optim_avoid_prefix": True,
+}
 
 
 def _model_keys(n_chunks: int) -> list[str]:
