@@ -92,11 +92,49 @@ def main():
         moved = max((want["weights"][k] - ckpt[k]).abs().max().item() for k in after)
         assert moved > 1e-3, f"reference step did not move the weights ({moved})"
         assert worst < 1e-5, f"updated weights differ from the world-1 reference by {worst} (step size {moved})"
+    if mode == "check":
+        check_frozen_reference(cfg, platform, actor, mbs, next_token_logprobs, ref_lp)
     print(
         f"rank {rank} OK logits {diff:.2e} logprobs {lp_diff:.2e} loss {metrics['loss']:.6f} grad_norm {metrics['grad_norm']:.6f}",
         flush=True,
     )
     torch.distributed.barrier()
+
+
+def check_frozen_reference(cfg, platform, actor, mbs, next_token_logprobs, ref_lp):
+    """Actor.frozen: no DDP wrapper, no gradient buffer, nothing requires grad, and the same log-probs as HF.
+
+    The trained actor in the same process is the contrast: its parameters carry DDP's `main_grad`
+    views into a gradient buffer; the reference's must carry none, and its buffers must not hold
+    anything parameter-sized."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    from mcore_rl.megatron.actor import Actor
+
+    assert all(hasattr(p, "main_grad") for m in actor.chunks for p in m.parameters()), "the DDP actor has no main_grad"
+    ref = Actor.frozen(cfg, platform)
+    params = [p for m in ref.chunks for p in m.parameters()]
+    assert params and ref.optimizer is None
+    assert not any(isinstance(m, DistributedDataParallel) for m in ref.chunks), "the reference is DDP-wrapped"
+    assert not any(p.requires_grad for p in params), "a reference parameter requires grad"
+    assert not any(hasattr(p, "main_grad") or p.grad is not None for p in params), (
+        "a reference parameter has a gradient"
+    )
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    buffer_bytes = sum(b.numel() * b.element_size() for m in ref.chunks for b in m.buffers())
+    assert buffer_bytes < param_bytes / 10, (
+        f"reference buffers hold {buffer_bytes} bytes beside {param_bytes} of parameters"
+    )
+    storages = {p.untyped_storage().data_ptr() for p in params}
+    assert len(storages) == len(params), "reference parameters share one flat buffer (a DDP param/grad buffer)"
+    lp = torch.cat(ref.forward_only(mbs, next_token_logprobs))
+    assert not lp.requires_grad
+    ref_diff = (lp - ref_lp).abs().max().item()
+    assert ref_diff <= 1e-4, f"reference log-probs differ from HF by {ref_diff}"
+    with torch.enable_grad():  # even with autograd on, a forward through the reference records no graph
+        mb = mbs[0].to(platform.device)
+        out = ref.chunks[0](mb.tokens, mb.position_ids, mb.attention_mask) if ref.layout.pp == 1 else None
+    assert out is None or not out.requires_grad, "the reference forward recorded an autograd graph"
 
 
 if __name__ == "__main__":
