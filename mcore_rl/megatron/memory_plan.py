@@ -387,15 +387,20 @@ def _phases(cfg: Config, dims: ModelDims, layout: Layout, sp: StageParams, devic
 
 def _save_items(cfg: Config, layout: Layout, sp: StageParams) -> list[Item]:
     """What a checkpoint save adds (mcore_rl.megatron.checkpoint: distributed-optimizer state in the
-    "fully_reshardable" format, gathered with gloo into host memory of DP rank 0). Nothing on an
-    accelerator; on platform=cpu the host IS the device: DP rank 0 holds the gathered fp32 state
-    (param, exp_avg, exp_avg_sq) of every parameter, plus its own shard of the largest buffer, that
-    buffer's gathered list and its concatenation."""
-    if not cfg.actor.optim.use_distributed_optimizer or cfg.platform != "cpu":
+    "fully_reshardable" format, gathered with gloo into host memory of DP rank 0; Megatron's torch_dist
+    writer copies device tensors to the host). Nothing on an accelerator. On platform=cpu the host IS
+    the device: the writer clones every tensor that is a view of a larger storage (parameters in DDP's
+    flat buffers, shards of a split tensor: counted as one copy of the parameters), and DP rank 0 holds
+    the gathered fp32 state (param, exp_avg, exp_avg_sq) of every parameter, plus its own shard of the
+    largest buffer, that buffer's gathered list and its concatenation."""
+    if cfg.platform != "cpu":
         return []
-    biggest, shards = max((sp.dense, layout.dp * layout.cp), (sp.expert, layout.edp))
-    host = 3 * FP32 * sp.total + 3 * FP32 * biggest // shards + 2 * FP32 * biggest
-    return [Item("checkpoint: gathered optimizer state (platform=cpu: host = device)", host)]
+    items = [Item("checkpoint: writer's copies of parameter views (cpu)", sp.total * DTYPE_BYTES[cfg.model.dtype])]
+    if cfg.actor.optim.use_distributed_optimizer:
+        biggest, shards = max((sp.dense, layout.dp * layout.cp), (sp.expert, layout.edp))
+        host = 3 * FP32 * sp.total + 3 * FP32 * biggest // shards + 2 * FP32 * biggest
+        items.append(Item("checkpoint: gathered optimizer state (cpu)", host))
+    return items
 
 
 def _micro_batches(cfg: Config, layout: Layout) -> int:
