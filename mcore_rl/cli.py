@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from mcore_rl.compat import describe_versions
 from mcore_rl.config import Config, ConfigError, check_paths, load_config
 from mcore_rl.megatron.layout import Layout, LayoutError, ModelDims, validate_run
 
@@ -110,6 +111,7 @@ def cmd_check(args) -> int:
     layout = preflight(cfg, world, args.model_config)
     print(f"OK: {args.config}")
     print(describe(cfg, layout, nnodes, nproc))
+    print(describe_versions())
     return 0
 
 

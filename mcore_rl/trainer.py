@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mcore_rl.compat import describe_versions
 from mcore_rl.config import Config, save_config
 
 log = logging.getLogger("mcore_rl.trainer")
@@ -315,6 +316,7 @@ def _setup_logging() -> None:
 
 def run(cfg: Config) -> None:
     _setup_logging()
+    log.info("%s", describe_versions())
     torch.manual_seed(cfg.trainer.seed)
     Trainer(cfg).fit()
     if dist.is_initialized():

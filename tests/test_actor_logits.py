@@ -4,11 +4,16 @@ Per layout (one torchrun job each): logits == HF logits and next-token log-probs
 (<= 1e-4, fp32); export gives every HF tensor bit-identical to the checkpoint; one train_step with a
 global-token-mean NLL over 4 sequences gives the same loss, grad norm and updated weights as a
 world-1 run with one micro-batch (Adam with a huge eps, so the update is linear in the gradient).
+A layout the installed megatron-core cannot run (TP2 / ETP1 on 0.12) must instead be rejected by the
+pre-flight, before any process starts.
 """
 
 import pytest
 import torch
 
+from mcore_rl.compat import megatron as compat_megatron
+from mcore_rl.config import ParallelConfig
+from mcore_rl.megatron.layout import LayoutError, validate_layout
 from tests.torchrun_util import REPO, run_torchrun
 
 WORKER = REPO / "tests" / "workers" / "actor_layouts.py"
@@ -45,5 +50,9 @@ def reference(tiny_model_dir, tmp_path_factory):
     ids=["tp2-sp", "tp2-etp1", "ep2-dp2", "pp2", "tp2-ep2-dp2"],
 )
 def test_actor_layout_matches_reference(reference, tiny_model_dir, nproc, tp, pp, ep, etp, n_micro):
+    if compat_megatron.layout_problem(tp, ep, etp, tp > 1, None):  # megatron-core < 0.13 with TP2 / ETP1
+        with pytest.raises(LayoutError, match=r"megatron-core .* \(< 0\.13\).*set actor\.parallel\.etp = 2"):
+            validate_layout(ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp), nproc, tiny_model_dir, platform="cpu")
+        return
     out = run_torchrun(WORKER, nproc, reference, tiny_model_dir, tp, pp, ep, etp, n_micro, "check")
     assert out.count(" OK logits ") == nproc, out[-3000:]

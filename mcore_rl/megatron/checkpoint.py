@@ -7,8 +7,9 @@ publishes it atomically around this call. All ranks must call both functions (co
 Traps handled here (docs/megatron-on-cpu.md records how each was found):
   * the optimizer's sharded state dict must be built with is_loading=True for loading, or the
     optimizer state silently stays as it was;
-  * the distributed optimizer is saved "fully_reshardable" so that a checkpoint written at one DP
-    size loads at another;
+  * the distributed optimizer is saved reshardable ("fully_reshardable" from megatron-core 0.15,
+    "fully_sharded_model_space" before; compat.megatron) so that a checkpoint written at one DP size loads
+    at another;
   * `extra` is stored as common (rank-0) state: it must be identical on every rank.
 """
 
@@ -19,19 +20,8 @@ from typing import Any, Optional
 
 import torch
 
+from mcore_rl.compat import megatron as compat_megatron
 from mcore_rl.models.bridge import _unwrap
-
-# Optimizer state keyed by parameter, not by optimizer index: layouts differ in how many optimizers
-# Megatron chains (dense + expert), so a prefix per optimizer would not match across layouts.
-# The distributed optimizer's state is gathered over DP with gloo into host memory of DP rank 0
-# ("mem_efficient"); the default gathers each whole gradient buffer in fp32 on the DEVICE of every
-# rank (4 bytes x the expert buffer: ~29 GiB per NPU for Qwen3-30B-A3B at TP4 EP4), which the memory
-# plan (mcore_rl/megatron/memory_plan.py) showed to be the peak of a checkpoint save.
-_SHARDING = {
-    "distrib_optim_sharding_type": "fully_reshardable",
-    "distrib_optim_fully_reshardable_mem_efficient": True,
-    "chained_optim_avoid_prefix": True,
-}
 
 
 def _model_keys(n_chunks: int) -> list[str]:
@@ -57,8 +47,8 @@ def _state(actor, is_loading: bool, with_optimizer: bool) -> dict:
     model_sd = _model_sharded_state_dict(actor)
     state = dict(model_sd)
     if with_optimizer and actor.optimizer is not None:
-        state["optimizer"] = actor.optimizer.sharded_state_dict(
-            _flat_model_sd(model_sd), is_loading=is_loading, metadata=dict(_SHARDING)
+        state["optimizer"] = compat_megatron.optimizer_sharded_state_dict(
+            actor.optimizer, _flat_model_sd(model_sd), is_loading
         )
     return state
 

@@ -15,6 +15,8 @@ The rules mirror what Megatron-Core asserts later (parallel_state, TransformerCo
   tp | vocabulary                                    (VocabParallelEmbedding; see `_check_vocab`)
   MoE with tp > 1 needs sequence parallel            (Megatron raises in training; turned on with a warning)
   cp > 1 needs Transformer Engine / MindSpeed attention (the local attention asserts cp == 1)
+  layouts the installed megatron-core cannot run    (compat.megatron.layout_problem: version read from the
+                                                     package metadata, Megatron itself is not imported)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from mcore_rl.compat import megatron as compat_megatron
 from mcore_rl.config import Config, ParallelConfig
 
 # Megatron-LM's default `--make-vocab-size-divisible-by`; its vocabulary padding multiple is this x TP.
@@ -337,6 +340,9 @@ def validate_layout(parallel: ParallelConfig, world_size: int, dims: Any, platfo
     _check_context_parallel(p, platform)
     warnings: list[str] = []
     sp = _sequence_parallel(p, dims, warnings)
+    problem = compat_megatron.layout_problem(p.tp, p.ep, p.expert_tp, sp, p.virtual_pp)
+    if problem:
+        raise LayoutError(problem)
     if platform == "cpu" and p.expert_tp > 1 and p.ep > 1:
         warnings.append(
             f"etp = {p.expert_tp} with ep > 1 on CPU: gloo rejects the uneven all-gather of the alltoall dispatcher; etp = 1 avoids it"

@@ -15,13 +15,15 @@ Swapping mbridge for Megatron-Bridge means re-implementing `_MbridgeBackend` onl
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import re
 from typing import Iterator, Optional
 
 import torch
 
+from mcore_rl.compat import mbridge as compat_mbridge
+from mcore_rl.compat import megatron as compat_megatron
+from mcore_rl.compat import transformers as compat_transformers
 from mcore_rl.config import ModelConfig
 from mcore_rl.megatron.layout import Layout
 from mcore_rl.models.hf_io import torch_dtype
@@ -30,7 +32,8 @@ from mcore_rl.platform.shm_gather import Arena, GroupGather
 
 logger = logging.getLogger(__name__)
 
-# Fused kernels that need Transformer Engine / Apex; the local spec must run without them.
+# Fused kernels that need Transformer Engine / Apex; the local spec must run without them. Flags the installed
+# megatron-core does not know (moe_router_fusion before 0.14) are dropped by compat.megatron.known_config_fields.
 _NO_FUSION = dict(
     bias_activation_fusion=False,
     masked_softmax_fusion=False,
@@ -45,16 +48,9 @@ _NO_FUSION = dict(
 
 
 def load_hf_config(path: str):
-    """AutoConfig, with `rope_theta` restored where transformers >= 5 moved it into rope_parameters."""
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(path)
-    if getattr(cfg, "rope_theta", None) is None:
-        rope = getattr(cfg, "rope_parameters", None) or {}
-        if "rope_theta" not in rope:
-            raise ValueError(f"{path}/config.json has neither rope_theta nor rope_parameters.rope_theta")
-        cfg.rope_theta = rope["rope_theta"]  # mbridge reads hf_config.rope_theta
-    return cfg
+    """AutoConfig with `rope_theta` as config.json states it (top level or in rope_parameters; mbridge reads
+    hf_config.rope_theta): see compat.transformers."""
+    return compat_transformers.load_config(path)
 
 
 class RMSNorm(torch.nn.Module):
@@ -114,11 +110,8 @@ class _MbridgeBackend:
     """The mbridge pieces we use: config building, name mapping, HF <-> fused Megatron formats."""
 
     def __init__(self, hf_config, dtype: torch.dtype, extra_config: dict, use_te: bool):
-        from mbridge import AutoBridge
-
         self.use_te = use_te
-        self.impl = AutoBridge.from_config(hf_config, dtype=dtype)
-        self.impl.set_extra_args(**extra_config)
+        self.impl = compat_mbridge.bridge_from_config(hf_config, dtype, extra_config)
         if not use_te:
             self.impl._get_transformer_layer_spec = self._local_layer_spec
 
@@ -131,7 +124,7 @@ class _MbridgeBackend:
 
         kwargs = {"normalization": "RMSNorm"}
         # vp_stage appeared in megatron-core 0.13; 0.12 (Ascend stacks) builds the current stage.
-        self.impl.has_vp_stage = "vp_stage" in inspect.signature(get_gpt_decoder_block_spec).parameters
+        self.impl.has_vp_stage = compat_megatron.builds_with_vp_stage()
         if self.impl.has_vp_stage:
             kwargs["vp_stage"] = vp_stage
         spec = get_gpt_decoder_block_spec(self.impl.config, use_transformer_engine=False, **kwargs)
@@ -229,14 +222,13 @@ class ModelBridge:
         if layout.num_layers_in_last_stage is not None:
             extra["num_layers_in_last_pipeline_stage"] = layout.num_layers_in_last_stage
         if not use_te:
-            extra.update(_NO_FUSION)
+            extra.update(compat_megatron.known_config_fields(_NO_FUSION))
         return extra
 
     def build_model(self, layout: Layout, model_cfg: ModelConfig) -> list[torch.nn.Module]:
         """This rank's model chunks (several with virtual pipeline stages), on the platform's device.
 
         `layout` must be bound to the process groups (init_parallel); it is kept for load / export."""
-        from megatron.core import parallel_state as mpu
         from megatron.core import tensor_parallel
 
         extra = self.megatron_config_overrides(layout, model_cfg)
@@ -245,11 +237,7 @@ class ModelBridge:
             self.hf_config, torch_dtype(model_cfg.dtype), extra, use_te=self.platform.name != "cpu"
         )
         provider = self._backend.provider()
-        vpp = layout.vpp
-        if vpp and "vp_stage" not in inspect.signature(mpu.is_pipeline_first_stage).parameters:
-            raise ValueError(
-                "virtual_pp needs megatron-core >= 0.13 (vp_stage-aware model building); unset actor.parallel.virtual_pp"
-            )
+        vpp = layout.vpp  # needs megatron-core >= 0.13: validate_layout (compat.megatron.layout_problem) checked it
         first, last = layout.is_first_stage, layout.is_last_stage
         chunks = []
         for vp_stage in range(vpp or 1):

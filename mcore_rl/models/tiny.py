@@ -13,6 +13,8 @@ import string
 from dataclasses import dataclass
 from pathlib import Path
 
+from mcore_rl.compat import transformers as compat_transformers
+
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"  # end-of-turn: generation stops here
@@ -99,11 +101,9 @@ def build_hf_config(shape: TinyModelShape = TinyModelShape()):
         eos_token_id=vocab[IM_END],
         architectures=["Qwen3MoeForCausalLM"],
     )
-    try:  # transformers >= 5 keeps rope settings in rope_parameters; 4.x reads rope_theta.
-        config = Qwen3MoeConfig(rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta}, **kwargs)
-    except TypeError:
-        config = Qwen3MoeConfig(rope_theta=shape.rope_theta, **kwargs)
-    if not hasattr(config, "rope_theta") or getattr(config, "rope_theta", None) is None:
+    # transformers >= 5 keeps rope settings in rope_parameters; 4.x reads rope_theta (compat.transformers).
+    config = Qwen3MoeConfig(**compat_transformers.rope_config_kwargs(shape.rope_theta), **kwargs)
+    if getattr(config, "rope_theta", None) is None:
         config.rope_theta = shape.rope_theta  # read by mbridge and by vLLM builds pinned to transformers 4.x
     config.head_dim = shape.head_dim
     return config

@@ -29,6 +29,7 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
+from mcore_rl.compat import transformers as compat_transformers
 from mcore_rl.models.hf_io import torch_dtype
 from mcore_rl.rollout.base import RolloutEngine, RolloutSample, SamplingParams, check_generate_request, check_token_ids
 
@@ -154,13 +155,13 @@ class EmbeddedEngine(RolloutEngine):
         With `config` (a transformers config), the model is built from it with random weights instead and
         `model_path` only supplies the tokenizer: for engines whose weights all come by sync (benchmarks).
         """
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.model_path = str(model_path)
         self.dtype = torch_dtype(dtype)
         self.device = torch.device(device)
         self.max_batch_tokens = max_batch_tokens  # bounds the sequences run in one batch (memory)
-        self.config = config if config is not None else AutoConfig.from_pretrained(self.model_path)
+        self.config = config if config is not None else compat_transformers.load_config(self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.eos_token_id = self.tokenizer.eos_token_id
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0

@@ -1,0 +1,268 @@
+"""megatron-core version differences (supported: 0.12.1 - 0.16.x; see docs/versions.md).
+
+API differences (chosen by the installed version):
+  * `vp_stage` in model building (`get_gpt_decoder_block_spec`, `is_pipeline_*_stage`): from 0.13.
+    0.12 builds the current virtual stage only, so virtual pipeline stages need >= 0.13
+    (`layout_problem` rejects them before any process starts).
+  * `TransformerConfig` fields: `moe_router_fusion` exists from 0.14. A fusion flag the installed
+    version does not know is a fusion it cannot switch on, so `known_config_fields` drops it.
+  * optimizer `sharded_state_dict(..., metadata=...)` (`optimizer_sharded_state_dict`): 0.12 takes no
+    `metadata` (its distributed optimizer's default sharding is `fully_sharded_model_space`); 0.13/0.14 know
+    `fully_sharded_model_space` but not `fully_reshardable` (0.15+; "Unknown sharding_type" otherwise);
+    `chained_optim_avoid_prefix` exists from 0.14. Without it the chained optimizers' state is keyed
+    `chained_<i>.`; that still matches across layouts because every layout chains the same two optimizers
+    (dense + expert: models/bridge.py marks experts in every layout).
+
+Upstream defects worked around (`apply_shims`, called once per process before Megatron is used):
+  * `_write_item` (megatron-core < 0.13 with torch >= 2.7): torch added a required `serialization_format`
+    argument to `torch.distributed.checkpoint.filesystem._write_item`; megatron-core 0.12's
+    `FileSystemWriterAsync` calls it without, so every dist-checkpoint save fails. The shim passes
+    `SerializationFormat.TORCH_SAVE` (the value 0.13 passes) to the name bound in megatron's module only.
+    MindSpeed 2.2.0_core_r0.12.1 does not patch this (it replaces `preload_tensors` only).
+  * `fp8 quantize without TE` (megatron-core < 0.13 without Transformer Engine): the distributed optimizer
+    calls `quantize_param_shard` on every step, and 0.12's fallback raises "Invalid Transformer Engine
+    version for FP8 distributed optimizer" even when no parameter is fp8. The shim returns early when
+    there are no fp8 parameters and calls the original otherwise. MindSpeed 2.2.0_core_r0.12.1 replaces
+    `quantize_param_shard` itself (a warning-only function); then the bound function is not megatron's
+    own and the shim is not installed, so the two never stack.
+  * `np.product` (megatron-core < 0.16 with numpy >= 2): dist_checkpointing (`mapping`, `validation`,
+    `exchange_utils`) calls `np.product`, removed in numpy 2; distributed-optimizer checkpoints fail.
+    The shim gives those three modules a numpy namespace that also has `product` (= `numpy.prod`);
+    numpy itself is not changed. Ascend images with numpy 1.26 never need it.
+
+Defect rejected instead (`layout_problem`, run by the layout pre-flight):
+  * megatron-core < 0.13 with tp > 1, ep = 1, etp = 1 and sequence parallel: the experts' row-parallel
+    linear reduce-scatters its output over the dense TP group although the experts are not split over it
+    (gloo aborts on a size mismatch; on devices the result would be silently wrong). Fixed in 0.13.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import importlib.util
+import inspect
+import types
+from typing import Optional
+
+from packaging.version import Version
+
+from mcore_rl.compat import Shim, at_least, installed_version
+
+_DISTRIBUTION = "megatron-core"
+_NUMPY_PRODUCT_MODULES = (
+    "megatron.core.dist_checkpointing.mapping",
+    "megatron.core.dist_checkpointing.validation",
+    "megatron.core.dist_checkpointing.exchange_utils",
+)
+
+
+def version() -> Optional[Version]:
+    """The installed megatron-core version (None when absent)."""
+    return installed_version(_DISTRIBUTION)
+
+
+def _before(v: str) -> bool:
+    return installed_version(_DISTRIBUTION) is not None and not at_least(_DISTRIBUTION, v)
+
+
+# ---- model building ------------------------------------------------------------------------------
+
+
+def builds_with_vp_stage() -> bool:
+    """Model building takes `vp_stage` (megatron-core >= 0.13)."""
+    return at_least(_DISTRIBUTION, "0.13")
+
+
+@functools.lru_cache(maxsize=None)
+def _transformer_config_fields() -> frozenset[str]:
+    from megatron.core.transformer import TransformerConfig
+
+    return frozenset(f.name for f in dataclasses.fields(TransformerConfig))
+
+
+def known_config_fields(flags: dict) -> dict:
+    """`flags` without the entries the installed `TransformerConfig` has no field for (e.g. moe_router_fusion
+    before 0.14). Only for switches whose absence means "off"."""
+    fields = _transformer_config_fields()
+    return {k: v for k, v in flags.items() if k in fields}
+
+
+# ---- layout --------------------------------------------------------------------------------------
+
+
+def layout_problem(tp: int, ep: int, etp: int, sequence_parallel: bool, virtual_pp: Optional[int]) -> Optional[str]:
+    """Why the installed megatron-core cannot run this layout (one line naming the fix), or None."""
+    v = version()
+    if v is None or v >= Version("0.13"):
+        return None
+    if tp > 1 and ep == 1 and etp == 1 and sequence_parallel:
+        return (
+            f"tp = {tp} with ep = 1, etp = 1 and sequence parallel is wrong on megatron-core {v} (< 0.13): the experts "
+            f"reduce-scatter their output over the TP group they are not split over; set actor.parallel.etp = {tp}, "
+            f"or ep > 1, or upgrade megatron-core to >= 0.13"
+        )
+    if virtual_pp is not None:
+        return (
+            f"virtual_pp = {virtual_pp} needs megatron-core >= 0.13 (vp_stage-aware model building; installed {v}): "
+            f"unset actor.parallel.virtual_pp or upgrade megatron-core"
+        )
+    return None
+
+
+# ---- optimizer checkpoint ------------------------------------------------------------------------
+
+
+def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict: dict, is_loading: bool) -> dict:
+    """The optimizer's sharded state dict, keyed by parameter and reshardable across DP sizes where the
+    installed version allows it (see the module docstring)."""
+    if _before("0.13"):
+        return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading)
+    metadata = {
+        "distrib_optim_sharding_type": "fully_reshardable"
+        if at_least(_DISTRIBUTION, "0.15")
+        else "fully_sharded_model_space"
+    }
+    if at_least(_DISTRIBUTION, "0.14"):
+        metadata["chained_optim_avoid_prefix"] = True
+    # Gather the distributed optimizer's state over DP with gloo into DP rank 0's HOST memory; the default
+    # gathers each whole gradient buffer in fp32 on the device of every rank (~29 GiB per NPU for
+    # Qwen3-30B-A3B at TP4 EP4), the peak of a checkpoint save in the memory plan. Versions that do not
+    # know the flag ignore it (it is read with metadata.get).
+    metadata["distrib_optim_fully_reshardable_mem_efficient"] = True
+    return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
+
+
+# ---- upstream defect shims -----------------------------------------------------------------------
+
+
+def _write_item_needs_format() -> bool:
+    from torch.distributed.checkpoint import filesystem
+
+    param = inspect.signature(filesystem._write_item).parameters.get("serialization_format")
+    return param is not None and param.default is inspect.Parameter.empty
+
+
+def _numpy_lacks_product() -> bool:
+    import numpy
+
+    return not hasattr(numpy, "product")
+
+
+def _te_absent() -> bool:
+    return importlib.util.find_spec("transformer_engine") is None
+
+
+_SHIMS = types.MappingProxyType(
+    {
+        "write_item": Shim(
+            "write_item serialization_format",
+            "megatron-core < 0.13 with torch >= 2.7",
+            "dist-checkpoint saves call torch's _write_item without its new serialization_format argument",
+        ),
+        "fp8": Shim(
+            "fp8 quantize without TE",
+            "megatron-core < 0.13 without Transformer Engine",
+            "the distributed optimizer's step raises 'Invalid Transformer Engine version' even with no fp8 parameter",
+        ),
+        "np_product": Shim(
+            "np.product",
+            "megatron-core < 0.16 with numpy >= 2",
+            "dist_checkpointing calls np.product, removed in numpy 2 (distributed-optimizer checkpoints)",
+        ),
+    }
+)
+
+
+def _needed() -> dict[str, bool]:
+    return {
+        "write_item": _before("0.13") and _write_item_needs_format(),
+        "fp8": _before("0.13") and _te_absent(),
+        "np_product": _before("0.16") and _numpy_lacks_product(),
+    }
+
+
+def shims() -> list[Shim]:
+    """The upstream-defect shims `apply_shims` installs for the installed versions."""
+    return [_SHIMS[key] for key, needed in _needed().items() if needed]
+
+
+def _is_shim(fn) -> bool:
+    return getattr(fn, "_mcore_rl_compat_shim", False)
+
+
+def _mark(fn):
+    fn._mcore_rl_compat_shim = True
+    return fn
+
+
+def _shim_write_item() -> None:
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    original = filesystem_async._write_item
+    if _is_shim(original):
+        return
+
+    @functools.wraps(original)
+    def write_item(*args, **kwargs):
+        kwargs.setdefault("serialization_format", SerializationFormat.TORCH_SAVE)
+        return original(*args, **kwargs)
+
+    filesystem_async._write_item = _mark(write_item)
+
+
+def _shim_fp8_quantize() -> None:
+    from megatron.core import fp8_utils
+    from megatron.core.optimizer import distrib_optimizer
+
+    original = distrib_optimizer.quantize_param_shard
+    if (
+        _is_shim(original)
+        or original is not fp8_utils.quantize_param_shard
+        or original.__module__ != fp8_utils.__name__
+    ):
+        return  # already shimmed, or replaced by someone else (MindSpeed): do not stack
+
+    @functools.wraps(original)
+    def quantize_param_shard(model_params, *args, **kwargs):
+        if len(model_params) == 0:
+            return None  # no fp8 parameter: nothing to quantize (what megatron-core 0.13 does)
+        return original(model_params, *args, **kwargs)
+
+    distrib_optimizer.quantize_param_shard = _mark(quantize_param_shard)
+
+
+class _NumpyWithProduct(types.ModuleType):
+    """numpy, plus the `product` alias numpy 2 removed; everything else is looked up on numpy itself."""
+
+    def __init__(self, numpy_module):
+        super().__init__("numpy")
+        self._numpy = numpy_module
+        self.product = numpy_module.prod
+        self._mcore_rl_compat_shim = True
+
+    def __getattr__(self, name):
+        return getattr(self._numpy, name)
+
+
+def _shim_numpy_product() -> None:
+    import numpy
+
+    for name in _NUMPY_PRODUCT_MODULES:
+        module = importlib.import_module(name)
+        if getattr(module, "np", None) is numpy:
+            module.np = _NumpyWithProduct(numpy)
+
+
+def apply_shims() -> None:
+    """Install the upstream-defect shims the installed versions need (see the module docstring).
+    Idempotent; call once per process before Megatron builds models or checkpoints."""
+    needed = _needed()
+    if needed["write_item"]:
+        _shim_write_item()
+    if needed["fp8"]:
+        _shim_fp8_quantize()
+    if needed["np_product"]:
+        _shim_numpy_product()

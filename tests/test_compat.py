@@ -1,0 +1,93 @@
+"""mcore_rl.compat against the installed libraries: detected versions, the layout rule for megatron-core < 0.13,
+RoPE theta from a transformers-5 style config.json, and the numpy shim. Runs in both the default venv and the
+compatibility venv (make test-compat); what differs is chosen by the detected versions."""
+
+import json
+from importlib import metadata
+
+import pytest
+import torch
+from packaging.version import Version
+
+from mcore_rl.compat import describe_versions, shims_in_force
+from mcore_rl.compat import megatron as compat_megatron
+from mcore_rl.compat import transformers as compat_transformers
+from mcore_rl.config import ParallelConfig
+from mcore_rl.megatron.layout import LayoutError, validate_layout
+
+
+def test_describe_versions_names_installed_versions_and_shims():
+    text = describe_versions()
+    for dist in ("torch", "megatron-core", "mbridge", "transformers"):
+        installed = Version(metadata.version(dist)).base_version
+        assert f"{dist} {installed}" in text, text
+    for shim in shims_in_force():
+        assert f"version shim: {shim.name} ({shim.covers})" in text
+    if Version(metadata.version("megatron-core")) < Version("0.13"):
+        assert "write_item serialization_format" in text and "fp8 quantize without TE" in text
+    if Version(metadata.version("mbridge")) < Version("0.15"):
+        assert "from_config dtype" in text
+
+
+@pytest.mark.parametrize("megatron", ["0.12.1", "0.13.1", "0.16.1"])
+def test_layout_rule_for_old_megatron(tiny_model_dir, monkeypatch, megatron):
+    monkeypatch.setattr(compat_megatron, "version", lambda: Version(megatron))
+    rejected = ParallelConfig(tp=2, ep=1, etp=1)
+    if megatron == "0.12.1":
+        with pytest.raises(LayoutError, match=r"megatron-core 0\.12\.1 \(< 0\.13\).*set actor\.parallel\.etp = 2"):
+            validate_layout(rejected, 2, tiny_model_dir)
+        with pytest.raises(LayoutError, match="virtual_pp = 2 needs megatron-core >= 0.13"):
+            validate_layout(
+                ParallelConfig(pp=2, virtual_pp=2), 2, {**_tiny_json(tiny_model_dir), "num_hidden_layers": 4}
+            )
+    else:
+        assert validate_layout(rejected, 2, tiny_model_dir).etp == 1
+    # the neighbouring layouts run on every version: experts split over TP, over EP, or no sequence parallel
+    for ok in (ParallelConfig(tp=2, ep=1, etp=2), ParallelConfig(tp=2, ep=2, etp=1), ParallelConfig(tp=1, ep=2)):
+        validate_layout(ok, ok.tp * ok.ep, tiny_model_dir)
+
+
+def _tiny_json(model_dir) -> dict:
+    with open(f"{model_dir}/config.json") as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("style", ["rope_parameters", "top_level"])
+def test_rope_theta_as_config_json_states_it(tiny_model_dir, tmp_path, style):
+    """transformers 4.x defaults rope_theta to 10000 when config.json has only rope_parameters (as 5.x writes
+    it); the loaded config and the HF model built from it must use the file's theta."""
+    from transformers import AutoModelForCausalLM
+
+    raw = _tiny_json(tiny_model_dir)
+    raw.pop("rope_theta", None)
+    raw.pop("rope_parameters", None)
+    theta = 123456.0
+    if style == "rope_parameters":
+        raw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    else:
+        raw["rope_theta"] = theta
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg = compat_transformers.load_config(str(tmp_path))
+    assert cfg.rope_theta == theta
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    dim = cfg.head_dim
+    expected = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, expected)
+    raw.pop("rope_theta", None)
+    raw.pop("rope_parameters", None)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="neither rope_theta nor rope_parameters.rope_theta"):
+        compat_transformers.load_config(str(tmp_path))
+
+
+def test_numpy_product_shim_is_scoped():
+    import numpy
+
+    compat_megatron.apply_shims()
+    from megatron.core.dist_checkpointing import mapping
+
+    in_force = any(s.name == "np.product" for s in compat_megatron.shims())
+    assert in_force == (compat_megatron.version() < Version("0.16") and not hasattr(numpy, "product"))
+    if in_force:
+        assert mapping.np.product((3, 4)) == 12 and mapping.np.zeros is numpy.zeros
+        assert not hasattr(numpy, "product")  # numpy itself unchanged
