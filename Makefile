@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup artifacts demo test test-fast lint format setup-vllm test-vllm clean
+.PHONY: setup artifacts demo test test-fast lint format setup-vllm test-vllm setup-compat test-compat clean
 
 $(BIN)/mcore-rl: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -65,5 +65,22 @@ test-vllm:
 	rm -f /dev/shm/*-cpushm_*
 	.venv-vllm/bin/python -m pytest -q -m vllm tests/test_vllm_engine.py
 
+# The oldest supported stack (what Ascend's MindSpeed 2.2.0_core_r0.12.1 line uses): megatron-core 0.12.1,
+# mbridge 0.13.1, transformers 4.57, numpy 1.x, in its own venv; versions in .ci/compat-constraints.txt.
+COMPAT := .venv-compat/bin
+$(COMPAT)/mcore-rl: pyproject.toml .ci/compat-constraints.txt
+	$(PY) -m venv .venv-compat
+	$(COMPAT)/pip install -q -U pip
+	$(COMPAT)/pip install -q torch==2.13.0
+	$(COMPAT)/pip install -q -c .ci/compat-constraints.txt megatron-core mbridge transformers numpy
+	$(COMPAT)/pip install -q -c .ci/compat-constraints.txt -e '.[dev]'
+	touch $@
+
+setup-compat: $(COMPAT)/mcore-rl
+
+# The Megatron-facing tests that run on the oldest stack: a named subset (see tests/compat_subset.txt).
+test-compat: setup-compat
+	grep -Ev '^[[:space:]]*(#|$$)' tests/compat_subset.txt | xargs $(COMPAT)/python -m pytest -q --durations=15
+
 clean:
-	rm -rf $(VENV) .venv-vllm *.egg-info
+	rm -rf $(VENV) .venv-vllm .venv-compat *.egg-info

@@ -6,10 +6,13 @@ import os
 import subprocess
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
+from mcore_rl.compat import megatron as compat_megatron
 from tests.torchrun_util import REPO
 
 PRESET_DIR = REPO / "configs" / "qwen3_30b_a3b"
@@ -146,6 +149,34 @@ def test_train_fails_fast_before_starting_processes(tmp_path, tiny_model_dir):
     assert "launch/torchrun_multinode.sh" in one_line_error(cli("train", cfg, "trainer.nnodes=2"))
     assert time.time() - start < 100
     assert not (tmp_path / "run").exists()
+
+
+def test_train_rejects_layout_the_installed_megatron_cannot_run(tmp_path, tiny_model_dir):
+    """SAPO's TP2 preset with experts not split over TP (etp = 1): megatron-core < 0.13 computes it wrongly, so
+    `mcore-rl train` must stop in the pre-flight with the reason, before any process starts; newer versions
+    accept it. `mcore-rl check` prints the detected versions either way."""
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1"}\n' * 8)
+    args = [
+        REPO / "configs/tiny/sapo_cpu.yaml",
+        f"model.path={tiny_model_dir}",
+        f"data.train_path={data}",
+        "trainer.val_every=0",
+        f"trainer.run_dir={tmp_path / 'run'}",
+        "actor.parallel.etp=1",
+    ]
+    check = cli("check", *args)
+    if compat_megatron.layout_problem(2, 1, 1, True, None):
+        for proc in (check, cli("train", *args)):
+            msg = one_line_error(proc)
+            assert "tp = 2 with ep = 1, etp = 1 and sequence parallel is wrong on megatron-core 0.12" in msg
+            assert "set actor.parallel.etp = 2" in msg and "torch.distributed.run" not in proc.stdout
+        assert not (tmp_path / "run").exists()
+    else:
+        assert check.returncode == 0, check.stderr
+        assert "ep1 etp1" in check.stdout
+    installed = Version(metadata.version("megatron-core")).base_version
+    assert f"megatron-core {installed}" in cli("check", *args[:-1]).stdout
 
 
 def test_plot_command(tmp_path):

@@ -18,6 +18,10 @@ maximum length, one with a single response token) against the same padded world-
 import pytest
 from torchrun_util import REPO, run_torchrun
 
+from mcore_rl.compat import megatron as compat_megatron
+from mcore_rl.config import ParallelConfig
+from mcore_rl.megatron.layout import LayoutError, validate_layout
+
 WORKER = REPO / "tests/workers/loss_layouts.py"
 
 
@@ -34,6 +38,10 @@ def reference(tiny_model_dir, tmp_path_factory):
     "tp, pp, ep, n_micro", [(2, 1, 1, 4), (1, 1, 2, 1), (1, 2, 1, 2)], ids=["tp2-sp-4micro", "ep2-dp2", "pp2-2micro"]
 )
 def test_loss_and_update_match_world1(reference, tiny_model_dir, tp, pp, ep, n_micro):
+    if compat_megatron.layout_problem(tp, ep, 1, tp > 1, None):  # megatron-core < 0.13: TP2 / ETP1 rejected
+        with pytest.raises(LayoutError, match=r"\(< 0\.13\)"):
+            validate_layout(ParallelConfig(tp=tp, pp=pp, ep=ep, etp=1), 2, tiny_model_dir, platform="cpu")
+        return
     log = run_torchrun(WORKER, 2, reference, tiny_model_dir, tp, pp, ep, n_micro, "check", timeout=240)
     for loss in ("grpo", "gspo", "sapo"):
         assert log.count(f"LAYOUT_OK {loss} ") == 2, log[-3000:]

@@ -7,6 +7,9 @@ import pytest
 import torch
 
 from mcore_rl.batch import pack_rollout_routes
+from mcore_rl.compat import megatron as compat_megatron
+from mcore_rl.config import ParallelConfig
+from mcore_rl.megatron.layout import LayoutError, validate_layout
 from mcore_rl.megatron.routing_replay import RecordedRoutes
 from tests.torchrun_util import REPO, run_torchrun
 
@@ -20,6 +23,10 @@ WORKER = REPO / "tests" / "workers" / "replay_layouts.py"
     ids=["world1", "tp2-sp", "ep2-dp2-recompute", "pp2"],
 )
 def test_routing_replay_layout(tiny_model_dir, nproc, tp, pp, ep, recompute):
+    if compat_megatron.layout_problem(tp, ep, 1, tp > 1, None):  # megatron-core < 0.13: TP2 / ETP1 rejected
+        with pytest.raises(LayoutError, match=r"\(< 0\.13\)"):
+            validate_layout(ParallelConfig(tp=tp, pp=pp, ep=ep, etp=1), nproc, tiny_model_dir, platform="cpu")
+        return
     out = run_torchrun(WORKER, nproc, tiny_model_dir, tp, pp, ep, recompute)
     assert out.count(" OK replay ") == nproc and out.count(" PACKED_REPLAY_OK ") == nproc, out[-3000:]
 
