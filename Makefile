@@ -66,7 +66,7 @@ test-vllm:
 	.venv-vllm/bin/python -m pytest -q -m vllm tests/test_vllm_engine.py
 
 # The oldest supported stack (what Ascend's MindSpeed 2.2.0_core_r0.12.1 line uses): megatron-core 0.12.1,
-# mbridge 0.13.1, transformers 4.57, numpy 1.x, in its own venv; versions in .ci/compat-constraints.txt.
+# mbridge 0.13.1, transformers 4.57 (numpy 2), in its own venv; versions in .ci/compat-constraints.txt.
 COMPAT := .venv-compat/bin
 $(COMPAT)/mcore-rl: pyproject.toml .ci/compat-constraints.txt
 	$(PY) -m venv .venv-compat
