@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 from mcore_rl.compat import describe_versions
 from mcore_rl.config import Config, ConfigError, check_paths, load_config
 from mcore_rl.megatron.layout import Layout, LayoutError, ModelDims, validate_run
+from mcore_rl.models.tiny import ARCHS
 
 EXIT_BAD_INPUT = 2
 
@@ -79,8 +80,8 @@ def describe(cfg: Config, layout: Layout, nnodes: int, nproc: int) -> str:
 def cmd_make_tiny(args) -> int:
     from mcore_rl.models.tiny import make_tiny_checkpoint
 
-    path = make_tiny_checkpoint(args.out, seed=args.seed)
-    print(f"tiny Qwen3-MoE checkpoint written to {path}")
+    path = make_tiny_checkpoint(args.out, seed=args.seed, arch=args.arch)
+    print(f"tiny {args.arch} checkpoint written to {path}")
     return 0
 
 
@@ -233,9 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("make-tiny", help="write the tiny Qwen3-MoE checkpoint + tokenizer")
+    p = sub.add_parser("make-tiny", help="write a tiny checkpoint (Qwen3-MoE, Qwen3 or Qwen2) + tokenizer")
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--arch", choices=ARCHS, default=ARCHS[0], help="qwen3-moe (default) | qwen3 (dense) | qwen2 (dense)"
+    )
     p.set_defaults(func=cmd_make_tiny)
 
     p = sub.add_parser("make-task", help="write the embedded task's train/val prompt sets")

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from mcore_rl.models.bridge import RMSNorm, _merge, _split, load_hf_config
+from mcore_rl.models.bridge import RMSNorm, _MbridgeBackend, _merge, _split, _te_norm_name, load_hf_config
 from tests.torchrun_util import REPO, run_torchrun
 
 
@@ -49,6 +49,34 @@ def test_split_merge_round_trip(name, shape, dim):
     if "linear_fc1" in name:  # each rank holds its slice of gate AND of up
         gate, up = full.chunk(2)
         assert torch.equal(parts[1], torch.cat([gate.chunk(2)[1], up.chunk(2)[1]]))
+
+
+def test_local_norm_names_translate_to_te_names_for_dense_and_moe():
+    pre = "decoder.layers.3.pre_mlp_layernorm.weight"
+    assert _te_norm_name(pre, moe=False) == "decoder.layers.3.mlp.linear_fc1.layer_norm_weight"  # TE fuses it
+    assert _te_norm_name(pre, moe=True) == pre  # MoE keeps a separate norm before the router
+    inp = "decoder.layers.0.input_layernorm.weight"
+    for moe in (False, True):
+        assert _te_norm_name(inp, moe) == "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"
+    qkv_bias = "decoder.layers.0.self_attention.linear_qkv.bias"
+    assert _te_norm_name(qkv_bias, moe=False) == qkv_bias
+
+
+def test_tied_model_does_not_remap_a_later_untied_models_lm_head(monkeypatch):
+    """mbridge's Qwen2 bridge writes the tied-embedding remap into a class-level dict that Qwen3's inherits."""
+    from mbridge.core.parallel_states import ParallelStates
+    from mbridge.models.qwen2 import Qwen2Bridge
+
+    from mcore_rl.models.tiny import build_hf_config
+
+    # no process group here: mbridge reads the (irrelevant) parallel sizes from this instead
+    monkeypatch.setattr(ParallelStates, "get_parallel_state", staticmethod(lambda: ParallelStates()))
+    monkeypatch.setattr(Qwen2Bridge, "_DIRECT_MAPPING", dict(Qwen2Bridge._DIRECT_MAPPING))  # undone after the test
+    names = {}
+    for arch in ("qwen2", "qwen3", "qwen2", "qwen3"):
+        backend = _MbridgeBackend(build_hf_config(arch=arch), torch.float32, {}, use_te=False)
+        names.setdefault(arch, set()).update(backend.hf_names("output_layer.weight"))
+    assert names == {"qwen2": {"model.embed_tokens.weight"}, "qwen3": {"lm_head.weight"}}
 
 
 @pytest.mark.slow

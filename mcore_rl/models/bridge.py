@@ -7,8 +7,16 @@ formats (qkv, gate/up); sharding, loading and gathering are ours so that they wo
 Transformer Engine layer spec (CUDA, NPU via MindSpeed) and the local pure-torch spec (CPU), whose
 parameter names differ:
     local  decoder.layers.L.input_layernorm.weight                 (TE: ...self_attention.linear_qkv.layer_norm_weight)
+    local  decoder.layers.L.pre_mlp_layernorm.weight  dense MLP     (TE: ...mlp.linear_fc1.layer_norm_weight)
+    local  decoder.layers.L.pre_mlp_layernorm.weight  MoE           (TE: the same name: MoE keeps a separate norm)
     local  decoder.layers.L.mlp.experts.local_experts.E.linear_fcN.weight  (TE: ...mlp.experts.linear_fcN.weightE)
 Names are translated to the TE form ("canonical") before mbridge maps them to HF names.
+
+Tied embeddings (Qwen2.5-3B: `tie_word_embeddings`): the HF checkpoint has `model.embed_tokens.weight` and no
+`lm_head.weight`. Megatron keeps one weight when one stage holds both ends; with PP > 1 the last stage holds a
+copy as `output_layer.weight`, loaded from the same HF tensor and kept in step by Megatron's all-reduce of the
+two copies' gradients over the embedding group (`finalize_model_grads`). Export yields the first stage's
+`model.embed_tokens.weight` only, so the stream has each checkpoint name exactly once.
 Swapping mbridge for Megatron-Bridge means re-implementing `_MbridgeBackend` only.
 """
 
@@ -93,6 +101,7 @@ def _replace_torch_norm(spec, norm_cls) -> None:
                 _replace_torch_norm(value, norm_cls)
 
 
+_OUTPUT_LAYER = "output_layer.weight"
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -104,6 +113,7 @@ class _ParamInfo:
     canonical: str  # TE-style name with global layer index and, for experts, the GLOBAL expert id
     is_expert: bool
     partition_dim: int  # -1 when not split over TP / ETP
+    tied_copy: bool = False  # last stage's copy of a tied embedding: loaded, never exported
 
 
 class _MbridgeBackend:
@@ -112,8 +122,20 @@ class _MbridgeBackend:
     def __init__(self, hf_config, dtype: torch.dtype, extra_config: dict, use_te: bool):
         self.use_te = use_te
         self.impl = compat_mbridge.bridge_from_config(hf_config, dtype, extra_config)
+        self._own_direct_mapping(bool(getattr(hf_config, "tie_word_embeddings", False)))
         if not use_te:
             self.impl._get_transformer_layer_spec = self._local_layer_spec
+
+    def _own_direct_mapping(self, tied: bool) -> None:
+        """Give this instance its own top-level name mapping, with the output layer mapped by OUR tie flag.
+
+        mbridge's Qwen2 bridge (and Qwen3's, which inherits it) remaps the output layer for tied embeddings by
+        writing into the CLASS-level `_DIRECT_MAPPING` dict, so a tied model built earlier in the process would
+        send a later untied model's `lm_head` to `model.embed_tokens`."""
+        mapping = dict(type(self.impl)._DIRECT_MAPPING)
+        if _OUTPUT_LAYER in mapping:
+            mapping[_OUTPUT_LAYER] = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        self.impl._DIRECT_MAPPING = mapping
 
     @property
     def config(self):
@@ -146,6 +168,14 @@ class _MbridgeBackend:
 
     def gated(self) -> bool:
         return bool(self.impl.config.gated_linear_unit)
+
+
+def _te_norm_name(name: str, moe: bool) -> str:
+    """A layer parameter's local-spec norm name in its TE form (module docstring); other names unchanged."""
+    name = name.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
+    if not moe:
+        name = name.replace(".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight")
+    return name
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -276,15 +306,25 @@ class ModelBridge:
             if hasattr(model, "decoder")
             else {}
         )
+        moe_layers = (
+            {i for i, layer in enumerate(model.decoder.layers) if hasattr(layer.mlp, "router")}
+            if hasattr(model, "decoder")
+            else set()
+        )
         num_experts = self.transformer_config.num_moe_experts or 0
         ep_size, ep_rank = self.layout.ep, self.layout.ranks.ep
+        # The last stage's output layer is a copy of the embedding when they are tied and live on different stages
+        tied_copy = bool(getattr(model, "share_embeddings_and_output_weights", False)) and not getattr(
+            model, "pre_process", True
+        )
         infos = {}
         for name, param in model.named_parameters():
             canonical = name
             m = _LAYER.match(name)
             if m:
-                canonical = f"decoder.layers.{layer_map[int(m.group(1))]}." + name[m.end() :]
-            canonical = canonical.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
+                local_layer = int(m.group(1))
+                canonical = f"decoder.layers.{layer_map[local_layer]}." + name[m.end() :]
+                canonical = _te_norm_name(canonical, moe=local_layer in moe_layers)
             is_expert = ".mlp.experts." in canonical
             e = _LOCAL_EXPERT.search(canonical)
             if e:  # local spec: experts.local_experts.E.linear_fcN.weight
@@ -294,7 +334,12 @@ class ModelBridge:
                 prefix, local_id = canonical.rsplit(".weight", 1)
                 canonical = f"{prefix}.weight{int(local_id) + ep_rank * (num_experts // ep_size)}"
             tp_split = getattr(param, "tensor_model_parallel", False)
-            infos[name] = _ParamInfo(canonical, is_expert, int(param.partition_dim) if tp_split else -1)
+            infos[name] = _ParamInfo(
+                canonical,
+                is_expert,
+                int(param.partition_dim) if tp_split else -1,
+                tied_copy=tied_copy and name == _OUTPUT_LAYER,
+            )
         return infos
 
     # ---- load --------------------------------------------------------------------------------
@@ -349,7 +394,7 @@ class ModelBridge:
         local = []  # (info, tensor) on this pipeline stage
         for chunk in chunks:
             params = dict(_unwrap(chunk).named_parameters())
-            local += [(info, params[name]) for name, info in self._param_infos(chunk).items()]
+            local += [(info, params[name]) for name, info in self._param_infos(chunk).items() if not info.tied_copy]
         meta = [(i.canonical, i.is_expert, i.partition_dim, tuple(t.shape), t.dtype) for i, t in local]
         per_stage = [None] * len(pp_ranks)
         torch.distributed.all_gather_object(per_stage, meta, group=pp_group)

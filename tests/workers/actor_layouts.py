@@ -2,7 +2,10 @@
 
 argv: REF_DIR MODEL_DIR TP PP EP ETP N_MICRO MODE   (MODE: ref = write the train-step reference; check = compare)
 Checks: forward_only logits == HF logits and per-token log-probs == HF log_softmax (<= 1e-4);
-export == checkpoint bit-identical; train_step loss / grad norm / updated weights == the world-1 reference.
+export == checkpoint bit-identical (same names: a tied model exports `model.embed_tokens.weight` once, no
+`lm_head`); train_step loss / grad norm / updated weights == the world-1 reference; with tied embeddings over
+PP the last stage's output-layer copy equals the first stage's embedding after the step.
+Dense models with TP > 1 run with sequence parallel (MoE turns it on by itself).
 """
 
 import os
@@ -12,6 +15,27 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from actor_common import full_logits, my_micro_batches, nll_loss  # noqa: E402
+
+
+def check_tied_copies_in_step(actor) -> None:
+    """With tied embeddings split over pipeline stages, the last stage's output layer must equal the first
+    stage's embedding (this TP rank's shard of each), bit for bit."""
+    from megatron.core import parallel_state as mpu
+
+    from mcore_rl.models.bridge import _unwrap
+
+    model = _unwrap(actor.model[0])
+    if not model.share_embeddings_and_output_weights or actor.info.pp == 1:
+        return
+    mine = model.embedding.word_embeddings.weight if model.pre_process else model.output_layer.weight
+    group = mpu.get_pipeline_model_parallel_group()
+    copies = [torch.empty_like(mine) for _ in range(actor.info.pp)]
+    torch.distributed.all_gather(copies, mine.detach().contiguous(), group=group)
+    assert not torch.equal(copies[0], torch.zeros_like(copies[0])), "tied embedding is all zeros"
+    assert torch.equal(copies[0], copies[-1]), (
+        f"tied output layer drifted from the embedding by {(copies[0] - copies[-1]).abs().max().item()}"
+    )
+    print(f"rank {torch.distributed.get_rank()} tied copies in step", flush=True)
 
 
 def main():
@@ -29,7 +53,7 @@ def main():
     from megatron.core import tensor_parallel
 
     cfg = Config(platform="cpu", model=ModelConfig(path=model_dir))
-    cfg.actor.parallel = ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp)
+    cfg.actor.parallel = ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp, sequence_parallel=tp > 1)
     # Huge eps makes Adam's first step ~ lr * grad / eps: the update is linear in the gradient, so a
     # wrong gradient scale (micro-batches, DP averaging) shows up in the weights, not only in grad_norm.
     cfg.actor.optim = OptimConfig(lr=10.0, adam_eps=10.0, clip_grad=0.0, weight_decay=0.0)
@@ -75,6 +99,7 @@ def main():
     # -- train_step: this DP rank's share of the global batch, split into n_micro micro-batches
     metrics = actor.train_step(my_micro_batches(tokens, loss_mask, n_micro), nll_loss(loss_mask.sum()))
     after = {name: t.clone() for name, t in actor.export_hf_weights()}
+    check_tied_copies_in_step(actor)
     result = {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "tokens": metrics["tokens"], "weights": after}
     if mode == "ref":
         if rank == 0:
