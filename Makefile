@@ -19,16 +19,17 @@ setup: $(BIN)/mcore-rl
 ARTIFACTS ?= artifacts
 PRESET ?= configs/tiny/gspo_cpu.yaml
 
-$(ARTIFACTS)/tiny-qwen3-moe/config.json: | setup
-	$(BIN)/mcore-rl make-tiny --out $(ARTIFACTS)/tiny-qwen3-moe --seed 0
+# The tiny models: qwen3-moe (the default presets), qwen3 and qwen2 (the *_dense_cpu presets).
+$(ARTIFACTS)/tiny-%/config.json: | setup
+	$(BIN)/mcore-rl make-tiny --arch $* --out $(ARTIFACTS)/tiny-$* --seed 0
 
 $(ARTIFACTS)/task/train.parquet: | setup
 	$(BIN)/mcore-rl make-task --out $(ARTIFACTS)/task
 
-artifacts: $(ARTIFACTS)/tiny-qwen3-moe/config.json $(ARTIFACTS)/task/train.parquet
+artifacts: $(foreach a,qwen3-moe qwen3 qwen2,$(ARTIFACTS)/tiny-$(a)/config.json) $(ARTIFACTS)/task/train.parquet
 
 # Quick start 1: set up, make the tiny model and task, train GSPO with 2 processes, plot.
-# Another preset: make demo PRESET=configs/tiny/sapo_cpu.yaml
+# Another preset: make demo PRESET=configs/tiny/sapo_cpu.yaml (dense models: sapo_dense_cpu.yaml, gspo_dense_cpu.yaml)
 demo: setup artifacts
 	$(BIN)/mcore-rl train $(PRESET)
 

@@ -80,25 +80,30 @@ def test_tied_model_does_not_remap_a_later_untied_models_lm_head(monkeypatch):
 
 
 @pytest.mark.slow
-def test_hf_to_megatron_to_hf_round_trip(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize(
+    "arch,read_layout",
+    [("qwen3-moe", ("--ep", 2)), ("qwen3", ("--pp", 2)), ("qwen2", ("--pp", 2))],
+    ids=["qwen3-moe-tp2-to-ep2", "qwen3-tp2-to-pp2", "qwen2-tied-tp2-to-pp2"],
+)
+def test_hf_to_megatron_to_hf_round_trip(tiny_arch_dir, tmp_path, arch, read_layout):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    model_dir = tiny_arch_dir(arch)
     tool = REPO / "tools" / "convert_checkpoint.py"
     mcore, hf_out = tmp_path / "mcore", tmp_path / "hf"
-    run_torchrun(tool, 2, "hf-to-mcore", "--hf", tiny_model_dir, "--out", mcore, "--tp", 2, "--platform", "cpu")
+    run_torchrun(tool, 2, "hf-to-mcore", "--hf", model_dir, "--out", mcore, "--tp", 2, "--platform", "cpu")
     run_torchrun(
         tool,
         2,
         "mcore-to-hf",
         "--hf",
-        tiny_model_dir,
+        model_dir,
         "--ckpt",
         mcore,
         "--out",
         hf_out,
-        "--ep",
-        2,
+        *read_layout,
         "--platform",
         "cpu",
         "--max-shard-gb",
@@ -108,14 +113,15 @@ def test_hf_to_megatron_to_hf_round_trip(tiny_model_dir, tmp_path):
     got = {}
     for shard in sorted(set(index["weight_map"].values())):
         got.update(load_file(hf_out / shard))
-    want = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
-    assert sorted(got) == sorted(want)
+    want = load_file(os.path.join(model_dir, "model.safetensors"))
+    assert sorted(got) == sorted(want)  # tied (qwen2): model.embed_tokens.weight once, no lm_head.weight
     for name, tensor in want.items():
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
     tok = AutoTokenizer.from_pretrained(hf_out)
     assert tok.eos_token == "<|im_end|>" and tok.chat_template
     ids = torch.tensor([tok("hello world")["input_ids"]])
     a = AutoModelForCausalLM.from_pretrained(hf_out, dtype=torch.float32).eval()
-    b = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    b = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assert a.config.tie_word_embeddings == b.config.tie_word_embeddings == (arch == "qwen2")
     with torch.no_grad():
         assert torch.equal(a(ids).logits, b(ids).logits)

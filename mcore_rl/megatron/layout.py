@@ -17,6 +17,8 @@ The rules mirror what Megatron-Core asserts later (parallel_state, TransformerCo
   cp > 1 needs Transformer Engine / MindSpeed attention (the local attention asserts cp == 1)
   layouts the installed megatron-core cannot run    (compat.megatron.layout_problem: version read from the
                                                      package metadata, Megatron itself is not imported)
+and, for the run as a whole (`validate_run`): the model's `model_type` is one of ARCHITECTURES, and MoE-only
+features (routing replay) are not asked of a dense model.
 """
 
 from __future__ import annotations
@@ -40,6 +42,22 @@ class LayoutError(ValueError):
 
 
 @dataclass(frozen=True)
+class Architecture:
+    """What the project supports for one Hugging Face `model_type` (bridge, actor, both engines, weight sync)."""
+
+    moe: bool
+    example: str  # the real model the presets use
+
+
+# The one table of supported architectures: HF config.json `model_type` -> what it is.
+ARCHITECTURES: dict[str, Architecture] = {
+    "qwen3_moe": Architecture(moe=True, example="Qwen3-30B-A3B"),
+    "qwen3": Architecture(moe=False, example="Qwen3-8B"),
+    "qwen2": Architecture(moe=False, example="Qwen2.5-3B-Instruct"),
+}
+
+
+@dataclass(frozen=True)
 class ModelDims:
     """The model dimensions that constrain a parallel layout."""
 
@@ -54,6 +72,7 @@ class ModelDims:
     head_dim: int = 0  # 0: hidden / heads
     ffn_hidden_size: int = 0  # dense MLP size (intermediate_size)
     tie_embeddings: bool = False
+    model_type: str = ""  # HF config.json `model_type` ("" when not known: the architecture is not checked)
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> "ModelDims":
@@ -85,6 +104,7 @@ class ModelDims:
             head_dim=int(get("head_dim") or 0),
             ffn_hidden_size=int(get("intermediate_size") or 0),
             tie_embeddings=bool(get("tie_word_embeddings", False)),
+            model_type=str(get("model_type") or ""),
         )
 
 
@@ -406,6 +426,30 @@ def validate_rollout_tp(rollout_tp: int, world_size: int, dims: Any) -> RolloutL
     return RolloutLayout(tp=rollout_tp, dp=world_size // rollout_tp, warnings=warnings)
 
 
+def check_architecture(cfg: Config, dims: ModelDims) -> Architecture | None:
+    """The model's architecture is in ARCHITECTURES and supports what the config asks of it."""
+    if not dims.model_type:
+        return None
+    arch = ARCHITECTURES.get(dims.model_type)
+    if arch is None:
+        known = ", ".join(f"{t} ({'MoE' if a.moe else 'dense'}, e.g. {a.example})" for t, a in ARCHITECTURES.items())
+        raise LayoutError(
+            f"model_type {dims.model_type!r} (config.json) is not supported: use a model of a supported "
+            f"architecture: {known}"
+        )
+    if cfg.algo.routing_replay is not None and not arch.moe:
+        raise LayoutError(
+            f"algo.routing_replay = {cfg.algo.routing_replay} replays MoE expert routing, but model_type "
+            f"{dims.model_type!r} is dense (no experts): set algo.routing_replay=null"
+        )
+    if bool(dims.num_experts) != arch.moe:
+        raise LayoutError(
+            f"model_type {dims.model_type!r} should be {'MoE' if arch.moe else 'dense'} but config.json has "
+            f"{dims.num_experts} experts: fix the config.json"
+        )
+    return arch
+
+
 def validate_run(cfg: Config, world_size: int, dims: Any, platform: Optional[str] = None) -> Layout:
     """The whole pre-flight for a run: actor layout, rollout TP (vLLM) and how a step's samples split.
 
@@ -415,6 +459,8 @@ def validate_run(cfg: Config, world_size: int, dims: Any, platform: Optional[str
     """
     if platform is None and cfg.platform != "auto":
         platform = cfg.platform
+    dims = ModelDims.from_hf(dims)
+    check_architecture(cfg, dims)
     layout = validate_layout(cfg.actor.parallel, world_size, dims, platform=platform)
     warnings = list(layout.warnings)
     if cfg.rollout.engine == "vllm":

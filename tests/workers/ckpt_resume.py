@@ -24,7 +24,7 @@ def main():
     from mcore_rl.platform import get_platform
 
     cfg = Config(platform="cpu", model=ModelConfig(path=model_dir))
-    cfg.actor.parallel = ParallelConfig(tp=tp, ep=ep, etp=etp)
+    cfg.actor.parallel = ParallelConfig(tp=tp, ep=ep, etp=etp, sequence_parallel=tp > 1)
     cfg.actor.optim = OptimConfig(
         lr=1e-2,
         adam_eps=1e-3,

@@ -3,6 +3,7 @@
 Usage: torchrun --nproc_per_node=2 sync_megatron.py LAYOUT ENGINE_CKPT ACTOR_CKPT
   LAYOUT: tp2 | ep2. The engine starts from ENGINE_CKPT, the actor from ACTOR_CKPT (different weights),
   so a sync must really move them. Only rank 0 holds an engine; every rank drives the exporter.
+  MoE or dense (Qwen3, tied Qwen2): routes are compared for MoE only; step 5 corrupts layer 1's MLP.
 Prints one line "RESULT {json}" on rank 0; any failed check raises.
 """
 
@@ -106,15 +107,19 @@ def main(layout: str, engine_ckpt: str, actor_ckpt: str) -> None:
     box = [samples]
     dist.broadcast_object_list(box, src=0)
     samples = box[0]
-    tap = RouterTap(model)
-    k = bridge.hf_config.num_experts_per_tok
+    moe = bool(getattr(bridge.hf_config, "num_experts", 0))
+    tap = RouterTap(model) if moe else None
     lp_diff, route_mismatch = 0.0, 0
     for seq, plen, engine_lp, engine_routes in samples:
         actor_lp = reference([seq], [plen], 0.9)[0]
         lp_diff = max(lp_diff, (actor_lp - engine_lp).abs().max().item())
-        actor_routes = tap.routes(k)[: len(seq)]
-        route_mismatch += int((actor_routes != engine_routes.long().sort(-1).values).sum())
-    result.update(sample_logprob_diff=lp_diff, route_mismatches=route_mismatch, route_shape=list(samples[0][3].shape))
+        if moe:
+            actor_routes = tap.routes(bridge.hf_config.num_experts_per_tok)[: len(seq)]
+            route_mismatch += int((actor_routes != engine_routes.long().sort(-1).values).sum())
+        else:
+            assert engine_routes is None, "a dense model's samples carry routed experts"
+    route_shape = list(samples[0][3].shape) if moe else None
+    result.update(sample_logprob_diff=lp_diff, route_mismatches=route_mismatch, route_shape=route_shape)
 
     # 4. the actor's weights change: the stale engine fails verification, a new sync fixes it
     before = engine.score(probe.sequences, probe.prompt_lens) if engine else None
@@ -131,11 +136,11 @@ def main(layout: str, engine_ckpt: str, actor_ckpt: str) -> None:
         after = engine.score(probe.sequences, probe.prompt_lens)
         result["engine_change"] = max_diff(after, before)
 
-    # 5. an inexact expert reload (corrupted experts) is caught and the rebuild fallback repairs it
+    # 5. an inexact reload (corrupted experts / MLP) is caught and the rebuild fallback repairs it
     if engine:
         with torch.no_grad():
             for name, p in engine.model.named_parameters():
-                if "layers.1.mlp.experts" in name:
+                if ("layers.1.mlp.experts" if moe else "layers.1.mlp.") in name:
                     p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
     report = verify_sync(engine, reference, probe, tol=TOL, fallback="rebuild", export_fn=export)
     result.update(corrupt_max_diff=report.max_diff, rebuilt=report.rebuilt, after_rebuild=report.max_diff_after_rebuild)
