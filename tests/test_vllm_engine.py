@@ -268,18 +268,36 @@ def test_spmd_external_launcher(tiny_model_dir, nproc, tp):
 
 @pytest.fixture(scope="module")
 def actor_dir(tmp_path_factory):
+    """arch -> a tiny checkpoint with other weights (seed 1) than the engine's (seed 0), made on first use."""
     from mcore_rl.models.tiny import make_tiny_checkpoint
 
-    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("vllm_actor_seed1"), seed=1))
+    made = {}
+
+    def get(arch: str) -> str:
+        if arch not in made:
+            made[arch] = str(make_tiny_checkpoint(tmp_path_factory.mktemp(f"vllm_actor_{arch}"), seed=1, arch=arch))
+        return made[arch]
+
+    return get
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,rollout_tp,reload", [("ep2", 1, "in_place"), ("tp2", 2, "auto")])
-def test_repeated_sync_from_megatron_actor(tiny_model_dir, actor_dir, layout, rollout_tp, reload):
+@pytest.mark.parametrize(
+    "arch,layout,rollout_tp,reload",
+    [
+        ("qwen3-moe", "ep2", 1, "in_place"),
+        ("qwen3-moe", "tp2", 2, "auto"),
+        ("qwen3", "tp2", 2, "auto"),  # dense: in-place reload
+        ("qwen2", "tp2", 1, "auto"),  # dense, tied embeddings and q/k/v biases
+    ],
+    ids=["moe-ep2-in_place", "moe-tp2-auto", "qwen3-tp2-auto", "qwen2-tp2-rollout_tp1-auto"],
+)
+def test_repeated_sync_from_megatron_actor(tiny_arch_dir, actor_dir, arch, layout, rollout_tp, reload):
     """Megatron actor and vLLM engine colocated in 2 processes, 3 rounds of (actor moves, verified sync): every
     round ends within 0.01 nats of the actor (probe and sampled log-probs), through the rebuild fallback
     (in_place on CPU: inexact MoE reload) or the sync's own rebuild (auto on CPU), and the engine rebuilds leave
-    the trainer's process groups working (vLLM's shutdown used to destroy the default group)."""
+    the trainer's process groups working (vLLM's shutdown used to destroy the default group). Dense models
+    reload in place, exactly enough that the fallback never runs."""
     from vllm.platforms import current_platform
 
     out = run_torchrun(
@@ -287,8 +305,8 @@ def test_repeated_sync_from_megatron_actor(tiny_model_dir, actor_dir, layout, ro
         2,
         layout,
         str(rollout_tp),
-        tiny_model_dir,
-        actor_dir,
+        tiny_arch_dir(arch),
+        actor_dir(arch),
         reload,
         "3",
         timeout=600,
@@ -299,7 +317,8 @@ def test_repeated_sync_from_megatron_actor(tiny_model_dir, actor_dir, layout, ro
     print(r)
     assert r["replicas"] == 2 // rollout_tp
     cpu = current_platform.is_cpu()
-    assert r["reload_mode"] == ("rebuild" if cpu and reload == "auto" else reload)
+    moe = arch == "qwen3-moe"
+    assert r["reload_mode"] == ("rebuild" if cpu and moe and reload == "auto" else "in_place")
     assert len(r["rounds"]) == 3
     for i, rnd in enumerate(r["rounds"]):
         assert rnd["unsynced_failed"] and rnd["num_buckets"] > 1 and rnd["pending"] == 0, (i, rnd)
@@ -308,6 +327,8 @@ def test_repeated_sync_from_megatron_actor(tiny_model_dir, actor_dir, layout, ro
             assert rnd["rebuilt"], (i, rnd)  # known inexact MoE reload: the fallback rebuild ran every round
         if r["reload_mode"] == "rebuild":
             assert not rnd["rebuilt"] and rnd["max_diff"] < 1e-4, (i, rnd)  # the sync's rebuild is exact
+        if not moe:
+            assert not rnd["rebuilt"], (i, rnd)  # dense in-place reload needs no fallback
         final = rnd["after_rebuild"] if rnd["rebuilt"] else rnd["max_diff"]
         assert final <= 0.01, (i, rnd)
         assert rnd["sample_logprob_diff"] <= 0.01, (i, rnd)
