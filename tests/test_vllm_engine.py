@@ -150,6 +150,32 @@ def test_logprobs_match_hf(engine, tiny_model_dir):
     assert max_diff(ref, ref1) > 0.05  # the temperature matters, so the checks above can tell T apart
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+def test_dense_logprobs_match_hf(tiny_arch_dir, arch):
+    """The dense tiny models in vLLM (Qwen3 with QK-norm; Qwen2 with q/k/v biases and tied embeddings): sampled
+    and scored log-probs equal the HF model's (the same bound as the MoE engine's)."""
+    model_dir = tiny_arch_dir(arch)
+    eng = VllmEngine(RolloutConfig(tp=1), model_dir, dtype="float32", max_model_len=256)
+    try:
+        assert eng.reload_mode == "in_place" and eng.weight_names() == set(read_names(model_dir))
+        out = eng.generate(PROMPTS, n=2, params=SamplingParams(temperature=0.7, max_new_tokens=8, seed=3))
+        samples = [s for g in out for s in g]
+        seqs, plens = [s.prompt_ids + s.response_ids for s in samples], [len(s.prompt_ids) for s in samples]
+        ref = hf_logprobs(model_dir, seqs, plens, 0.7)
+        assert max_diff([s.logprobs for s in samples], ref) < 0.01
+        assert max_diff(eng.score(seqs, plens, temperature=0.7), ref) < 0.01
+        assert all(s.routed_experts is None for s in samples)
+    finally:
+        eng.close()
+
+
+def read_names(model_dir: str) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(f"{model_dir}/model.safetensors", "pt") as f:
+        return list(f.keys())
+
+
 def perturbed_checkpoint(
     src: str, dst: Path, scale: float, seed: int, which=lambda name: True
 ) -> dict[str, torch.Tensor]:
