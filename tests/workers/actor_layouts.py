@@ -20,16 +20,14 @@ from actor_common import full_logits, my_micro_batches, nll_loss  # noqa: E402
 def check_tied_copies_in_step(actor) -> None:
     """With tied embeddings split over pipeline stages, the last stage's output layer must equal the first
     stage's embedding (this TP rank's shard of each), bit for bit."""
-    from megatron.core import parallel_state as mpu
-
     from mcore_rl.models.bridge import _unwrap
 
     model = _unwrap(actor.model[0])
-    if not model.share_embeddings_and_output_weights or actor.info.pp == 1:
+    if not model.share_embeddings_and_output_weights or actor.layout.pp == 1:
         return
     mine = model.embedding.word_embeddings.weight if model.pre_process else model.output_layer.weight
-    group = mpu.get_pipeline_model_parallel_group()
-    copies = [torch.empty_like(mine) for _ in range(actor.info.pp)]
+    group = actor.layout.groups.pp
+    copies = [torch.empty_like(mine) for _ in range(actor.layout.pp)]
     torch.distributed.all_gather(copies, mine.detach().contiguous(), group=group)
     assert not torch.equal(copies[0], torch.zeros_like(copies[0])), "tied embedding is all zeros"
     assert torch.equal(copies[0], copies[-1]), (
