@@ -72,6 +72,7 @@ def test_tp2_equals_full_vocab(nproc):
     out = run_torchrun(REPO / "tests/workers/loss_logprobs_tp.py", nproc, timeout=120)
     assert out.count("LOGPROB_TP_OK") == nproc, out
     assert out.count("FUSED_TP_OK") == nproc, out  # fused_output_log_probs at TP2 (same job)
+    assert out.count("SMALL_COLLECTIVES_OK") == nproc, out  # mcore_rl.platform.collectives on a live group
 
 
 @pytest.mark.parametrize("temperature,dtype", [(1.0, torch.float32), (0.7, torch.float32)])

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from typing import Callable, Optional
 
 import torch
@@ -49,7 +50,7 @@ from mcore_rl.megatron.layout import Layout
 from mcore_rl.megatron.parallel import init_parallel
 from mcore_rl.megatron.policy_loss import make_log_prob_fn, make_policy_loss_fn
 from mcore_rl.models.bridge import ModelBridge
-from mcore_rl.platform import Platform, get_platform
+from mcore_rl.platform import Platform, collectives, get_platform
 
 logger = logging.getLogger(__name__)
 
@@ -327,10 +328,8 @@ class Actor:
     def masked_sum(self, values: list[torch.Tensor], micro_batches: list[MicroBatch]) -> float:
         """Sum of per-token `values` (one [b, s] tensor per micro-batch) over the response tokens of
         every data-parallel rank's micro-batches."""
-        local = sum(float((v.cpu() * mb.loss_mask).sum()) for v, mb in zip(values, micro_batches))
-        total = torch.tensor([local], dtype=torch.float64)
-        torch.distributed.all_reduce(total, group=self.layout.groups.dp)
-        return float(total)
+        local = math.fsum(float((v.cpu() * mb.loss_mask).sum()) for v, mb in zip(values, micro_batches))
+        return collectives.sum_floats([local], group=self.layout.groups.dp)[0]
 
     # ---- train -------------------------------------------------------------------------------
     def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
@@ -386,10 +385,10 @@ class Actor:
 
     def _reduce_metrics(self, stored: list[dict]) -> dict[str, float]:
         keys = sorted(stored[0])
-        local = torch.stack([sum(d[k].to(torch.float64).cpu() for d in stored) for k in keys])
-        local = local.to(self.platform.device)
-        torch.distributed.all_reduce(local, group=self.layout.groups.dp_cp)
-        return {k: float(v) for k, v in zip(keys, local.cpu())}
+        per_key = torch.stack([torch.stack([d[k].float() for d in stored]) for k in keys]).cpu()  # one host copy
+        local = [math.fsum(row) for row in per_key.tolist()]
+        totals = collectives.sum_floats(local, group=self.layout.groups.dp_cp)
+        return dict(zip(keys, totals))
 
     # ---- routing replay ----------------------------------------------------------------------
     def enable_routing_replay(self) -> None:

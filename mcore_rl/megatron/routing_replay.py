@@ -43,6 +43,7 @@ import torch
 
 from mcore_rl.batch import ROUTE_DTYPE
 from mcore_rl.megatron.layout import Layout
+from mcore_rl.platform import collectives
 
 logger = logging.getLogger(__name__)
 
@@ -335,14 +336,16 @@ class RoutingReplay:
     def _count_mismatch(
         state: _Replay, layer: int, natural: torch.Tensor, replayed: torch.Tensor, valid: Optional[torch.Tensor]
     ) -> None:
+        """Accumulate [differing token sets, differing experts, tokens] as int64 on the router's device:
+        no host synchronisation per router call (read once, in mismatch_metrics)."""
         with torch.no_grad():
             differ = natural & ~replayed  # experts the current router would pick but the replay did not
             if valid is not None:
                 differ = differ[valid.to(differ.device)]
-            counts = torch.tensor(
-                [float(differ.any(dim=1).sum()), float(differ.sum()), float(differ.shape[0])], dtype=torch.float64
-            )
-        state.mismatch[layer] = state.mismatch.get(layer, torch.zeros(3, dtype=torch.float64)) + counts
+            tokens = torch.full((), differ.shape[0], dtype=torch.int64, device=differ.device)
+            counts = torch.stack([differ.any(dim=1).sum(), differ.sum(), tokens]).to(torch.int64)
+            previous = state.mismatch.get(layer)
+            state.mismatch[layer] = counts if previous is None else previous + counts
 
     # ---- metrics -----------------------------------------------------------------------------
     def mismatch_metrics(self, prefix: str = "routing/") -> dict[str, float]:
@@ -351,14 +354,12 @@ class RoutingReplay:
           token_mismatch  - fraction of (token, layer) whose top-k expert set differs
           expert_mismatch - fraction of chosen experts the current router would not choose
         """
-        table = torch.zeros(len(self.moe_layers), 3, dtype=torch.float64)
+        device = collectives.group_device()
+        table = torch.zeros(len(self.moe_layers), 3, dtype=torch.int64, device=device)
         for layer, counts in self._last_mismatch.items():
-            table[self.moe_layers.index(layer)] += counts
-        if torch.distributed.is_initialized():
-            # TP ranks without sequence parallel count the same tokens: ratios are unaffected
-            table = table.to(self.sites[0].router.weight.device)
-            torch.distributed.all_reduce(table)
-            table = table.cpu()
+            table[self.moe_layers.index(layer)] += counts.to(device)
+        # TP ranks without sequence parallel count the same tokens: ratios are unaffected
+        table = collectives.all_reduce_small(table).cpu().double()  # host-side ratios
         total = table.sum(0)
         k = self.top_k
         out = {

@@ -48,6 +48,7 @@ def main():
         flush=True,
     )
     check_fused(rank, world)
+    check_small_collectives(rank, world)
     dist.destroy_process_group()
 
 
@@ -88,6 +89,35 @@ def check_fused(rank, world):
     torch.testing.assert_close(summed, x.grad, rtol=1e-5, atol=1e-5)
     err = max(float((a - b).abs().max()) for a, b in zip(got, today))
     print(f"rank {rank}: FUSED_TP_OK max|fused - today|={err:.2e}", flush=True)
+
+
+def check_small_collectives(rank: int, world: int) -> None:
+    """mcore_rl.platform.collectives on a live gloo group vs plain Python references (test_collectives.py)."""
+    import math
+
+    from mcore_rl.platform import collectives
+    from mcore_rl.platform.collectives import CollectiveRuleError
+
+    # values whose float32 sum is visibly wrong: 2**40 + small parts (float32 keeps 24 bits)
+    values = [[2.0**40 + 0.125 * (r + 1), 1e-3 * (r + 1), -3.5 * r] for r in range(world)]
+    got = collectives.sum_floats(values[rank])
+    want = [math.fsum(v[i] for v in values) for i in range(3)]
+    assert all(abs(g - w) <= 1e-12 * max(1.0, abs(w)) for g, w in zip(got, want)), (got, want)
+    f32 = float(torch.tensor([v[0] for v in values], dtype=torch.float32).sum())
+    assert abs(f32 - want[0]) > 0.1, "the test values do not show float32's error"
+    assert collectives.sum_ints([rank + 1, 2**40]) == [world * (world + 1) // 2, world * 2**40]
+    assert collectives.max_floats([float(rank), -float(rank)]) == [float(world - 1), 0.0]
+    assert collectives.max_ints([rank]) == [world - 1]
+    assert collectives.all_agree([7, 8]) and not collectives.all_agree([rank])
+    assert collectives.any_true(rank == world - 1) and not collectives.any_true(False)
+    for bad, match in ((torch.zeros(2, dtype=torch.float64), "float64"), (torch.zeros(2, device="meta"), "meta")):
+        try:
+            collectives.all_reduce_small(bad)
+        except CollectiveRuleError as e:
+            assert match in str(e), e
+        else:
+            raise AssertionError(f"{bad.dtype} on {bad.device} was not refused")
+    print(f"rank {rank}: SMALL_COLLECTIVES_OK", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,166 @@
+"""The small-collectives rule: one module, device matches the backend, never float64.
+
+The multi-process half (2 ranks over gloo: exact two-float sums, maxima, agreement, refusals on a live
+group) runs inside the existing torchrun job of tests/workers/loss_logprobs_tp.py (test_logprobs.py).
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from mcore_rl.platform import Platform, collectives
+from mcore_rl.platform.collectives import CollectiveRuleError, backend_device_types, check_tensor
+
+PACKAGE = Path(__file__).resolve().parents[1] / "mcore_rl"
+
+COLLECTIVES = {
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+    "send",
+    "recv",
+}
+
+# (file under mcore_rl/, enclosing function, collective) -> why it is not a small collective.
+ALLOWED = {
+    ("platform/collectives.py", "all_reduce_small", "all_reduce"): "the small-collectives module itself",
+    ("platform/collectives.py", "sum_floats", "all_gather_into_tensor"): "the small-collectives module itself",
+    ("platform/shm_gather.py", "grow", "barrier"): "shared-memory gather: fence after creating files, no tensor",
+    ("platform/shm_gather.py", "grow", "barrier#2"): "shared-memory gather: fence after mapping files, no tensor",
+    ("platform/shm_gather.py", "_round", "all_gather_into_tensor"): "shared-memory gather: per-round "
+    "digests of what each rank wrote (gloo-only path: the transport exists only on gloo groups)",
+    ("platform/shm_gather.py", "_round", "barrier"): "shared-memory gather: round fence, no tensor",
+    ("platform/shm_gather.py", "all_gather_into", "all_gather"): "export gather: full weight shards "
+    "(the torch.distributed fallback of the shared-memory gather)",
+    ("platform/shm_gather.py", "_shared_segments", "all_gather_object"): "object gather: host ids at set-up",
+    ("platform/shm_gather.py", "_shared_segments", "all_gather_object#2"): "object gather: shared-memory "
+    "probe votes at set-up",
+    ("rollout/data_parallel.py", "generate_global", "all_gather_object"): "object gather: rollout samples",
+    ("rollout/weight_sync.py", "_worst_tensors", "all_gather_object"): "object gather: names of the worst "
+    "tensors for an error message",
+    ("rollout/vllm_engine.py", "_gather", "all_gather_object"): "object gather: generations of the TP ranks",
+    ("megatron/logprobs.py", "_all_reduce", "all_reduce"): "vocabulary-parallel log-prob reductions "
+    "(max / sums of [tokens] tensors in the compute dtype on the device)",
+    ("megatron/actor.py", "_from_last_stage", "broadcast_object_list"): "pipeline broadcast of results",
+    ("megatron/routing_replay.py", "_all_moe_layers", "all_gather_object"): "object gather: MoE layer ids",
+    ("megatron/checkpoint.py", "save_checkpoint", "barrier"): "checkpoint fence, no tensor",
+    ("megatron/checkpoint.py", "save_checkpoint", "barrier#2"): "checkpoint fence, no tensor",
+    ("models/bridge.py", "export_hf_weights", "all_gather_object"): "object gather: per-stage tensor metadata",
+    ("models/bridge.py", "export_hf_weights", "broadcast"): "pipeline broadcast of exported weights",
+    ("trainer.py", "run", "barrier"): "end-of-run fence, no tensor",
+}
+
+
+def _is_dist(node: ast.AST) -> bool:
+    """`dist` / `torch.distributed` (the names the package uses for torch.distributed)."""
+    if isinstance(node, ast.Name):
+        return node.id == "dist"
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr == "distributed"
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "torch"
+    )
+
+
+def direct_collective_calls(root: Path = PACKAGE) -> dict[tuple[str, str, str], int]:
+    """(file, enclosing function, collective[#n]) -> line, for every torch.distributed collective call."""
+    found: dict[tuple[str, str, str], int] = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        tree = ast.parse(path.read_text(), filename=str(path))
+
+        def visit(node: ast.AST, func: str, rel: str = rel) -> None:
+            for child in ast.iter_child_nodes(node):
+                name = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else func
+                if (
+                    isinstance(child, ast.Call)
+                    and isinstance(child.func, ast.Attribute)
+                    and child.func.attr in COLLECTIVES
+                    and _is_dist(child.func.value)
+                ):
+                    key, n = (rel, func, child.func.attr), 1
+                    while key in found:
+                        n += 1
+                        key = (rel, func, f"{child.func.attr}#{n}")
+                    found[key] = child.lineno
+                visit(child, name, rel)
+
+        visit(tree, "<module>")
+    return found
+
+
+def test_no_collective_outside_the_module_and_the_allow_list():
+    found = direct_collective_calls()
+    unexpected = {k: v for k, v in found.items() if k not in ALLOWED}
+    assert not unexpected, (
+        "direct torch.distributed collectives outside mcore_rl/platform/collectives.py: "
+        + ", ".join(f"{f}:{line} {fn}() {op}" for (f, fn, op), line in unexpected.items())
+        + " - use collectives.sum_ints / sum_floats / max_floats / all_agree, or add a large-tensor / object "
+        "collective to ALLOWED with its reason"
+    )
+    stale = sorted(set(ALLOWED) - set(found))
+    assert not stale, f"allow-list entries that no longer match a call (remove them): {stale}"
+
+
+def test_the_scan_sees_a_planted_collective(tmp_path):
+    (tmp_path / "m.py").write_text(
+        "import torch\nimport torch.distributed as dist\n"
+        "def f(x):\n    dist.all_reduce(x)\n    torch.distributed.broadcast(x, 0)\n"
+        "def g(x):\n    x.all_reduce()\n"  # not torch.distributed: ignored
+    )
+    assert set(direct_collective_calls(tmp_path)) == {("m.py", "f", "all_reduce"), ("m.py", "f", "broadcast")}
+
+
+@pytest.mark.parametrize(
+    "backend, kinds",
+    [
+        ("gloo", {"cpu"}),
+        ("nccl", {"cuda"}),
+        ("hccl", {"npu"}),
+        ("cpu:gloo,cuda:nccl", {"cpu", "cuda"}),
+        ("cpu:gloo,npu:hccl", {"cpu", "npu"}),
+    ],
+)
+def test_backend_device_types(backend, kinds):
+    assert backend_device_types(backend) == kinds
+
+
+def test_platform_backends_serve_cpu_and_the_device():
+    for name, device in (("cpu", "cpu"), ("cuda", "cuda"), ("npu", "npu")):
+        assert backend_device_types(Platform(name).dist_backend) == {"cpu", device}
+
+
+def test_float64_is_refused_before_any_collective():
+    with pytest.raises(CollectiveRuleError, match="float64.*MindSpeed"):
+        check_tensor(torch.zeros(3, dtype=torch.float64))
+
+
+def test_large_tensor_is_refused():
+    with pytest.raises(CollectiveRuleError, match="not a small collective"):
+        check_tensor(torch.zeros(collectives.MAX_SMALL_NUMEL + 1))
+
+
+def test_without_process_group_results_are_local():
+    assert collectives.group_device() == torch.device("cpu")
+    assert collectives.sum_ints([3, 4]) == [3, 4]
+    assert collectives.max_floats([0.1]) == [pytest.approx(0.1, rel=1e-7)]
+    assert collectives.max_floats([0.1])[0] >= 0.1  # rounded up to float32, never down
+    big = 2**40 + 0.123456
+    assert collectives.sum_floats([big]) == [pytest.approx(big, rel=1e-14)]
+    assert collectives.all_agree([1, 2])
