@@ -130,7 +130,8 @@ class RolloutConfig:
     kv_cache_gb: Optional[float] = None  # vLLM KV cache per process in GiB (overrides gpu_memory_utilization)
     sync_bucket_mb: float = 256.0
     verify_every: int = 1  # verify the weight sync every k syncs (0: never)
-    verify_tolerance: float = 1e-3  # max abs log-prob difference engine vs actor
+    verify_tolerance: Optional[float] = None  # bound on the mean |engine - actor| log-prob (nats); None: per dtype
+    verify_high_tolerance: Optional[float] = None  # bound on its 0.99 quantile; None: per dtype (docs/devices.md)
     verify_fallback: VerifyFallback = "rebuild"
     enforce_eager: bool = True
 
@@ -479,13 +480,15 @@ def _check_ranges(cfg: Config) -> None:
         "algo.temperature": a.temperature,
         "rollout.temperature": r.temperature,
         "rollout.sync_bucket_mb": r.sync_bucket_mb,
-        "rollout.verify_tolerance": r.verify_tolerance,
         "algo.tau_pos": a.tau_pos,
         "algo.tau_neg": a.tau_neg,
         "algo.rollout_is_cap": a.rollout_is_cap,
     }
     for key, v in positive.items():
         _require(v > 0, f"{key} = {v} must be > 0")
+    for key in ("verify_tolerance", "verify_high_tolerance"):
+        v = getattr(r, key)
+        _require(v is None or v > 0, f"rollout.{key} = {v} must be > 0, or null for the model dtype's default")
     for key, v in {"actor.optim.adam_beta1": o.adam_beta1, "actor.optim.adam_beta2": o.adam_beta2}.items():
         _require(0 <= v < 1, f"{key} = {v} must lie in [0, 1)")
     _require(0 < r.top_p <= 1, f"rollout.top_p = {r.top_p} must lie in (0, 1]; 1 disables nucleus sampling")
@@ -560,6 +563,12 @@ def _check_combinations(cfg: Config) -> list[str]:
             "algo.routing_replay=r2 records the experts in the old-log-prob pass, which "
             "algo.use_rollout_logprobs_as_old skips: use algo.routing_replay=r3 (the engine's routes) or "
             "set algo.use_rollout_logprobs_as_old=false"
+        )
+    if a.routing_replay is not None and cfg.actor.parallel.cp > 1:
+        raise ConfigError(
+            f"algo.routing_replay={a.routing_replay} with actor.parallel.cp = {cfg.actor.parallel.cp}: routing replay "
+            f"records and replays the routes of whole sequences and does not split them over context-parallel ranks "
+            f"(RoutingReplay.install refuses cp > 1); set actor.parallel.cp = 1 or algo.routing_replay=null"
         )
     if a.rollout_is is not None and a.use_rollout_logprobs_as_old:
         raise ConfigError(

@@ -7,7 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from mcore_rl.compat import megatron as compat_megatron
-from mcore_rl.config import ParallelConfig, load_config
+from mcore_rl.config import ConfigError, ParallelConfig, load_config
 from mcore_rl.megatron.layout import (
     ARCHITECTURES,
     LayoutError,
@@ -57,8 +57,8 @@ def test_valid_layout_derives_sizes():
     assert lay.seq_len_multiple == 4 and lay.padded_vocab_size == 151936
     lay = validate_layout(ParallelConfig(tp=2, ep=8, etp=1), 8, QWEN)
     assert (lay.dp, lay.edp) == (4, 1)
-    lay = validate_layout(ParallelConfig(tp=4, pp=2, cp=2, ep=4, etp=1), 64, QWEN)
-    assert (lay.dp, lay.edp, lay.seq_len_multiple) == (4, 8, 4 * 4)
+    lay = validate_layout(ParallelConfig(tp=4, pp=2, ep=8, etp=1), 64, QWEN)
+    assert (lay.dp, lay.edp, lay.seq_len_multiple) == (8, 4, 4)
 
 
 def test_sizes_must_be_positive():
@@ -145,9 +145,49 @@ def test_sequence_parallel_auto_on_for_moe_and_off_for_tp1():
     assert not lay.sequence_parallel and lay.warnings == ()
 
 
-def test_context_parallel_rejected_on_cpu():
-    assert "cp = 2 needs Transformer Engine" in err(ParallelConfig(cp=2), 2, platform="cpu")
-    assert validate_layout(ParallelConfig(cp=2), 2, QWEN, platform="cuda").seq_len_multiple == 4
+@pytest.mark.parametrize("platform", [None, "cpu", "cuda", "npu"])
+def test_context_parallel_rejected_on_every_platform(platform):
+    msg = err(ParallelConfig(cp=2), 2, platform=platform)
+    assert (
+        "actor.parallel.cp = 2: context parallelism is not supported yet" in msg and "set actor.parallel.cp = 1" in msg
+    )
+
+
+def test_context_parallel_with_routing_replay_names_routing_replay():
+    for replay in ("r2", "r3"):
+        with pytest.raises(
+            ConfigError, match=f"algo.routing_replay={replay} with actor.parallel.cp = 2: routing replay"
+        ):
+            load_config(None, ["actor.parallel.cp=2", f"algo.routing_replay={replay}"])
+
+
+def test_expert_tp_refused_on_npu_only():
+    assert "etp = 2 on NPU: MindSpeed" in err(ParallelConfig(tp=2, ep=2, etp=2), 4, platform="npu")
+    assert validate_layout(ParallelConfig(tp=2, ep=2, etp=2), 4, QWEN, platform="cuda").etp == 2
+
+
+NPU_VLLM = ["platform=npu", "rollout.engine=vllm", "rollout.tp=4"]
+
+
+def test_npu_refuses_rollout_routing_replay():
+    cfg = load_config(None, NPU_VLLM + ["algo.routing_replay=r3"])
+    with pytest.raises(LayoutError, match="r3 replays the engine's routed experts, which vLLM-Ascend"):
+        validate_run(cfg, 8, QWEN)
+    validate_run(load_config(None, NPU_VLLM + ["algo.routing_replay=r2"]), 8, QWEN)
+    validate_run(
+        load_config(None, ["platform=cuda", "rollout.engine=vllm", "rollout.tp=4", "algo.routing_replay=r3"]), 8, QWEN
+    )
+
+
+@pytest.mark.parametrize("option", ["algo.rollout_is=token", "algo.use_rollout_logprobs_as_old=true"])
+def test_npu_refuses_engine_logprobs_at_temperature_other_than_1(option):
+    hot = ["rollout.temperature=0.7", "algo.temperature=0.7"]
+    cfg = load_config(None, NPU_VLLM + hot + [option])
+    with pytest.raises(LayoutError, match=f"{option.split('=')[0]} use the engine's sampling log-probs.*temperature 1"):
+        validate_run(cfg, 8, QWEN)
+    validate_run(load_config(None, NPU_VLLM + [option]), 8, QWEN)  # temperature 1: raw = processed
+    validate_run(load_config(None, NPU_VLLM + hot + [option, "rollout.engine=embedded"]), 8, QWEN)
+    validate_run(load_config(None, ["platform=cuda", "rollout.engine=vllm", "rollout.tp=4"] + hot + [option]), 8, QWEN)
 
 
 def test_model_dims_from_hf_config_object_and_files(tmp_path, tiny_model_dir):
@@ -259,6 +299,6 @@ def test_run_batch_split_rules():
     cfg = load_config(None, ["rollout.engine=vllm", "rollout.tp=3"])
     with pytest.raises(LayoutError, match="rollout.tp = 3"):
         validate_run(cfg, 6, QWEN)
-    cfg = load_config(None, ["platform=cpu", "actor.parallel.cp=2"])
-    with pytest.raises(LayoutError, match="cp = 2 needs Transformer Engine"):
+    cfg = load_config(None, ["platform=cuda", "actor.parallel.cp=2"])
+    with pytest.raises(LayoutError, match="context parallelism is not supported yet"):
         validate_run(cfg, 2, QWEN)

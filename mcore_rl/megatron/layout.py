@@ -14,11 +14,13 @@ The rules mirror what Megatron-Core asserts later (parallel_state, TransformerCo
   ep * etp | tp * cp * dp                            (MoE parallel folding: EP x ETP x EDP = TP x CP x DP)
   tp | vocabulary                                    (VocabParallelEmbedding; see `_check_vocab`)
   MoE with tp > 1 needs sequence parallel            (Megatron raises in training; turned on with a warning)
-  cp > 1 needs Transformer Engine / MindSpeed attention (the local attention asserts cp == 1)
+  cp == 1: context parallelism is refused until the actor splits sequences over CP ranks
+  etp == 1 on NPU: MindSpeed's grouped linear shards experts on the other dimension (export untested)
   layouts the installed megatron-core cannot run    (compat.megatron.layout_problem: version read from the
                                                      package metadata, Megatron itself is not imported)
-and, for the run as a whole (`validate_run`): the model's `model_type` is one of ARCHITECTURES, and MoE-only
-features (routing replay) are not asked of a dense model.
+and, for the run as a whole (`validate_run`): the model's `model_type` is one of ARCHITECTURES, MoE-only
+features (routing replay) are not asked of a dense model, and the rollout engine of the platform can deliver
+what the algorithm asks of it (`check_engine_capabilities`).
 """
 
 from __future__ import annotations
@@ -334,11 +336,24 @@ def _sequence_parallel(p: ParallelConfig, dims: ModelDims, warnings: list[str]) 
     return p.sequence_parallel
 
 
-def _check_context_parallel(p: ParallelConfig, platform: Optional[str]) -> None:
-    if p.cp > 1 and platform == "cpu":
+def _check_context_parallel(p: ParallelConfig) -> None:
+    """Context parallelism is refused on every platform: Megatron expects the caller to give each CP rank its
+    own chunks of the sequence (megatron.core.utils.get_batch_on_this_cp_rank) and the actor does not split
+    yet, so cp > 1 would train every CP rank on the whole sequence - silently wrong (docs/devices.md)."""
+    if p.cp > 1:
         raise LayoutError(
-            f"cp = {p.cp} needs Transformer Engine (CUDA) or MindSpeed (NPU) attention; Megatron's local attention "
-            f"used on CPU asserts cp == 1: set actor.parallel.cp = 1 on CPU"
+            f"actor.parallel.cp = {p.cp}: context parallelism is not supported yet (the actor does not split "
+            f"sequences over CP ranks, so results would be silently wrong); set actor.parallel.cp = 1 and use "
+            f"tp / pp / dp for the devices instead"
+        )
+
+
+def _check_platform(p: ParallelConfig, platform: Optional[str]) -> None:
+    if platform == "npu" and p.expert_tp > 1:
+        raise LayoutError(
+            f"actor.parallel.etp = {p.expert_tp} on NPU: MindSpeed's grouped expert linear shards on the opposite "
+            f"dimension to Transformer Engine's, so the weight export would cut experts wrongly (untested); "
+            f"set actor.parallel.etp = 1"
         )
 
 
@@ -357,7 +372,8 @@ def validate_layout(parallel: ParallelConfig, world_size: int, dims: Any, platfo
     _check_experts(p, dims)
     edp = _check_expert_folding(p, dp, world_size)
     padded_vocab = _check_vocab(p, dims)
-    _check_context_parallel(p, platform)
+    _check_context_parallel(p)
+    _check_platform(p, platform)
     warnings: list[str] = []
     sp = _sequence_parallel(p, dims, warnings)
     problem = compat_megatron.layout_problem(p.tp, p.ep, p.expert_tp, sp, p.virtual_pp)
@@ -450,6 +466,35 @@ def check_architecture(cfg: Config, dims: ModelDims) -> Architecture | None:
     return arch
 
 
+def check_engine_capabilities(cfg: Config, platform: Optional[str]) -> None:
+    """What the rollout engine of `platform` cannot deliver (docs/devices.md, "Ascend").
+
+    vLLM-Ascend 0.10 / 0.11 ignores `logprobs_mode` (its sampler returns log-probs of the raw, temperature-1
+    distribution) and returns no routed experts."""
+    if platform != "npu" or cfg.rollout.engine != "vllm":
+        return
+    a, r = cfg.algo, cfg.rollout
+    if a.routing_replay == "r3":
+        raise LayoutError(
+            "algo.routing_replay=r3 replays the engine's routed experts, which vLLM-Ascend (0.10 / 0.11) does not "
+            "return: use algo.routing_replay=r2 (routes recorded in the actor's old-log-prob pass) on NPU"
+        )
+    users = [
+        k
+        for k, on in (
+            ("algo.rollout_is", a.rollout_is),
+            ("algo.use_rollout_logprobs_as_old", a.use_rollout_logprobs_as_old),
+        )
+        if on
+    ]
+    if r.temperature != 1.0 and users:
+        raise LayoutError(
+            f"{' and '.join(users)} use the engine's sampling log-probs, but vLLM-Ascend (0.10 / 0.11) ignores "
+            f"logprobs_mode and returns them at temperature 1, not rollout.temperature = {r.temperature}: set "
+            f"rollout.temperature = algo.temperature = 1.0, or turn off {' and '.join(users)} on NPU"
+        )
+
+
 def validate_run(cfg: Config, world_size: int, dims: Any, platform: Optional[str] = None) -> Layout:
     """The whole pre-flight for a run: actor layout, rollout TP (vLLM) and how a step's samples split.
 
@@ -461,6 +506,7 @@ def validate_run(cfg: Config, world_size: int, dims: Any, platform: Optional[str
         platform = cfg.platform
     dims = ModelDims.from_hf(dims)
     check_architecture(cfg, dims)
+    check_engine_capabilities(cfg, platform)
     layout = validate_layout(cfg.actor.parallel, world_size, dims, platform=platform)
     warnings = list(layout.warnings)
     if cfg.rollout.engine == "vllm":
