@@ -79,6 +79,10 @@ def rank_env(p: RankPlacement, world_size: int, master_addr: str, master_port: i
     }
     if accelerator in VISIBLE_DEVICES_ENV and p.visible_devices:
         env[VISIBLE_DEVICES_ENV[accelerator]] = ",".join(p.visible_devices)
+    if accelerator == "NPU":  # the Ascend environment of mcore_rl.platform (docs/devices.md); a driver value wins
+        from mcore_rl.platform import ASCEND_ENV
+
+        env.update({k: os.environ.get(k, v) for k, v in ASCEND_ENV.items()})
     env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
     return env
 

@@ -4,7 +4,9 @@
 #   NNODES=4 NODE_RANK=<0..3> MASTER_ADDR=<node 0 address> NPROC_PER_NODE=8 \
 #     launch/torchrun_multinode.sh configs/qwen3_30b_a3b/npu32_tp4_pp4_ep8.yaml [key=value ...]
 #
-# Environment: NNODES (default 1), NODE_RANK (0), MASTER_ADDR (127.0.0.1), MASTER_PORT (29500),
+# Environment: PLATFORM (cpu|cuda|npu; default: npu where torch_npu is installed, else none) exports that
+# platform's environment first (python -m mcore_rl.platform env: HCCL_CONNECT_TIMEOUT, VLLM_ASCEND_ENABLE_NZ
+# on npu; docs/devices.md), NNODES (default 1), NODE_RANK (0), MASTER_ADDR (127.0.0.1), MASTER_PORT (29500),
 # NPROC_PER_NODE (8), PYTHON (python), MODEL_CONFIG (optional config.json for the pre-flight check when
 # model.path is not readable on this node), DRY_RUN=1 (print the torchrun command instead of running it).
 # Every node first checks the config and the parallel layout for NNODES x NPROC_PER_NODE processes, so an
@@ -23,6 +25,13 @@ MASTER_PORT=${MASTER_PORT:-29500}
 NPROC_PER_NODE=${NPROC_PER_NODE:-8}
 PYTHON=${PYTHON:-python}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+if [[ -z "${PLATFORM:-}" ]] && "$PYTHON" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch_npu") is None)' 2>/dev/null; then
+  PLATFORM=npu
+fi
+if [[ -n "${PLATFORM:-}" ]]; then
+  PLATFORM_ENV=$("$PYTHON" -m mcore_rl.platform env "$PLATFORM")
+  eval "$PLATFORM_ENV"
+fi
 
 if (( NODE_RANK < 0 || NODE_RANK >= NNODES )); then
   echo "torchrun_multinode.sh: NODE_RANK=$NODE_RANK must lie in [0, NNODES=$NNODES): give each node its own rank" >&2
@@ -40,6 +49,7 @@ CMD=("$PYTHON" -m torch.distributed.run
      --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"
      -m mcore_rl.cli train "$CONFIG" "${OVERRIDES[@]}")
 if [[ "${DRY_RUN:-0}" == "1" ]]; then
+  if [[ -n "${PLATFORM_ENV:-}" ]]; then echo "$PLATFORM_ENV"; fi
   printf '%q ' "${CMD[@]}"; echo
   exit 0
 fi

@@ -142,6 +142,19 @@ def _resolve_platform(cfg: Config) -> str:
         raise ConfigError(f"platform = {cfg.platform}: {e}") from None
 
 
+def _check_engine_install(cfg: Config, platform: str) -> None:
+    """vLLM-Ascend older than mcore_rl.compat.vllm.MIN_VLLM_ASCEND cannot take MoE weight updates: refuse it
+    before any process starts (the engine checks again at start-up, for launchers that skip this command)."""
+    if platform != "npu" or cfg.rollout.engine != "vllm":
+        return
+    from mcore_rl.compat.vllm import check_vllm_ascend, installed_vllm_ascend
+
+    try:
+        check_vllm_ascend(installed_vllm_ascend())
+    except RuntimeError as e:
+        raise ConfigError(str(e)) from None
+
+
 class InputError(ValueError):
     """A training input (dataset, reward function, tokenizer) is unusable."""
 
@@ -185,6 +198,7 @@ def cmd_train(args) -> int:
         )
     platform = _resolve_platform(cfg)
     layout = preflight(cfg, cfg.trainer.nproc, platform=platform)
+    _check_engine_install(cfg, platform)
     check_inputs(cfg)
     for warning in layout.warnings:
         print(f"mcore-rl: warning: {warning}", file=sys.stderr)

