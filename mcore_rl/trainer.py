@@ -138,7 +138,7 @@ class Trainer:
 
     def sync_engine(self, verify: bool) -> dict:
         """Actor weights -> rollout engine (bucketed), verified against the actor when `verify`."""
-        from mcore_rl.rollout.weight_sync import sync_weights, verify_sync
+        from mcore_rl.rollout.weight_sync import default_tolerance, sync_weights, verify_sync
 
         self.engine.wake_up()  # colocated engines released their memory during the update
         stats = sync_weights(self.actor.export_hf_weights(), self.engine, self.cfg.rollout.sync_bucket_mb)
@@ -148,9 +148,12 @@ class Trainer:
                 self.engine,
                 self.actor.probe_log_probs,
                 self.probe,
-                self.cfg.rollout.verify_tolerance,
+                default_tolerance(
+                    self.cfg.model.dtype, self.cfg.rollout.verify_tolerance, self.cfg.rollout.verify_high_tolerance
+                ),
                 fallback=self.cfg.rollout.verify_fallback,
                 export_fn=self.actor.export_hf_weights,
+                fingerprints=stats.fingerprints,
             )
             if self.rank == 0 and (report.rebuilt or self.step <= self.cfg.rollout.verify_every):
                 log.info(report.summary())
@@ -158,6 +161,8 @@ class Trainer:
                 {
                     "sync/verify_max_diff": report.max_diff,
                     "sync/verify_mean_diff": report.mean_diff,
+                    "sync/verify_high_diff": report.high_diff,
+                    "sync/verify_weights_differ": float(report.weights.differ if report.weights else 0),
                     "sync/rebuilt": float(report.rebuilt),
                 }
             )

@@ -13,7 +13,15 @@ from transformers import AutoModelForCausalLM
 
 from mcore_rl.models.tiny import make_tiny_checkpoint
 from mcore_rl.rollout.embedded import EmbeddedEngine
-from mcore_rl.rollout.weight_sync import ProbeBatch, SyncVerificationError, sync_weights, verify_due, verify_sync
+from mcore_rl.rollout.weight_sync import (
+    ProbeBatch,
+    SyncVerificationError,
+    Tolerance,
+    default_tolerance,
+    sync_weights,
+    verify_due,
+    verify_sync,
+)
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +130,7 @@ def test_rebuild_that_cannot_fix_it_raises(tiny_model_dir, actor_dir):
     engine = EmbeddedEngine(tiny_model_dir)
     actor = AutoModelForCausalLM.from_pretrained(actor_dir, dtype=torch.float32).eval()
     wrong_export = export_from(tiny_model_dir)  # rebuilding from the wrong weights cannot match the actor
-    with pytest.raises(SyncVerificationError, match="still above tolerance after the rebuild"):
+    with pytest.raises(SyncVerificationError, match="still outside tolerance after the rebuild"):
         verify_sync(
             engine, reference_fn(actor), ProbeBatch.random(128), tol=1e-3, fallback="rebuild", export_fn=wrong_export
         )
@@ -143,3 +151,90 @@ def test_fp32_export_into_bf16_engine(tiny_model_dir, actor_dir):
     for name, tensor in export_from(actor_dir)():
         held = engine._target(name, tensor)
         assert held.dtype == torch.bfloat16 and torch.equal(held, tensor.to(torch.bfloat16)), name
+
+
+# ---------------------------------------------------------------- bf16: statistical bounds + weight-level check
+BF16 = default_tolerance("bfloat16")
+
+
+def one_step_update(path, lr=1e-6, seed=0):
+    """The bf16 export after one Adam-like step at `lr` on fp32 master weights (every element moves by lr)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for name, t in export_from(path)():
+        master = t.float() + lr * torch.randn(t.shape, generator=gen).sign()
+        out.append((name, master.to(torch.bfloat16)))
+    return out
+
+
+def bf16_model(weights, like_dir):
+    """A bf16 Hugging Face model holding `weights` (filled through the engine's checkpoint-name mapping)."""
+    holder = EmbeddedEngine(like_dir, dtype="bfloat16")
+    holder.rebuild_from(iter(weights))
+    return holder.model.eval()
+
+
+class SkipsLoads(EmbeddedEngine):
+    """An engine whose in-place load silently keeps the old weights (what vLLM 0.11's argument-less
+    reload_weights() does: it re-reads the checkpoint on disk)."""
+
+    def load_weights(self, weights):
+        for _ in weights:
+            pass
+
+
+def test_tolerance_defaults_and_overrides():
+    assert default_tolerance("float32") == Tolerance(1e-3, 1e-2)
+    assert BF16.mean > 0.34 and BF16.high > 5.7 and BF16.quantile == 0.99  # above the published device gaps
+    assert default_tolerance("bfloat16", mean=0.1) == Tolerance(0.1, BF16.high)
+    with pytest.raises(ValueError, match="no sync verification default"):
+        default_tolerance("int8")
+
+
+def test_clean_bf16_sync_passes_and_stale_engine_fails_on_weights(tiny_model_dir, actor_dir):
+    base = [(n, t.to(torch.bfloat16)) for n, t in export_from(actor_dir)()]
+    step = one_step_update(actor_dir)
+    assert sum(int((a != b).sum()) for (_, a), (_, b) in zip(base, step)) > 0  # some bf16 values moved
+    actor = bf16_model(step, actor_dir)
+    probe = ProbeBatch.random(128, seed=4)
+    clean = EmbeddedEngine(tiny_model_dir, dtype="bfloat16")
+    stats = sync_weights(iter(step), clean, bucket_mb=1)
+    report = verify_sync(clean, reference_fn(actor), probe, BF16, fingerprints=stats.fingerprints)
+    assert report.passed and report.weights.checked == len(step) and report.weights.differ == 0
+    # one sync behind: the log-probs cannot tell at lr 1e-6, the weight-level check can
+    stale = SkipsLoads(tiny_model_dir, dtype="bfloat16")
+    stale.rebuild_from(iter(base))
+    stats = sync_weights(iter(step), stale, bucket_mb=1)
+    with pytest.raises(SyncVerificationError, match=r"weights: \d+ of \d+ tensors differ") as err:
+        verify_sync(stale, reference_fn(actor), probe, BF16, fingerprints=stats.fingerprints)
+    assert "mean" in str(err.value)
+    report = verify_sync(stale, reference_fn(actor), probe, BF16, fingerprints=None)
+    assert report.passed  # without the weight-level check a stale bf16 engine passes
+    report = verify_sync(
+        stale,
+        reference_fn(actor),
+        probe,
+        BF16,
+        fallback="rebuild",
+        export_fn=lambda: iter(step),
+        fingerprints=stats.fingerprints,
+    )
+    assert not report.passed and report.rebuilt and report.weights.differ > 0
+
+
+def test_corrupted_expert_fails_at_the_bf16_default(tiny_model_dir, actor_dir):
+    actor = bf16_model([(n, t.to(torch.bfloat16)) for n, t in export_from(actor_dir)()], actor_dir)
+    engine = EmbeddedEngine(tiny_model_dir, dtype="bfloat16")
+    stats = sync_weights(export_from(actor_dir)(), engine, bucket_mb=1)
+    corrupt_experts(engine, layer=1, scale=0.01)
+    with pytest.raises(SyncVerificationError, match="tensors differ") as err:
+        verify_sync(
+            engine,
+            reference_fn(actor),
+            ProbeBatch.random(128, seed=3),
+            BF16,
+            fallback="error",
+            export_fn=export_from(actor_dir),
+            fingerprints=stats.fingerprints,
+        )
+    assert "model.layers.1.mlp.experts." in str(err.value)

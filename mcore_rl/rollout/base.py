@@ -82,6 +82,11 @@ class RolloutEngine(abc.ABC):
         where the engine cannot read its weights back (used to name the tensors a failed sync got wrong)."""
         return None
 
+    def weight_fingerprints(self, names: list[str]) -> Optional[dict[str, torch.Tensor]]:
+        """name -> `weight_sync.fingerprint(name, weight)` of the engine's copy of each weight, in Hugging Face
+        layout; None when the engine cannot read its weights back that way (then the check is skipped)."""
+        return None
+
     def rebuild_from(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Recreate the model from complete weights by a path known to be exact (the fallback after a sync
         fails verification)."""

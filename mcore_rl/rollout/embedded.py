@@ -252,6 +252,12 @@ class EmbeddedEngine(RolloutEngine):
             name: (self._target(name, t).float() - t.to(self.device).float()).abs().max().item() for name, t in weights
         }
 
+    @torch.no_grad()
+    def weight_fingerprints(self, names: list[str]) -> dict[str, torch.Tensor]:
+        from mcore_rl.rollout.weight_sync import fingerprint
+
+        return {name: fingerprint(name, self._targets[name]) for name in names}
+
     def rebuild_from(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """A fresh model object filled from `weights`; every engine weight must be delivered."""
         old_model = self.model

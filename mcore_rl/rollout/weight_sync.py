@@ -15,14 +15,17 @@ memory of a sync is about one bucket plus the one tensor the exporter is gatheri
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
+from mcore_rl.platform import collectives
 from mcore_rl.rollout.base import RolloutEngine
 
 log = logging.getLogger(__name__)
@@ -35,6 +38,60 @@ class SyncVerificationError(RuntimeError):
     """The engine's log-probs disagree with the actor's after a weight sync."""
 
 
+@dataclass(frozen=True)
+class Tolerance:
+    """Pass bounds of a sync verification over the probe tokens' |engine - actor| log-prob (nats, fp32)."""
+
+    mean: float  # bound on the mean |delta|
+    high: float  # bound on the `quantile` of |delta| (quantile 1.0: the maximum)
+    quantile: float = 0.99
+
+    def __post_init__(self):
+        if not (self.mean > 0 and self.high > 0 and 0 < self.quantile <= 1):
+            raise ValueError(f"sync verification tolerance {self}: mean, high > 0 and 0 < quantile <= 1")
+
+
+# Defaults per actor dtype (docs/devices.md, "Sync verification"). float32: CPU / fp32 runs, where the exact
+# weights give agreement to ~1e-5. bfloat16 / float16: above the published gaps between a bf16 training stack
+# and a bf16 vLLM engine on the same checkpoint (Qwen3-30B-A3B, Megatron vs vLLM: mean |delta| 0.34, worst
+# token 5.7 nats; dense Qwen3-32B: mean 0.006, worst 0.08); a tiny model on CPU cannot show device gaps. In
+# half precision the log-prob check catches gross errors (wrong config, dtype, garbage weights); stale or
+# partly wrong tensors are caught by the weight-level check (`check_weights`).
+DEFAULT_TOLERANCES = {
+    "float32": Tolerance(mean=1e-3, high=1e-2),
+    "bfloat16": Tolerance(mean=0.5, high=8.0),
+    "float16": Tolerance(mean=0.5, high=8.0),
+}
+
+
+def default_tolerance(dtype: str, mean: Optional[float] = None, high: Optional[float] = None) -> Tolerance:
+    """The dtype's default, with `mean` / `high` (rollout.verify_tolerance / verify_high_tolerance) if set."""
+    if dtype not in DEFAULT_TOLERANCES:
+        raise ValueError(f"no sync verification default for dtype {dtype!r}; use one of {list(DEFAULT_TOLERANCES)}")
+    base = DEFAULT_TOLERANCES[dtype]
+    return Tolerance(mean=mean if mean is not None else base.mean, high=high if high is not None else base.high)
+
+
+def as_tolerance(tol: "float | Tolerance") -> Tolerance:
+    """A plain number bounds both the mean and the maximum (quantile 1.0)."""
+    return tol if isinstance(tol, Tolerance) else Tolerance(mean=float(tol), high=float(tol), quantile=1.0)
+
+
+FINGERPRINT_SIZE = 32  # elements sampled per tensor for the weight-level check
+
+
+def fingerprint_positions(name: str, numel: int, k: int = FINGERPRINT_SIZE) -> torch.Tensor:
+    """k positions of a flattened tensor, fixed by its name (the same on the actor and in every engine)."""
+    seed = zlib.crc32(name.encode()) & 0x7FFFFFFF
+    return torch.randint(0, numel, (min(k, numel),), generator=torch.Generator().manual_seed(seed))
+
+
+def fingerprint(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The values of `tensor` at its fingerprint positions (same device and dtype)."""
+    flat = tensor.detach().reshape(-1)
+    return flat[fingerprint_positions(name, flat.numel()).to(flat.device)]
+
+
 @dataclass
 class SyncStats:
     num_tensors: int
@@ -45,6 +102,7 @@ class SyncStats:
     seconds: float  # wall time of the whole sync (export + load)
     export_seconds: float  # time spent inside the exporter (gathers)
     load_seconds: float  # time spent in engine.load_weights
+    fingerprints: Optional[dict[str, torch.Tensor]] = None  # name -> sampled values sent (weight-level check)
 
     @property
     def gb_per_s(self) -> float:
@@ -88,6 +146,7 @@ def sync_weights(export_iter: WeightStream, engine: Optional[RolloutEngine], buc
     bucket_bytes = 0
     stats = dict(num_tensors=0, num_buckets=0, total_bytes=0, largest_tensor_bytes=0, max_bucket_bytes=0)
     seen: set[str] = set()
+    prints: dict[str, torch.Tensor] = {}
 
     def flush() -> None:
         nonlocal bucket, bucket_bytes, load_seconds
@@ -108,6 +167,8 @@ def sync_weights(export_iter: WeightStream, engine: Optional[RolloutEngine], buc
         stats["total_bytes"] += size
         stats["largest_tensor_bytes"] = max(stats["largest_tensor_bytes"], size)
         seen.add(name)
+        if engine is not None:
+            prints[name] = fingerprint(name, tensor)  # stays on the device: no host sync per tensor
         if bucket and bucket_bytes + size > limit:
             flush()
         bucket.append((name, tensor))
@@ -117,24 +178,34 @@ def sync_weights(export_iter: WeightStream, engine: Optional[RolloutEngine], buc
             flush()
     flush()
     result = SyncStats(
-        seconds=time.perf_counter() - start, export_seconds=export_clock[0], load_seconds=load_seconds, **stats
+        seconds=time.perf_counter() - start,
+        export_seconds=export_clock[0],
+        load_seconds=load_seconds,
+        fingerprints=_to_host(prints),
+        **stats,
     )
     _check_complete(engine, seen, group)
     log.info(result.summary())
     return result
 
 
+def _to_host(prints: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One device-to-host copy for all fingerprints of a sync (float32 holds bf16 / fp16 values exactly)."""
+    if not prints:
+        return {}
+    flat = torch.cat([v.float() for v in prints.values()]).cpu()
+    return dict(zip(prints, flat.split([v.numel() for v in prints.values()])))
+
+
 def _check_complete(engine: Optional[RolloutEngine], seen: set[str], group) -> None:
     """Raise on every rank (so none waits in a later collective) when an engine missed some of its weights."""
     expected = engine.weight_names() if engine is not None else None
     missing = sorted(expected - seen) if expected is not None else []
-    count = torch.tensor([len(missing)], dtype=torch.int64)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-    if count.item():
+    count = collectives.max_ints([len(missing)], group)[0]
+    if count:
         example = f" (e.g. {missing[:3]})" if missing else " on another rank"
         raise ValueError(
-            f"weight sync delivered {len(seen)} tensors but an engine did not receive {count.item()} of its "
+            f"weight sync delivered {len(seen)} tensors but an engine did not receive {count} of its "
             f"weights{example}; its copies of those are stale - the exporter must yield every Hugging "
             f"Face weight"
         )
@@ -165,21 +236,47 @@ class ProbeBatch:
 
 
 @dataclass
+class WeightCheck:
+    """Weight-level check: the engine's values at each tensor's fingerprint positions vs what the sync sent."""
+
+    checked: int  # tensors compared, over all ranks
+    differ: int  # tensors whose engine values differ
+    unsupported: int  # ranks whose engine cannot read its weights back in Hugging Face layout
+    examples: tuple[str, ...] = ()  # names of differing tensors (this rank)
+
+    @property
+    def passed(self) -> bool:
+        return self.differ == 0
+
+
+@dataclass
 class VerifyReport:
     max_diff: float  # max |engine - actor| log-prob over all probe tokens and ranks (nats)
     mean_diff: float
     num_tokens: int
-    tolerance: float
-    passed: bool  # the first comparison was within tolerance
+    tolerance: Tolerance
+    passed: bool  # the first comparison (log-probs and weights) was within tolerance
+    high_diff: float = 0.0  # the tolerance's quantile of |delta| (max over ranks)
+    weights: Optional[WeightCheck] = None
     rebuilt: bool = False  # the engine was rebuilt from exported weights (fallback "rebuild")
     max_diff_after_rebuild: Optional[float] = None
     seconds: float = 0.0
 
     def summary(self) -> str:
+        tol = self.tolerance
         text = (
-            f"sync verification: engine vs actor log-probs max {self.max_diff:.3g} mean {self.mean_diff:.3g} nats "
-            f"over {self.num_tokens} tokens (tolerance {self.tolerance:g}): {'ok' if self.passed else 'FAILED'}"
+            f"sync verification: engine vs actor log-probs mean {self.mean_diff:.3g} (tolerance {tol.mean:g}), "
+            f"q{tol.quantile:g} {self.high_diff:.3g} (tolerance {tol.high:g}), max {self.max_diff:.3g} nats over "
+            f"{self.num_tokens} tokens"
         )
+        if self.weights is not None:
+            w = self.weights
+            text += f"; weights: {w.differ} of {w.checked} tensors differ"
+            if w.examples:
+                text += f" (e.g. {', '.join(w.examples[:3])})"
+            if w.unsupported:
+                text += f"; {w.unsupported} rank(s) cannot read weights back"
+        text += f": {'ok' if self.passed else 'FAILED'}"
         if self.rebuilt:
             text += f"; rebuilt the engine from exported weights -> max {self.max_diff_after_rebuild:.3g}"
         return text
@@ -190,12 +287,24 @@ def verify_due(sync_count: int, verify_every: int) -> bool:
     return verify_every > 0 and sync_count % verify_every == 0
 
 
+@dataclass(frozen=True)
+class _Diffs:
+    worst: float
+    mean: float
+    high: float
+    count: int
+
+    def within(self, tol: Tolerance) -> bool:
+        return self.mean <= tol.mean and self.high <= tol.high
+
+
 def _compare(
-    engine: Optional[RolloutEngine], reference_logprob_fn: ReferenceLogprobFn, probe: ProbeBatch, group
-) -> tuple[float, float, int]:
-    """(max, mean, count) of |engine - actor| over the probe tokens, reduced over the group."""
+    engine: Optional[RolloutEngine], reference_logprob_fn: ReferenceLogprobFn, probe: ProbeBatch, tol: Tolerance, group
+) -> _Diffs:
+    """Mean, tol.quantile and max of |engine - actor| (fp32) over the probe tokens, agreed over the group (the
+    quantile is the largest of the ranks' own: replicas are checked separately)."""
     reference = reference_logprob_fn(probe.sequences, probe.prompt_lens, probe.temperature)
-    worst, total, count = 0.0, 0.0, 0
+    diffs = []
     if engine is not None:
         scored = engine.score(probe.sequences, probe.prompt_lens, probe.temperature)
         for i, (ours, ref) in enumerate(zip(scored, reference)):
@@ -206,19 +315,36 @@ def _compare(
                 )
             diff = (ours.float().cpu() - ref.float().cpu()).abs()
             # NaN/inf outputs must fail the check: max() and comparisons with NaN would silently pass them.
-            diff = torch.where(torch.isfinite(diff), diff, torch.full_like(diff, float("inf")))
-            worst = max(worst, diff.max().item())
-            total += diff.sum().item()
-            count += diff.numel()
-    if dist.is_available() and dist.is_initialized():
-        worst_t = torch.tensor([worst], dtype=torch.float64)
-        sums = torch.tensor([total, float(count)], dtype=torch.float64)
-        dist.all_reduce(worst_t, op=dist.ReduceOp.MAX, group=group)
-        dist.all_reduce(sums, group=group)
-        worst, total, count = worst_t.item(), sums[0].item(), int(sums[1].item())
+            diffs.append(torch.where(torch.isfinite(diff), diff, torch.full_like(diff, float("inf"))))
+    local = torch.cat(diffs) if diffs else torch.zeros(0)
+    worst = float(local.max()) if local.numel() else 0.0
+    high = float(torch.quantile(local, tol.quantile)) if local.numel() else 0.0
+    total = math.fsum(local.tolist())
+    worst, high = collectives.max_floats([worst, high], group)
+    total = collectives.sum_floats([total], group)[0]
+    count = collectives.sum_ints([local.numel()], group)[0]
     if count == 0:
         raise ValueError("sync verification compared no tokens: no rank holds an engine or the probe is empty")
-    return worst, total / count, count
+    return _Diffs(worst, total / count, high, count)
+
+
+def check_weights(engine: Optional[RolloutEngine], fingerprints: dict[str, torch.Tensor], group) -> WeightCheck:
+    """Compare the engine's values at the fingerprint positions with what the sync sent; collective."""
+    checked = differ = unsupported = 0
+    examples: list[str] = []
+    if engine is not None and fingerprints:
+        got = engine.weight_fingerprints(list(fingerprints))
+        if got is None:
+            unsupported = 1
+        else:
+            for name, sent in fingerprints.items():
+                checked += 1
+                mine = got[name].cpu()  # the engine's dtype: compare with what its copy_ of `sent` would hold
+                if not torch.equal(mine.float(), sent.to(mine.dtype).float()):
+                    differ += 1
+                    examples.append(name)
+    checked, differ, unsupported = collectives.sum_ints([checked, differ, unsupported], group)
+    return WeightCheck(checked, differ, unsupported, tuple(examples[:5]))
 
 
 def _drain(stream: WeightStream) -> None:
@@ -253,16 +379,19 @@ def verify_sync(
     engine: Optional[RolloutEngine],
     reference_logprob_fn: ReferenceLogprobFn,
     probe_batch: ProbeBatch,
-    tol: float,
+    tol: "float | Tolerance",
     fallback: str = "error",
     export_fn: Optional[Callable[[], WeightStream]] = None,
     group=None,
+    fingerprints: Optional[dict[str, torch.Tensor]] = None,
 ) -> VerifyReport:
-    """Compare the engine's log-probs of `probe_batch` with the actor's (`reference_logprob_fn`).
+    """Compare the engine with the actor after a sync: log-probs of `probe_batch` (mean and a high quantile
+    of |delta| within `tol`; a plain number bounds the mean and the maximum) and, given the sync's
+    `fingerprints` (SyncStats.fingerprints; pass them on every rank or on none), the engine's weights.
 
-    Within `tol` -> a passing report. Above it:
+    Within bounds -> a passing report. Otherwise:
     - fallback "rebuild": recreate the engine from a fresh export (`export_fn()`, collective on every rank) via
-      `engine.rebuild_from`, an exact path; compare again; still above `tol` -> SyncVerificationError.
+      `engine.rebuild_from`, an exact path; compare again; still outside -> SyncVerificationError.
     - fallback "error": SyncVerificationError naming the worst tensors / layers when `export_fn` is given and
       the engine can read its weights back.
     """
@@ -270,9 +399,19 @@ def verify_sync(
         raise ValueError(f"rollout.verify_fallback={fallback!r}; use 'rebuild' or 'error'")
     if fallback == "rebuild" and export_fn is None:
         raise ValueError("verify_fallback='rebuild' needs export_fn (a callable returning a fresh weight export)")
+    tol = as_tolerance(tol)
     start = time.perf_counter()
-    worst, mean, count = _compare(engine, reference_logprob_fn, probe_batch, group)
-    report = VerifyReport(max_diff=worst, mean_diff=mean, num_tokens=count, tolerance=tol, passed=worst <= tol)
+    weights = check_weights(engine, fingerprints, group) if fingerprints is not None else None
+    diffs = _compare(engine, reference_logprob_fn, probe_batch, tol, group)
+    report = VerifyReport(
+        max_diff=diffs.worst,
+        mean_diff=diffs.mean,
+        high_diff=diffs.high,
+        num_tokens=diffs.count,
+        tolerance=tol,
+        weights=weights,
+        passed=diffs.within(tol) and (weights is None or weights.passed),
+    )
     if not report.passed:
         if fallback == "error":
             where = (
@@ -288,11 +427,14 @@ def verify_sync(
         else:
             engine.rebuild_from(export_fn())
         report.rebuilt = True
-        report.max_diff_after_rebuild, _, _ = _compare(engine, reference_logprob_fn, probe_batch, group)
-        if report.max_diff_after_rebuild > tol:
+        after = _compare(engine, reference_logprob_fn, probe_batch, tol, group)
+        report.max_diff_after_rebuild = after.worst
+        weights_after = check_weights(engine, fingerprints, group) if fingerprints is not None else None
+        if not after.within(tol) or (weights_after is not None and not weights_after.passed):
             raise SyncVerificationError(
-                f"{report.summary()}: still above tolerance after the rebuild; engine and actor "
-                f"compute different functions of the same weights (check dtype / model config)"
+                f"{report.summary()}: still outside tolerance after the rebuild (mean {after.mean:.3g}, "
+                f"q{tol.quantile:g} {after.high:.3g}); engine and actor compute different functions of the same "
+                f"weights (check dtype / model config)"
             )
     report.seconds = time.perf_counter() - start
     log.info(report.summary())
