@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup artifacts demo test test-fast lint format setup-vllm test-vllm setup-compat test-compat clean
+.PHONY: setup artifacts demo test test-fast lint format setup-vllm test-vllm setup-compat test-compat gpu-wheels gpu-venv test-gpu clean
 
 $(BIN)/mcore-rl: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -35,10 +35,10 @@ demo: setup artifacts
 
 # Quick start 2: the whole test suite (fast subset: make test-fast).
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -m "not gpu" tests
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(BIN)/python -m pytest -q -m "not slow and not gpu" tests
 
 # Lint and format check (ruff, pinned in the dev extra); `make format` rewrites files.
 lint: setup
@@ -83,5 +83,24 @@ setup-compat: $(COMPAT)/mcore-rl
 test-compat: setup-compat
 	grep -Ev '^[[:space:]]*(#|$$)' tests/compat_subset.txt | xargs $(COMPAT)/python -m pytest -q --durations=15
 
+# GPU smoke suite (tests/gpu/smoke.py; at most 5 minutes on one GPU; summary in gpu_smoke_summary.txt).
+# The GPU machine has no network: Python 3.12 + torch, transformers, triton, safetensors, pyarrow, pyyaml only.
+#   here (with network):  make gpu-wheels          -> .whl/ (megatron-core, mbridge, small pure-Python deps)
+#   there (offline):      make gpu-venv test-gpu   (venv with --system-site-packages, wheels with --no-deps)
+GPU_WHEELS = megatron-core==0.16.1 mbridge==0.15.1 einops==0.8.2 psutil==7.2.2 tqdm==4.70.1
+GPU_PY ?= python3
+gpu-wheels:
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  --platform any -d .whl $(GPU_WHEELS)
+
+gpu-venv:
+	$(GPU_PY) -m venv --system-site-packages .venv-gpu
+	.venv-gpu/bin/python -m pip install -q --no-deps --no-index \
+	  --target "$$(.venv-gpu/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" .whl/*.whl
+
+test-gpu:
+	PYTHONPATH=$(CURDIR) .venv-gpu/bin/python tests/gpu/smoke.py --out gpu_smoke_summary.txt
+
 clean:
-	rm -rf $(VENV) .venv-vllm .venv-compat *.egg-info
+	rm -rf $(VENV) .venv-vllm .venv-compat .venv-gpu *.egg-info

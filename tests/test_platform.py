@@ -103,3 +103,13 @@ def test_mindspeed_arguments_set_after_the_adaptor():
     assert mindspeed_args_to_set(SimpleNamespace(use_flash_attn=False)) == {"use_flash_attn": True}
     assert mindspeed_args_to_set(SimpleNamespace()) == {"use_flash_attn": True}  # absent from sys.argv
     assert mindspeed_args_to_set(SimpleNamespace(**MINDSPEED_ARGS)) == {}
+
+
+def test_layer_spec_choice():
+    """TE spec on NPU (MindSpeed) and on CUDA only where transformer_engine imports; local spec otherwise."""
+    import importlib.util
+
+    has_te = importlib.util.find_spec("transformer_engine") is not None
+    assert Platform("npu").uses_transformer_engine and not Platform("cpu").uses_transformer_engine
+    assert Platform("cuda").uses_transformer_engine == has_te
+    assert not has_te  # this suite's venv has no Transformer Engine: CUDA here would use the local spec

@@ -66,6 +66,20 @@ def reload_in_place(runner: Any, weights: Iterable[tuple[str, torch.Tensor]]) ->
     return path
 
 
+def reload_from_folder(runner: Any, folder: str) -> str:
+    """Re-read every weight of a running model runner from a Hugging Face folder, in place (no second engine:
+    with sleep mode vLLM allows one per process). Layer-wise vLLM: ``reload_weights(weights_path=folder)``;
+    0.10 / 0.11: point the model config at the folder, restore vLLM-Ascend's MoE loaders, ``reload_weights()``
+    (which re-reads ``model_config.model``)."""
+    if reload_path(runner) == RELOAD_ITERATOR:
+        runner.reload_weights(weights_path=folder)
+        return RELOAD_ITERATOR
+    restore_moe_weight_loaders(runner.model)
+    runner.model_config.model = folder
+    runner.reload_weights()
+    return RELOAD_MODEL
+
+
 def _version(version: str):
     from packaging.version import Version
 

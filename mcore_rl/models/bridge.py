@@ -4,7 +4,8 @@
 HF weights into any TP/PP/EP/ETP layout and exports full HF-named tensors back one at a time.
 mbridge supplies the model config mapping, the HF<->Megatron name mapping and the fused-tensor
 formats (qkv, gate/up); sharding, loading and gathering are ours so that they work with both the
-Transformer Engine layer spec (CUDA, NPU via MindSpeed) and the local pure-torch spec (CPU), whose
+Transformer Engine layer spec (CUDA with TE, NPU via MindSpeed) and the local pure-torch spec (CPU, CUDA without
+TE: `Platform.uses_transformer_engine`), whose
 parameter names differ:
     local  decoder.layers.L.input_layernorm.weight                 (TE: ...self_attention.linear_qkv.layer_norm_weight)
     local  decoder.layers.L.pre_mlp_layernorm.weight  dense MLP     (TE: ...mlp.linear_fc1.layer_norm_weight)
@@ -236,14 +237,14 @@ class ModelBridge:
 
     # ---- build -------------------------------------------------------------------------------
     def megatron_config_overrides(self, layout: Layout, model_cfg: ModelConfig) -> dict:
-        use_te = self.platform.name != "cpu"
+        use_te = self.platform.uses_transformer_engine
         extra = dict(
             sequence_parallel=layout.sequence_parallel,
             moe_token_dispatcher_type=model_cfg.moe_token_dispatcher,
             moe_router_dtype=model_cfg.moe_router_dtype,
             attention_dropout=0.0,
             hidden_dropout=0.0,
-            use_cpu_initialization=not use_te,
+            use_cpu_initialization=self.platform.name == "cpu",
         )
         if model_cfg.recompute:
             extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -264,7 +265,7 @@ class ModelBridge:
         extra = self.megatron_config_overrides(layout, model_cfg)
         self._layout = layout
         self._backend = _MbridgeBackend(
-            self.hf_config, torch_dtype(model_cfg.dtype), extra, use_te=self.platform.name != "cpu"
+            self.hf_config, torch_dtype(model_cfg.dtype), extra, use_te=self.platform.uses_transformer_engine
         )
         provider = self._backend.provider()
         vpp = layout.vpp  # needs megatron-core >= 0.13: validate_layout (compat.megatron.layout_problem) checked it

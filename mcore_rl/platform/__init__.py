@@ -84,6 +84,15 @@ class Platform:
         """Backend string of the default process group (and of Megatron's subgroups)."""
         return _BACKENDS[self.name]
 
+    @property
+    def uses_transformer_engine(self) -> bool:
+        """Whether models use Megatron's Transformer Engine layer spec: on NPU (MindSpeed stands in for TE under
+        TE's names) and on CUDA where transformer_engine is importable; otherwise the local pure-torch spec
+        (CPU, and CUDA without TE - the GPU smoke suite's machine has none)."""
+        if self.name == "npu":
+            return True
+        return self.name == "cuda" and importlib.util.find_spec("transformer_engine") is not None
+
     def apply_environment(self, env: Optional[dict] = None) -> dict[str, str]:
         """Set (if unset) the environment variables this platform needs in `env` (default os.environ);
         returns the values in effect. Call before importing torch_npu / vllm-ascend."""

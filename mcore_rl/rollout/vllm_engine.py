@@ -62,11 +62,12 @@ import os
 import re
 import shutil
 import tempfile
+import time
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
@@ -169,6 +170,44 @@ def reload_weights_in_worker(worker: Any, weights: Iterable[tuple[str, torch.Ten
     return len(weights)
 
 
+def reload_from_folder_in_worker(worker: Any, folder: str) -> str:
+    """Runs inside each vLLM worker: re-read every weight from a Hugging Face folder in place."""
+    from mcore_rl.compat.vllm import reload_from_folder
+
+    return reload_from_folder(worker.model_runner, folder)
+
+
+def _local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def write_folder_once(folder: str, write: Callable[[str], None]) -> None:
+    """Write a folder atomically: `write(tmp)` fills a sibling temporary folder, renamed when complete, so
+    readers (`wait_for_folder`) never see a partial copy."""
+    tmp = f"{folder}.partial"
+    shutil.rmtree(folder, ignore_errors=True)  # a leftover of an earlier job must not pass for this copy
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        write(tmp)
+        os.rename(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def wait_for_folder(folder: str, timeout_s: float = 3600.0, poll_s: float = 0.5) -> None:
+    """Wait until the node's writer has renamed `folder` into place (write_folder_once)."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.isdir(folder):
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"rebuild folder {folder} did not appear within {timeout_s:.0f} s: local rank 0 of this node writes "
+                f"it; rollout.rebuild_dir must be a node-local directory every rank of the node can read"
+            )
+        time.sleep(poll_s)
+
+
 @contextmanager
 def _keep_process_groups():
     """While active, vLLM's engine shutdown leaves torch.distributed and vLLM's parallel groups alive.
@@ -249,7 +288,10 @@ class VllmEngine(RolloutEngine):
         self._want_routes = return_routed_experts
         self._asleep = False
         self._logged: set[str] = set()
-        self._rebuild_dir: Optional[str] = None
+        self._rebuild_dir: Optional[str] = None  # the folder of the last rebuild (deleted at the next / close)
+        self._rebuild_base = getattr(cfg, "rebuild_dir", None) or tempfile.gettempdir()
+        self._rebuilds = 0
+        self._sleep_mode = False
         self._names = _checkpoint_names(self.model_path)
         self._unit_of = {name: _reload_unit(name) for name in self._names}
         self._units: dict[str, set[str]] = {}
@@ -333,6 +375,7 @@ class VllmEngine(RolloutEngine):
             self._log_once("lpmode", "vLLM engine: this vLLM has no logprobs_mode; sampled log-probs are at T = 1")
         if not current_platform.is_cpu() and current_platform.is_sleep_mode_available():
             args["enable_sleep_mode"] = True
+            self._sleep_mode = True
         if routes:
             args["enable_return_routed_experts"] = True
         args.update(s["llm_kwargs"])
@@ -433,29 +476,48 @@ class VllmEngine(RolloutEngine):
         return sum(len(w) for w in self._pending.values()) + len(self._buffered)
 
     def rebuild_from(self, weights: Union[str, os.PathLike, Iterable[tuple[str, torch.Tensor]]]) -> None:
-        """Recreate the engine from complete weights (exact): a Hugging Face folder, or (name, tensor) pairs
-        written to a temporary folder next to a copy of the original config and tokenizer."""
+        """Reload every weight from complete weights by an exact path: a Hugging Face folder, or (name, tensor)
+        pairs written ONCE PER NODE (local rank 0; the others wait for it) to a folder under `rebuild_dir`
+        next to a copy of the original config and tokenizer.
+
+        With sleep mode on (GPU / NPU), vLLM allows one engine per process ("Sleep mode can only be used for
+        one instance per process"), so the running engine re-reads the folder in place
+        (mcore_rl.compat.vllm.reload_from_folder); without it (CPU) a new engine starts from the folder."""
         self._check_awake("rebuild_from")
+        self._rebuilds += 1
         if isinstance(weights, (str, os.PathLike)):
-            folder, tmp = str(weights), None
+            folder, owned = str(weights), False
             _read_hf_config(folder)
         else:
-            tmp = tempfile.mkdtemp(prefix=f"mcore_rl_vllm_rebuild_r{self.layout.rank}_")
-            try:
-                self._write_folder(tmp, weights)
-            except Exception:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-            folder = tmp
+            folder, owned = self._node_folder(self._rebuilds), True
+            if _local_rank() == 0:
+                write_folder_once(folder, lambda tmp: self._write_folder(tmp, weights))
+            else:
+                for _ in weights:  # the exporter's gathers are collective: take part, keep nothing
+                    pass
+                wait_for_folder(folder)
         self._pending.clear()  # the rebuild replaces every weight
         self._buffered.clear()
-        self._shutdown()
-        self.llm = self._start(folder)
-        self.model_path = folder
-        if self._rebuild_dir is not None:
+        if self._sleep_mode:
+            self.llm.collective_rpc(reload_from_folder_in_worker, args=(folder,))
+        else:
+            self._shutdown()
+            self.llm = self._start(folder)
+            self.model_path = folder
+        if self._rebuild_dir is not None and self._rebuild_dir != folder and _local_rank() == 0:
             shutil.rmtree(self._rebuild_dir, ignore_errors=True)
-        self._rebuild_dir = tmp
-        log.info("vLLM engine rebuilt from %s (exact path)", folder)
+        self._rebuild_dir = folder if owned else None
+        log.info("vLLM engine reloaded from %s (exact path)", folder)
+
+    def _node_folder(self, count: int) -> str:
+        """The same folder name on every rank of the job (one copy per node)."""
+        job = re.sub(
+            r"[^A-Za-z0-9_.-]",
+            "_",
+            "_".join(os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"))
+            or str(os.getpid()),
+        )
+        return os.path.join(self._rebuild_base, f"mcore_rl_vllm_rebuild_{job}_{count}")
 
     def _write_folder(self, folder: str, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Config/tokenizer files of the original folder + the given (complete) weights as safetensors shards."""
@@ -481,9 +543,9 @@ class VllmEngine(RolloutEngine):
 
     def close(self) -> None:
         self._shutdown()
-        if self._rebuild_dir is not None:
+        if self._rebuild_dir is not None and _local_rank() == 0:
             shutil.rmtree(self._rebuild_dir, ignore_errors=True)
-            self._rebuild_dir = None
+        self._rebuild_dir = None
 
     # ----- memory -----
 
