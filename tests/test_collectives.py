@@ -63,6 +63,7 @@ ALLOWED = {
     ("models/bridge.py", "export_hf_weights", "all_gather_object"): "object gather: per-stage tensor metadata",
     ("models/bridge.py", "export_hf_weights", "broadcast"): "pipeline broadcast of exported weights",
     ("trainer.py", "run", "barrier"): "end-of-run fence, no tensor",
+    ("convert.py", "convert", "barrier"): "end-of-conversion fence, no tensor",
 }
 
 

@@ -167,7 +167,7 @@ def stage_parity(ctx) -> str:
     from megatron.core import tensor_parallel
     from transformers import AutoModelForCausalLM
 
-    from mcore_rl.megatron.actor import MicroBatch
+    from mcore_rl.batch import MicroBatch
 
     model, _ = _tiny_paths(ctx)
     tokens = _batch()
@@ -196,7 +196,7 @@ def stage_train(ctx) -> str:
     import torch
     from megatron.core import tensor_parallel
 
-    from mcore_rl.megatron.actor import MicroBatch
+    from mcore_rl.batch import MicroBatch
 
     actor = ctx.get("actor_float32") or _actor(ctx, "float32")
     tokens = _batch()
@@ -224,32 +224,11 @@ def stage_sync(ctx) -> str:
     actor = ctx.get("actor_bfloat16") or _actor(ctx, "bfloat16")
     engine = EmbeddedEngine(model, dtype="bfloat16", device=ctx["device"])
     stats = sync_weights(actor.export_hf_weights(), engine, bucket_mb=64)
-    probe = ProbeBatch.random(actor.bridge.hf_config.vocab_size, seed=1)
-    reference = _reference(actor, ctx["device"])
+    probe = ProbeBatch.random(actor.hf_config.vocab_size, seed=1)
+    reference = actor.probe_log_probs
     report = verify_sync(engine, reference, probe, default_tolerance("bfloat16"), fingerprints=stats.fingerprints)
     assert report.passed and report.weights.differ == 0, report.summary()
     return f"{stats.summary()}; {report.summary()}"
-
-
-def _reference(actor, device):
-    """The actor's log-probs of probe sequences (fp32 log-softmax of its logits)."""
-    import torch
-    from megatron.core import tensor_parallel
-
-    from mcore_rl.megatron.actor import MicroBatch
-
-    def logprobs(sequences, prompt_lens, temperature):
-        out = []
-        for seq, p in zip(sequences, prompt_lens):
-            tokens = torch.tensor([seq])
-            (lg,) = actor.forward_only(
-                [MicroBatch(tokens)], lambda x, mb: tensor_parallel.gather_from_tensor_model_parallel_region(x)
-            )
-            lp = torch.log_softmax(lg[0].float() / temperature, -1)[:-1].gather(-1, tokens[0, 1:, None].to(device))
-            out.append(lp[p - 1 :, 0].cpu())
-        return out
-
-    return logprobs
 
 
 def stage_memory(ctx) -> str:
@@ -306,8 +285,8 @@ def stage_vllm(ctx) -> str:
     stats = sync_weights(actor.export_hf_weights(), engine, bucket_mb=64)
     report = verify_sync(
         engine,
-        _reference(actor),
-        ProbeBatch.random(actor.bridge.hf_config.vocab_size, seed=2),
+        actor.probe_log_probs,
+        ProbeBatch.random(actor.hf_config.vocab_size, seed=2),
         default_tolerance("bfloat16"),
         fingerprints=stats.fingerprints,
     )
