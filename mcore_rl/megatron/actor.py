@@ -295,9 +295,8 @@ class Actor:
         if budget is None or not micro_batches or not micro_batches[0].packed:
             return self.forward_only(micro_batches, post_fn)
         groups = forward_groups(micro_batches, budget)
-        count = torch.tensor([len(groups)], dtype=torch.int64, device=self.platform.device)
-        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=self.layout.groups.dp)
-        groups += [[] for _ in range(int(count) - len(groups))]
+        count = collectives.max_ints([len(groups)], group=self.layout.groups.dp)[0]
+        groups += [[] for _ in range(count - len(groups))]
         multiple = self.layout.seq_len_multiple
         merged = [merge_packed([micro_batches[i] for i in g], multiple) for g in groups]
         out = []
