@@ -92,12 +92,15 @@ def known_config_fields(flags: dict) -> dict:
 # ---- layout --------------------------------------------------------------------------------------
 
 
-def layout_problem(tp: int, ep: int, etp: int, sequence_parallel: bool, virtual_pp: Optional[int]) -> Optional[str]:
-    """Why the installed megatron-core cannot run this layout (one line naming the fix), or None."""
+def layout_problem(
+    tp: int, ep: int, etp: int, sequence_parallel: bool, virtual_pp: Optional[int], moe: bool = True
+) -> Optional[str]:
+    """Why the installed megatron-core cannot run this layout (one line naming the fix), or None.
+    `moe`: the model has expert layers (the expert rule does not apply to a dense model)."""
     v = version()
     if v is None or v >= Version("0.13"):
         return None
-    if tp > 1 and ep == 1 and etp == 1 and sequence_parallel:
+    if moe and tp > 1 and ep == 1 and etp == 1 and sequence_parallel:
         return (
             f"tp = {tp} with ep = 1, etp = 1 and sequence parallel is wrong on megatron-core {v} (< 0.13): the experts "
             f"reduce-scatter their output over the TP group they are not split over; set actor.parallel.etp = {tp}, "

@@ -348,8 +348,8 @@ def _check_context_parallel(p: ParallelConfig) -> None:
         )
 
 
-def _check_platform(p: ParallelConfig, platform: Optional[str]) -> None:
-    if platform == "npu" and p.expert_tp > 1:
+def _check_platform(p: ParallelConfig, dims: ModelDims, platform: Optional[str]) -> None:
+    if platform == "npu" and dims.num_experts and p.expert_tp > 1:  # a dense model has no expert layers
         raise LayoutError(
             f"actor.parallel.etp = {p.expert_tp} on NPU: MindSpeed's grouped expert linear shards on the opposite "
             f"dimension to Transformer Engine's, so the weight export would cut experts wrongly (untested); "
@@ -373,10 +373,10 @@ def validate_layout(parallel: ParallelConfig, world_size: int, dims: Any, platfo
     edp = _check_expert_folding(p, dp, world_size)
     padded_vocab = _check_vocab(p, dims)
     _check_context_parallel(p)
-    _check_platform(p, platform)
+    _check_platform(p, dims, platform)
     warnings: list[str] = []
     sp = _sequence_parallel(p, dims, warnings)
-    problem = compat_megatron.layout_problem(p.tp, p.ep, p.expert_tp, sp, p.virtual_pp)
+    problem = compat_megatron.layout_problem(p.tp, p.ep, p.expert_tp, sp, p.virtual_pp, moe=bool(dims.num_experts))
     if problem:
         raise LayoutError(problem)
     if platform == "cpu" and p.expert_tp > 1 and p.ep > 1:
