@@ -69,7 +69,12 @@ def describe(cfg: Config, layout: Layout, nnodes: int, nproc: int) -> str:
             if cfg.rollout.engine == "vllm"
             else ""
         ),
-        f"algo: {cfg.algo.loss} ({cfg.algo.agg_mode}), adv {cfg.algo.adv_estimator}, routing replay {cfg.algo.routing_replay or 'off'}",
+        f"algo: {cfg.algo.loss} ({cfg.algo.agg_mode}), adv {cfg.algo.adv_estimator}, routing replay {cfg.algo.routing_replay or 'off'}"
+        + (
+            ", old log-probs from the update (exactly on-policy)"
+            if cfg.algo.old_from_update
+            else ", old log-probs from a separate pass"
+        ),
     ]
     return "\n".join(lines + [f"warning: {w}" for w in layout.warnings])
 

@@ -29,6 +29,15 @@ RolloutCorrection = Literal["token", "sequence", "icepop"]
 RoutingReplayMode = Literal["r2", "r3"]
 EngineName = Literal["embedded", "vllm"]
 VerifyFallback = Literal["rebuild", "error"]
+OldLogProbPass = Literal["auto", "always"]
+
+# Keys that existed once: loading a config that still sets one names what replaced it.
+REMOVED_KEYS = {
+    "algo.use_rollout_logprobs_as_old": (
+        "exactly on-policy updates now skip the old-log-prob pass by themselves, taking the update's own "
+        "log-probs (algo.old_log_prob_pass=auto, the default): delete the key"
+    ),
+}
 
 
 @dataclass
@@ -113,8 +122,26 @@ class AlgoConfig:
     temperature: float = 1.0  # must equal rollout.temperature so train log-probs match sampling
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer steps per rollout batch
-    use_rollout_logprobs_as_old: bool = False  # skip the old-log-prob pass when on-policy
+    # auto: when the update is exactly on-policy (see `old_from_update`) the old log-probs are the update's
+    # own, detached, and no separate forward pass runs; always: a separate old-policy pass every step.
+    old_log_prob_pass: OldLogProbPass = "auto"
     routing_replay: Optional[RoutingReplayMode] = None  # None: off
+
+    @property
+    def old_from_update(self) -> bool:
+        """Whether the old-policy log-probs come from the training forward itself (no separate pass).
+
+        Exact when the one update of the step sees the weights that sampled the batch: one mini-batch,
+        one epoch. Then pi_old = pi_theta at the update, the ratio is exactly 1 and its gradient is the
+        gradient of pi_theta, which the update's forward computes anyway. Under R3 the update routes with
+        the engine's experts while the old-policy pass routes naturally, so the two differ: not taken.
+        Under R2 the update records its own routes (they are the old policy's)."""
+        return (
+            self.old_log_prob_pass == "auto"
+            and self.mini_batches == 1
+            and self.ppo_epochs == 1
+            and self.routing_replay != "r3"
+        )
 
 
 @dataclass
@@ -282,6 +309,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 
 
 def _unknown_key(key: str, section_cls: type, prefix: str) -> ConfigError:
+    if f"{prefix}{key}" in REMOVED_KEYS:
+        return ConfigError(f"'{prefix}{key}' was removed: {REMOVED_KEYS[prefix + key]}")
     valid = [f.name for f in fields(section_cls)]
     close = difflib.get_close_matches(key, valid, n=1)
     hint = f" Did you mean '{prefix}{close[0]}'?" if close else ""
@@ -559,22 +588,11 @@ def _check_combinations(cfg: Config) -> list[str]:
             0 <= a.rollout_is_low < 1 < a.rollout_is_high,
             f"algo.rollout_is=icepop needs rollout_is_low < 1 < rollout_is_high, got [{a.rollout_is_low}, {a.rollout_is_high}]",
         )
-    if a.routing_replay == "r2" and a.use_rollout_logprobs_as_old:
-        raise ConfigError(
-            "algo.routing_replay=r2 records the experts in the old-log-prob pass, which "
-            "algo.use_rollout_logprobs_as_old skips: use algo.routing_replay=r3 (the engine's routes) or "
-            "set algo.use_rollout_logprobs_as_old=false"
-        )
     if a.routing_replay is not None and cfg.actor.parallel.cp > 1:
         raise ConfigError(
             f"algo.routing_replay={a.routing_replay} with actor.parallel.cp = {cfg.actor.parallel.cp}: routing replay "
             f"records and replays the routes of whole sequences and does not split them over context-parallel ranks "
             f"(RoutingReplay.install refuses cp > 1); set actor.parallel.cp = 1 or algo.routing_replay=null"
-        )
-    if a.rollout_is is not None and a.use_rollout_logprobs_as_old:
-        raise ConfigError(
-            "algo.rollout_is corrects old-policy vs rollout log-probs, but algo.use_rollout_logprobs_as_old makes them "
-            "identical (weight 1): set algo.rollout_is=null or algo.use_rollout_logprobs_as_old=false"
         )
     if a.loss == "sapo" and a.tau_neg < a.tau_pos:
         warnings.append(

@@ -3,7 +3,8 @@
 One step:
   prompts -> rollout (n samples each, spread over engine replicas, gathered on every rank)
   -> rewards -> group advantages -> pack into a global batch
-  -> old log-probs (actor forward; or the rollout's own when configured)
+  -> old log-probs (a forward-only pass; skipped when the update is exactly on-policy: one mini-batch,
+     one epoch, no R3, where the update's own log-probs, detached, are the old ones)
   -> mini-batch updates with the chosen loss (Megatron forward-backward, global normalisation)
   -> weight sync actor -> engine (+ verification) -> metrics, validation, checkpoint.
 
@@ -19,7 +20,6 @@ import random
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -102,6 +102,8 @@ class Trainer:
             if cfg.rollout.engine == "vllm"
             else {}
         )
+        # Only rollout routing replay reads the engine's experts; recording them costs a forward (embedded).
+        engine_args["return_routed_experts"] = cfg.algo.routing_replay == "r3"
         self.engine = make_engine(cfg.rollout, cfg.model.path, self.platform, dtype=cfg.model.dtype, **engine_args)
         self.stop_ids = [self.tokenizer.eos_token_id]
         # T = 1: the check is about weights, and engines score T = 1 cheapest (vLLM: no full-vocab fetch).
@@ -168,14 +170,11 @@ class Trainer:
             )
         return out
 
-    def old_policy_pass(self, micro_batches) -> Optional[float]:
+    def old_policy_pass(self, micro_batches) -> float:
         """Fill each micro-batch's old_log_prob (and entropy); R2 records the routes the update replays.
-        Returns the summed entropy over response tokens (None when the rollout's log-probs serve)."""
+        Returns the summed entropy over response tokens. Not run when the update is exactly on-policy
+        (AlgoConfig.old_from_update): the update's own forward gives both then."""
         cfg = self.cfg
-        if cfg.algo.use_rollout_logprobs_as_old:
-            for mb in micro_batches:
-                mb.old_log_prob = mb.rollout_log_prob
-            return None
         outputs = self.actor.log_probs(micro_batches, with_entropy=True, record_routes=cfg.algo.routing_replay == "r2")
         for mb, out in zip(micro_batches, outputs):
             mb.old_log_prob, mb.entropy = out[0], out[1]
@@ -209,8 +208,11 @@ class Trainer:
             multiple=layout.seq_len_multiple,
         )
         micro_all = [mb for mini in mini_batches for mb in mini.micro_batches]
-        with timer("old_logprob"):
-            entropy_sum = self.old_policy_pass(micro_all)
+        on_policy = cfg.algo.old_from_update
+        entropy_sum = None
+        if not on_policy:
+            with timer("old_logprob"):
+                entropy_sum = self.old_policy_pass(micro_all)
         if self.ref_actor is not None:
             with timer("ref_logprob"):
                 for mb, lp in zip(micro_all, self.ref_actor.log_probs(micro_all)):
@@ -219,7 +221,7 @@ class Trainer:
         with timer("update"):
             for _ in range(cfg.algo.ppo_epochs):
                 for mini in mini_batches:
-                    for k, v in self.actor.train_policy(mini, cfg.algo).items():
+                    for k, v in self.actor.train_policy(mini, cfg.algo, on_policy=on_policy).items():
                         update.setdefault(k, []).append(v)
         with timer("sync"):
             sync_metrics = self.sync_engine(verify=verify_due(self.step + 1, cfg.rollout.verify_every))
@@ -244,6 +246,8 @@ class Trainer:
         }
         if entropy_sum is not None:
             metrics["train/entropy_old"] = entropy_sum / max(1, int(batch.loss_mask.sum()))
+        else:  # on-policy: the update's forward ran on the old policy's weights
+            metrics["train/entropy_old"] = metrics["train/entropy"]
         return metrics
 
     def validate(self) -> dict:

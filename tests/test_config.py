@@ -89,10 +89,26 @@ def test_every_enum_field_checked(key):
     assert f"{key} = 'not_a_choice' is not one of" in msg
     for choice in CHOICES[key]:
         if choice is not None:
-            load_config(
-                None,
-                [f"{key}={choice}"] + (["algo.use_rollout_logprobs_as_old=false"] if key == "algo.rollout_is" else []),
-            )
+            load_config(None, [f"{key}={choice}"])
+
+
+def test_removed_key_named_in_yaml(tmp_path):
+    assert "was removed" in error(path=write(tmp_path, "algo:\n  use_rollout_logprobs_as_old: true\n"))
+
+
+@pytest.mark.parametrize(
+    "overrides, from_update",
+    [
+        ([], True),  # one mini-batch, one epoch: the update's forward gives the old log-probs
+        (["algo.routing_replay=r2"], True),  # R2: the update records its own (= the old policy's) routes
+        (["algo.routing_replay=r3"], False),  # R3: the update replays the engine's routes, old pass does not
+        (["algo.mini_batches=2"], False),  # the second mini-batch sees updated weights
+        (["algo.ppo_epochs=2"], False),
+        (["algo.old_log_prob_pass=always"], False),
+    ],
+)
+def test_old_log_probs_from_update_only_when_exactly_on_policy(overrides, from_update):
+    assert load_config(None, overrides).algo.old_from_update is from_update
 
 
 def test_close_choice_hint():
@@ -111,8 +127,8 @@ def test_close_choice_hint():
         (["rollout.n=1"], "rollout.n = 1: group advantages (grpo) need at least 2 samples"),
         (["algo.rollout_is=icepop", "algo.rollout_is_low=1.5"], "needs rollout_is_low < 1 < rollout_is_high"),
         (
-            ["algo.rollout_is=token", "algo.use_rollout_logprobs_as_old=true"],
-            "use_rollout_logprobs_as_old makes them identical",
+            ["algo.use_rollout_logprobs_as_old=true"],
+            "'algo.use_rollout_logprobs_as_old' was removed: exactly on-policy updates now skip",
         ),
         (["rollout.top_p=0"], "rollout.top_p = 0.0 must lie in (0, 1]"),
         (["rollout.top_k=0"], "rollout.top_k = 0 must be -1 (off) or >= 1"),

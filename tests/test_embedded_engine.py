@@ -68,6 +68,26 @@ def test_sampled_logprobs_and_routes_match_hf(engine, hf_model, prompts):
                 assert engine.eos_token_id not in s.response_ids
 
 
+def test_routes_off_same_samples_fewer_forwards(engine, tiny_model_dir, prompts):
+    """Without route capture (the trainer's default outside R3): identical samples, no routes, and the
+    last sampled token is not fed through the model (max_new_tokens=1: one forward instead of two)."""
+    plain = EmbeddedEngine(tiny_model_dir, return_routed_experts=False)
+    params = SamplingParams(temperature=1.0, max_new_tokens=1, seed=3)
+    forwards = {}
+    for name, eng in (("routes", engine), ("plain", plain)):
+        calls = []
+        handle = eng.model.register_forward_hook(lambda *a, calls=calls: calls.append(1))
+        try:
+            forwards[name] = (eng.generate(prompts, 2, params), len(calls))
+        finally:
+            handle.remove()
+    (with_routes, n_routes), (without, n_plain) = forwards["routes"], forwards["plain"]
+    assert (n_routes, n_plain) == (2, 1)
+    for a, b in zip((s for g in with_routes for s in g), (s for g in without for s in g)):
+        assert a.response_ids == b.response_ids and torch.equal(a.logprobs, b.logprobs)
+        assert a.routed_experts is not None and b.routed_experts is None
+
+
 def test_score_matches_hf(engine, hf_model, prompts):
     seqs = [p + list(range(5, 5 + 3 * i + 1)) for i, p in enumerate(prompts)]
     lens = [len(p) for p in prompts]

@@ -179,7 +179,7 @@ def test_npu_refuses_rollout_routing_replay():
     )
 
 
-@pytest.mark.parametrize("option", ["algo.rollout_is=token", "algo.use_rollout_logprobs_as_old=true"])
+@pytest.mark.parametrize("option", ["algo.rollout_is=token"])
 def test_npu_refuses_engine_logprobs_at_temperature_other_than_1(option):
     hot = ["rollout.temperature=0.7", "algo.temperature=0.7"]
     cfg = load_config(None, NPU_VLLM + hot + [option])

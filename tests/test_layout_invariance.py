@@ -13,6 +13,8 @@ linear in the gradient, so a wrong gradient scale cannot hide behind Adam's norm
 Each job also runs the packed path (token-budget micro-batches, padding removed; one sequence at the
 maximum length, one with a single response token) against the same padded world-1 reference: log-probs
 (<= 1e-5 abs at response tokens), loss and every update, at world 1 (in the reference job) and in each layout.
+Each layout also checks the on-policy shortcut (no old-policy pass; the update's own log-probs, detached,
+as old) against the two-pass path under R2: loss, entropy metric and update within 1e-6 relative.
 """
 
 import pytest
@@ -46,3 +48,6 @@ def test_loss_and_update_match_world1(reference, tiny_model_dir, tp, pp, ep, n_m
     for loss in ("grpo", "gspo", "sapo"):
         assert log.count(f"LAYOUT_OK {loss} ") == 2, log[-3000:]
         assert log.count(f"PACKED_OK {loss} ") == 2, log[-3000:]
+    # exactly on-policy: the update's own log-probs as old == a separate old-policy pass (worker's SHORTCUT_TOL)
+    assert log.count("SHORTCUT_OK ") == 2, log[-3000:]
+    print("\n".join(line for line in log.splitlines() if "SHORTCUT_OK" in line))

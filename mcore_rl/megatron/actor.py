@@ -4,7 +4,8 @@ TP/PP/EP/CP/DP layout, plus the passes the RL loop needs:
 
   log_probs(micro_batches, ...)        old-policy / reference log-probs (+ entropy, + R2 route recording)
   probe_log_probs(sequences, ...)      the reference for weight-sync verification
-  train_policy(mini_batch, algo)       one optimizer step of the policy loss (replaying routes under R2/R3)
+  train_policy(mini_batch, algo, on_policy)  one optimizer step of the policy loss (replaying routes under
+                                       R2/R3; on_policy: old log-probs from the update's own forward)
   masked_sum(values, micro_batches)    a per-token quantity summed over response tokens of all DP ranks
   export_hf_weights() / save_hf(dir)   full Hugging Face tensors (collective) / an HF folder
   save_checkpoint(dir) / load_checkpoint(dir)
@@ -282,9 +283,7 @@ class Actor:
             return self._forward_merged(micro_batches, post_fn)
         with self._require_replay().recording() as recorded:
             out = self.forward_only(micro_batches, post_fn)
-        valid = [mb.loss_mask > 0 for mb in micro_batches]  # the mismatch metric counts response tokens only
-        for mb, routes in zip(micro_batches, self.replay.with_valid(recorded.routes, valid).micro_batches):
-            mb.replay_routes = routes
+        self._store_routes(micro_batches, recorded.routes)
         return out
 
     def _forward_merged(self, micro_batches: list[MicroBatch], post_fn: PostFn) -> list[torch.Tensor]:
@@ -370,14 +369,29 @@ class Actor:
         )
         return metrics
 
-    def train_policy(self, mini_batch: MiniBatch, algo: AlgoConfig) -> dict[str, float]:
+    def train_policy(self, mini_batch: MiniBatch, algo: AlgoConfig, on_policy: bool = False) -> dict[str, float]:
         """One optimizer step of the policy loss over this rank's share of `mini_batch`; under routing
         replay the update routes with each micro-batch's `replay_routes` (R2: recorded by `log_probs`,
-        R3: the engine's, from `routed_experts`) and the metrics include the routing mismatch."""
-        loss_fn = make_policy_loss_fn(algo, mini_batch.counts, self.layout.groups.tp)
+        R3: the engine's, from `routed_experts`) and the metrics include the routing mismatch.
+
+        `on_policy` (AlgoConfig.old_from_update: one mini-batch, one epoch, no R3): no old-policy pass ran;
+        the update's own log-probs, detached, are the old ones (see make_policy_loss_fn) and the metrics
+        include the policy's `entropy`. Under R2 the update routes naturally and records its routes into
+        each micro-batch's `replay_routes` (they are the old policy's routes; nothing is replayed)."""
+        if on_policy and algo.routing_replay == "r3":
+            raise ValueError(
+                "on_policy update under routing_replay=r3: the update replays the engine's routes, so the old "
+                "policy (natural routes) differs from it; run the old-policy pass (AlgoConfig.old_from_update)"
+            )
+        loss_fn = make_policy_loss_fn(algo, mini_batch.counts, self.layout.groups.tp, on_policy=on_policy)
         micro = mini_batch.micro_batches
         if self.replay is None:
             return self.train_step(micro, loss_fn)
+        if on_policy:
+            with self.replay.recording() as recorded:
+                metrics = self.train_step(micro, loss_fn)
+            self._store_routes(micro, recorded.routes)
+            return metrics
         with self.replay.replaying(self._replay_routes(micro)):
             metrics = self.train_step(micro, loss_fn)
         return {**metrics, **self.replay.mismatch_metrics()}
@@ -401,6 +415,12 @@ class Actor:
             raise RuntimeError("routing replay is not enabled: call Actor.enable_routing_replay() first")
         return self.replay
 
+    def _store_routes(self, micro_batches: list[MicroBatch], routes) -> None:
+        """Recorded routes -> each micro-batch's `replay_routes` (the mismatch metric counts response tokens only)."""
+        valid = [mb.loss_mask > 0 for mb in micro_batches]
+        for mb, mb_routes in zip(micro_batches, self.replay.with_valid(routes, valid).micro_batches):
+            mb.replay_routes = mb_routes
+
     def _replay_routes(self, micro_batches: list[MicroBatch]):
         from mcore_rl.megatron.routing_replay import RecordedRoutes
 
@@ -413,9 +433,10 @@ class Actor:
         return RecordedRoutes([mb.replay_routes for mb in micro_batches])
 
     # ---- weights -----------------------------------------------------------------------------
-    def export_hf_weights(self, receive: bool = True):
-        """See ModelBridge.export_hf_weights: collective, every rank gets every full tensor."""
-        return self.bridge.export_hf_weights(self.model, receive=receive)
+    def export_hf_weights(self, receive: bool = True, into=None):
+        """See ModelBridge.export_hf_weights: collective, every rank gets every full tensor; `into` (e.g. a
+        rollout engine's `weight_buffer`) lets the gathers write straight into the consumer's memory."""
+        return self.bridge.export_hf_weights(self.model, receive=receive, into=into)
 
     def save_hf(self, out_dir: str, source_dir: Optional[str] = None, max_shard_bytes: int = 4 << 30) -> None:
         """Write the model as a Hugging Face folder (rank 0 writes; every rank takes part in the gathers).

@@ -479,19 +479,11 @@ def check_engine_capabilities(cfg: Config, platform: Optional[str]) -> None:
             "algo.routing_replay=r3 replays the engine's routed experts, which vLLM-Ascend (0.10 / 0.11) does not "
             "return: use algo.routing_replay=r2 (routes recorded in the actor's old-log-prob pass) on NPU"
         )
-    users = [
-        k
-        for k, on in (
-            ("algo.rollout_is", a.rollout_is),
-            ("algo.use_rollout_logprobs_as_old", a.use_rollout_logprobs_as_old),
-        )
-        if on
-    ]
-    if r.temperature != 1.0 and users:
+    if r.temperature != 1.0 and a.rollout_is is not None:
         raise LayoutError(
-            f"{' and '.join(users)} use the engine's sampling log-probs, but vLLM-Ascend (0.10 / 0.11) ignores "
+            f"algo.rollout_is uses the engine's sampling log-probs, but vLLM-Ascend (0.10 / 0.11) ignores "
             f"logprobs_mode and returns them at temperature 1, not rollout.temperature = {r.temperature}: set "
-            f"rollout.temperature = algo.temperature = 1.0, or turn off {' and '.join(users)} on NPU"
+            f"rollout.temperature = algo.temperature = 1.0, or algo.rollout_is=null on NPU"
         )
 
 

@@ -48,25 +48,30 @@ def make_log_prob_fn(temperature: float, tp_group, with_entropy: bool = False) -
     return post_fn
 
 
-def make_policy_loss_fn(algo: AlgoConfig, counts: GlobalCounts, tp_group) -> Callable:
+def make_policy_loss_fn(algo: AlgoConfig, counts: GlobalCounts, tp_group, on_policy: bool = False) -> Callable:
     """loss_fn(logits_shard, micro_batch) -> (loss, metrics) for Actor.train_step.
 
     `counts` must come from the full global mini-batch mask (GlobalCounts.from_mask) before it is
     split over data-parallel ranks and micro-batches. Micro-batches need loss_mask, old_log_prob and
     advantages (rollout_log_prob with algo.rollout_is, ref_log_prob with algo.kl_coef > 0).
+    `on_policy` (AlgoConfig.old_from_update): old_log_prob is not read; the log-probs of this forward,
+    detached, take its place (ratio exactly 1), and the entropy is always computed (the metric the
+    skipped old-policy pass would have given).
     """
     counts.validate()
+    with_entropy = algo.entropy_coef > 0 or on_policy
 
     def loss_fn(logits_shard, mb: MicroBatch):
-        log_prob, entropy = next_token_log_probs(
-            logits_shard, mb.tokens, algo.temperature, tp_group, with_entropy=algo.entropy_coef > 0
-        )
+        log_prob, entropy = next_token_log_probs(logits_shard, mb.tokens, algo.temperature, tp_group, with_entropy)
+        if entropy is not None and algo.entropy_coef == 0:
+            entropy = entropy.detach()  # a metric only: no backward through it
+        old = log_prob.detach() if on_policy else mb.old_log_prob.float()
         # packed: one row per sequence, so per-sequence reductions see the same rows as the padded layout
         rows = (lambda t: segment_rows(t, mb.seq_lengths)) if mb.packed else (lambda t: t)
         optional = lambda t: None if t is None else rows(t.float())
         return policy_loss(
             rows(log_prob),
-            rows(mb.old_log_prob.float()),
+            rows(old),
             rows(mb.advantages.float()),
             rows(mb.loss_mask.float()),
             algo,

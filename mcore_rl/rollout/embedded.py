@@ -11,8 +11,9 @@ Sampling is our own loop over a KV cache on left-padded batches (each prompt rep
   n, params and weights give the same samples.
 - stopping: a response ends at the first token in ``stop_token_ids`` or the model's end-of-turn token (kept in
   ``response_ids``, finish reason "stop") or after ``max_new_tokens`` (finish reason "length").
-- routed experts: forward hooks on every MoE router record the top-k expert ids of every token fed through
-  the model, prompt tokens included; each sample gets them as int16 ``[prompt + response, moe_layers, k]``.
+- routed experts (when ``return_routed_experts``; the trainer asks only under R3): forward hooks on every MoE
+  router record the top-k expert ids of every token fed through the model, prompt tokens included; each sample
+  gets them as int16 ``[prompt + response, moe_layers, k]`` (else ``routed_experts`` is None).
 - weights: ``load_weights`` copies (Hugging Face checkpoint name, tensor) pairs into the live parameters in
   place. transformers >= 5 stores the experts of a layer fused as 3-D ``gate_up_proj`` / ``down_proj``; the
   checkpoint's per-expert names are mapped onto slices of those (see ``_weight_targets``).
@@ -149,8 +150,12 @@ class EmbeddedEngine(RolloutEngine):
         device: str | torch.device = "cpu",
         max_batch_tokens: int = 65536,
         config=None,
+        return_routed_experts: bool = True,
     ):
         """Load the HF checkpoint folder `model_path` (config, safetensors, tokenizer).
+
+        `return_routed_experts`: record every token's experts (rollout routing replay, R3). It costs one
+        more forward per batch (the last sampled token's routes), so leave it off when nothing replays them.
 
         With `config` (a transformers config), the model is built from it with random weights instead and
         `model_path` only supplies the tokenizer: for engines whose weights all come by sync (benchmarks).
@@ -161,6 +166,7 @@ class EmbeddedEngine(RolloutEngine):
         self.dtype = torch_dtype(dtype)
         self.device = torch.device(device)
         self.max_batch_tokens = max_batch_tokens  # bounds the sequences run in one batch (memory)
+        self.return_routed_experts = return_routed_experts
         self.config = config if config is not None else compat_transformers.load_config(self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.eos_token_id = self.tokenizer.eos_token_id
@@ -359,7 +365,7 @@ class EmbeddedEngine(RolloutEngine):
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         stop_ids = torch.tensor(sorted(stop), dtype=torch.long, device=self.device)
-        capture = self.num_moe_layers > 0
+        capture = self.num_moe_layers > 0 and self.return_routed_experts
         cache = self._new_cache()
         tokens, logps, step_routes = [], [], []
         finished = torch.zeros(batch, dtype=torch.bool, device=self.device)

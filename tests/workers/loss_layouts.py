@@ -5,6 +5,7 @@ check = compare with it). For each of grpo / gspo / sapo a fresh Actor takes one
 the same global batch; every rank takes its data-parallel share split into N_MICRO micro-batches.
 Compared with the reference: the global loss, and the update (after - before) of EVERY parameter,
 exported with its Hugging Face name. Prints "LAYOUT_OK ..." lines; any mismatch raises.
+In check mode also: the on-policy shortcut equals the two-pass path in that layout ("SHORTCUT_OK" lines).
 
 Then, in the same job, the packed path: another fresh Actor takes the step on the same global batch cut
 by `split_for_rank(max_tokens=BUDGET)` (DP shares balanced by tokens, sequences packed into rows,
@@ -101,6 +102,63 @@ def packed_step(actor, algo, tokens, loss_mask, advantages, lp_full, fields, cou
     return metrics, lp_diff, [mb.tokens.shape[1] for mb in mbs]
 
 
+# The on-policy shortcut (AlgoConfig.old_from_update) against the two-pass path it replaces, under R2 (the
+# shortcut's update records routes; the two-pass update replays the old pass's): the demo's GSPO clip range,
+# token-level rollout IS. Same loss, entropy metric and update of every parameter, relative 1e-6.
+SHORTCUT_TOL = 1e-6
+SHORTCUT_ALGO = dict(
+    loss="gspo", agg_mode="seq-mean-token-mean", clip_low=3e-4, clip_high=4e-4, rollout_is="token", routing_replay="r2"
+)
+
+
+def check_on_policy_shortcut(make_actor, micro_batches, counts, before):
+    """Two fresh actors from the same weights: (a) old-policy pass (log-probs + entropy + R2 routes), then the
+    update; (b) the update alone with on_policy=True. Raises on any difference beyond SHORTCUT_TOL."""
+    import dataclasses
+
+    from mcore_rl.batch import MiniBatch
+    from mcore_rl.config import AlgoConfig
+
+    algo = AlgoConfig(**SHORTCUT_ALGO)
+    runs = {}
+    for path in ("two_pass", "shortcut"):
+        actor = make_actor()
+        actor.enable_routing_replay()
+        mbs = [dataclasses.replace(mb) for mb in micro_batches]
+        if path == "two_pass":
+            for mb, out in zip(mbs, actor.log_probs(mbs, with_entropy=True, record_routes=True)):
+                mb.old_log_prob, mb.entropy = out[0], out[1]
+            entropy = actor.masked_sum([mb.entropy for mb in mbs], mbs) / counts.num_tokens
+            metrics = actor.train_policy(MiniBatch(counts, mbs), algo)
+        else:
+            try:  # never under R3: the update would replay routes the old policy did not use
+                actor.train_policy(
+                    MiniBatch(counts, mbs), AlgoConfig(**{**SHORTCUT_ALGO, "routing_replay": "r3"}), True
+                )
+                raise AssertionError("on_policy=True was accepted under routing_replay=r3")
+            except ValueError as err:
+                assert "r3" in str(err), err
+            metrics = actor.train_policy(MiniBatch(counts, mbs), algo, on_policy=True)
+            entropy = metrics["entropy"]
+            assert all(mb.old_log_prob is None and mb.replay_routes is not None for mb in mbs)
+        update = {n: (t.float() - before[n].float()).clone() for n, t in actor.export_hf_weights()}
+        runs[path] = (metrics, float(entropy), update)
+        del actor
+    (m2, e2, u2), (m1, e1, u1) = runs["two_pass"], runs["shortcut"]
+    for key, a, b in (
+        ("loss", m1["loss"], m2["loss"]),
+        ("entropy", e1, e2),
+        ("grad_norm", m1["grad_norm"], m2["grad_norm"]),
+    ):
+        assert abs(a - b) <= SHORTCUT_TOL * abs(b), f"on-policy shortcut: {key} {a} vs two-pass {b}"
+    scale = max(float(u.abs().max()) for u in u2.values())
+    worst_name, worst = max(((n, float((u1[n] - u2[n]).abs().max())) for n in u2), key=lambda x: x[1])
+    assert scale > 0 and worst <= SHORTCUT_TOL * scale, (
+        f"shortcut update of {worst_name} differs by {worst:.3e} ({scale:.3e})"
+    )
+    return f"loss {m1['loss']:.8f} vs {m2['loss']:.8f}, entropy {e1:.6f}, max |d update| {worst:.2e} of {scale:.2e}"
+
+
 def main():
     out_dir, model_dir = sys.argv[1], sys.argv[2]
     tp, pp, ep, n_micro = map(int, sys.argv[3:7])
@@ -180,6 +238,18 @@ def main():
                 assert 0 < cf < 1, metrics
             print(f"REF {name}: loss {metrics['loss']:.8f} clipfrac {cf:.3f} metrics {metrics}", flush=True)
         del actor
+        if name == "gspo" and mode == "check":
+            shortcut_mbs = [
+                MicroBatch(
+                    mb.tokens,
+                    loss_mask=mb.loss_mask,
+                    advantages=mb.advantages,
+                    rollout_log_prob=lp + 0.05 * noise[1, r0 : r0 + size],
+                )
+                for mb, lp, r0 in zip(train_mbs, lp_here.split(size), range(rows.start, rows.stop, size))
+            ]
+            summary = check_on_policy_shortcut(lambda cfg=cfg: Actor(cfg, platform), shortcut_mbs, counts, before)
+            print(f"SHORTCUT_OK tp{tp} pp{pp} ep{ep} rank{torch.distributed.get_rank()}: {summary}", flush=True)
 
         # -- the packed path, same global batch, same reference
         cfg.actor.max_tokens_per_micro_batch, cfg.actor.max_tokens_per_forward_micro_batch = BUDGET, 2 * BUDGET
