@@ -143,7 +143,9 @@ class Trainer:
         from mcore_rl.rollout.weight_sync import default_tolerance, sync_weights, verify_sync
 
         self.engine.wake_up()  # colocated engines released their memory during the update
-        stats = sync_weights(self.actor.export_hf_weights(), self.engine, self.cfg.rollout.sync_bucket_mb)
+        # gathers write straight into the engine's tensors where it exposes them (each byte moves once)
+        export = self.actor.export_hf_weights(into=self.engine.weight_buffer)
+        stats = sync_weights(export, self.engine, self.cfg.rollout.sync_bucket_mb)
         out = {"sync/seconds": stats.seconds, "sync/gb_per_s": stats.gb_per_s}
         if verify:
             report = verify_sync(

@@ -56,3 +56,4 @@ def test_export_over_shared_memory_is_bit_exact(tiny_model_dir, nproc, tp, ep, e
         REPO / "tests" / "workers" / "shm_export_check.py", nproc, tiny_model_dir, tp, ep, etp, timeout=240
     )
     assert f"SHM_EXPORT_OK {tp} {ep} {etp}" in out
+    print(next(line for line in out.splitlines() if "SHM_EXPORT_OK" in line))

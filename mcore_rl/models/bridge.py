@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -104,6 +104,9 @@ def _replace_torch_norm(spec, norm_cls) -> None:
 
 _OUTPUT_LAYER = "output_layer.weight"
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+# A consumer's own tensor for a Hugging Face weight name, or None (see ModelBridge.export_hf_weights `into`).
+WeightBuffers = Callable[[str], Optional[torch.Tensor]]
+
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
@@ -234,6 +237,9 @@ class ModelBridge:
         self._backend: Optional[_MbridgeBackend] = None
         self._layout: Optional[Layout] = None
         self._gather = GroupGather()  # export's all-gathers: shared memory between ranks of one host (gloo)
+        # params whose HF tensors cannot be gathered into the memory of the consumer `_direct_owner` (its id)
+        self._not_direct: set[str] = set()
+        self._direct_owner: Optional[int] = None
 
     # ---- build -------------------------------------------------------------------------------
     def megatron_config_overrides(self, layout: Layout, model_cfg: ModelConfig) -> dict:
@@ -374,7 +380,11 @@ class ModelBridge:
     # ---- export ------------------------------------------------------------------------------
     @torch.no_grad()
     def export_hf_weights(
-        self, chunks: list[torch.nn.Module], gather_batch_mb: float = 64.0, receive: bool = True
+        self,
+        chunks: list[torch.nn.Module],
+        gather_batch_mb: float = 64.0,
+        receive: bool = True,
+        into: Optional[WeightBuffers] = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (hf_name, full tensor) for the whole model, one parameter at a time.
 
@@ -386,6 +396,11 @@ class ModelBridge:
         tensors, held until yielded), through shared memory when a gloo group's ranks share a host.
         `receive=False`: this rank only contributes its shards and yields nothing (a rank without an engine
         replica; over shared memory it then skips reading its peers' shards).
+        `into(hf_name) -> tensor or None`: the consumer's own tensor for a weight (e.g. a rollout engine's
+        parameter). A gathered tensor whose Hugging Face tensors are plain views of one contiguous range of the
+        consumer's memory (checked by pointer, shape and stride; see `_direct_destination`) is gathered straight
+        into it, so each byte moves once; the pair yielded then IS the consumer's tensor (a consumer copying a
+        tensor onto itself must skip it). Anything else is gathered into reused buffers as without `into`.
         """
         backend = self._require_backend()
         if gather_batch_mb <= 0:
@@ -402,6 +417,9 @@ class ModelBridge:
         my_stage = self.layout.ranks.pp
         gated = backend.gated()
         limit = int(gather_batch_mb * (1 << 20))
+        owner = id(getattr(into, "__self__", into))  # a bound method's engine: its decisions are remembered
+        if into is not None and owner != self._direct_owner:
+            self._not_direct, self._direct_owner = set(), owner
         for stage, stage_meta in enumerate(per_stage):
             batch, batch_bytes = [], 0
             for k, (canonical, is_expert, pdim, shape, dtype) in enumerate(stage_meta):
@@ -414,9 +432,9 @@ class ModelBridge:
                 batch.append(_Exported(canonical, is_expert, pdim, tensor))
                 batch_bytes += tensor.numel() * tensor.element_size() * self._gather_factor(is_expert, pdim)
                 if batch_bytes >= limit:
-                    yield from self._export_batch(batch, gated, receive)
+                    yield from self._export_batch(batch, gated, receive, into)
                     batch, batch_bytes = [], 0
-            yield from self._export_batch(batch, gated, receive)
+            yield from self._export_batch(batch, gated, receive, into)
 
     def _gather_factor(self, is_expert: bool, pdim: int) -> int:
         """How many times a shard's bytes its gathered full tensor(s) hold."""
@@ -425,19 +443,26 @@ class ModelBridge:
             return layout.ep * (layout.etp if pdim >= 0 else 1)
         return layout.tp if pdim >= 0 else 1
 
-    def _export_batch(self, batch: list["_Exported"], gated: bool, receive: bool):
+    def _export_batch(self, batch: list["_Exported"], gated: bool, receive: bool, into: Optional[WeightBuffers]):
         """Gather a batch's shards with one collective call per process group, then yield its HF tensors.
 
         Dense TP shards are gathered straight into their merged tensor; experts first over EP (the same local
         expert of every EP rank, each with its global id; this rank's own is used in place), then each of those
-        over ETP into its merged tensor. With receive=False this rank only contributes shards, yields nothing."""
+        over ETP into its merged tensor. With receive=False this rank only contributes shards, yields nothing.
+        With `into`, a merged or peer tensor whose consumer memory qualifies is gathered there instead."""
         layout = self.layout
         tp_group, ep_group, etp_group = layout.groups.tp, layout.groups.ep, layout.groups.etp
         tp, ep, etp, ep_rank = layout.tp, layout.ep, layout.etp, layout.ranks.ep
         num_local = (self.transformer_config.num_moe_experts or 0) // ep
         # ETP gathers EP-gathered experts: with ETP > 1 a rank needs the EP step's data even if it yields nothing
         ep_receive = receive or (etp > 1 and any(x.is_expert and x.pdim >= 0 for x in batch))
-        alloc = self._output_allocator(batch, receive, ep_receive, tp, ep, etp)
+        arena = self._output_allocator(batch, receive, ep_receive, tp, ep, etp)
+
+        def alloc(name: str, shape, dtype, final: bool = True) -> torch.Tensor:
+            """Where the full tensor `name` is gathered: the consumer's memory when allowed, else the arena."""
+            direct = self._direct_destination(name, shape, dtype, into) if final and receive else None
+            return direct if direct is not None else arena(shape, dtype)
+
         full: dict[int, list[torch.Tensor]] = {}  # batch index -> full tensors (several for experts: one per EP rank)
         names: dict[int, list[str]] = {}
         tp_items, ep_items, etp_items = [], [], []
@@ -445,14 +470,19 @@ class ModelBridge:
             if x.is_expert:
                 prefix, gid = x.canonical.rsplit(".weight", 1)
                 names[i] = [f"{prefix}.weight{e * num_local + int(gid) % num_local}" for e in range(ep)]
+                # own expert in place (a consumer copy costs the same as ours); with ETP the EP step gathers
+                # intermediates, merged over ETP below
+                final = receive and not (x.pdim >= 0 and etp > 1)
                 full[i] = [
-                    x.tensor if e == ep_rank or not ep_receive else alloc(x.tensor.shape, x.tensor.dtype)
+                    x.tensor
+                    if e == ep_rank or not ep_receive
+                    else alloc(names[i][e], x.tensor.shape, x.tensor.dtype, final)
                     for e in range(ep)
                 ]
                 if ep > 1:
                     ep_items.append((x.tensor, full[i] if ep_receive else None))
             elif x.pdim >= 0 and tp > 1:
-                merged = alloc(_merged_shape(x.tensor, tp, x.pdim), x.tensor.dtype) if receive else None
+                merged = alloc(x.canonical, _merged_shape(x.tensor, tp, x.pdim), x.tensor.dtype) if receive else None
                 views = _shard_views(x.canonical, merged, tp, x.pdim, gated) if receive else None
                 tp_items.append((_as_shard_view(x.canonical, x.tensor, gated), views))
                 full[i] = [merged]
@@ -461,7 +491,8 @@ class ModelBridge:
         for i, x in enumerate(batch):
             if x.is_expert and x.pdim >= 0 and etp > 1:
                 merged = [
-                    alloc(_merged_shape(shard, etp, x.pdim), shard.dtype) if receive else None for shard in full[i]
+                    alloc(name, _merged_shape(shard, etp, x.pdim), shard.dtype) if receive else None
+                    for name, shard in zip(names[i], full[i])
                 ]
                 for name, shard, m in zip(names[i], full[i], merged):
                     views = _shard_views(name, m, etp, x.pdim, gated) if receive else None
@@ -474,6 +505,47 @@ class ModelBridge:
         for i, x in enumerate(batch):
             for name, tensor in zip(names.get(i, [x.canonical]), full.pop(i, [x.tensor])):
                 yield from zip(*self._backend.to_hf(name, tensor))
+
+    def _direct_destination(
+        self, canonical: str, shape: tuple, dtype: torch.dtype, into: Optional[WeightBuffers]
+    ) -> Optional[torch.Tensor]:
+        """A tensor of `shape` over the consumer's memory that `to_hf` turns into exactly the consumer's own
+        tensors for `canonical`'s Hugging Face names (same data pointers, shapes and strides), or None.
+
+        The candidate starts where the consumer's tensor for the first HF name starts and spans `shape`
+        contiguously inside that storage; `to_hf` is run on it (views only, when it qualifies) and every output
+        must coincide with the consumer's tensor of that name. Conversions that copy or reorder (e.g. a fused
+        QKV regrouped per head) fail the check and are remembered, so they cost the check once."""
+        if into is None or canonical in self._not_direct:
+            return None
+        names = self._require_backend().hf_names(canonical)
+        first = into(names[0]) if names else None
+        numel = _numel(shape)
+        if (
+            first is None
+            or first.dtype != dtype
+            or first.device != self.platform.device
+            or not first.is_contiguous()
+            or first.storage_offset() + numel > first.untyped_storage().nbytes() // dtype.itemsize
+        ):
+            self._not_direct.add(canonical)
+            return None
+        candidate = first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), tuple(shape))
+        hf_names, hf_tensors = self._backend.to_hf(canonical, candidate)
+        for name, tensor in zip(hf_names, hf_tensors):
+            target = into(name)
+            if target is None or not (
+                tensor.data_ptr() == target.data_ptr()
+                and tensor.shape == target.shape
+                and tensor.stride() == target.stride()
+                and tensor.dtype == target.dtype
+            ):
+                self._not_direct.add(canonical)
+                return None
+        if sum(t.numel() for t in hf_tensors) != numel:  # the HF tensors must cover the whole candidate
+            self._not_direct.add(canonical)
+            return None
+        return candidate
 
     def _output_allocator(self, batch: list["_Exported"], receive: bool, ep_receive: bool, tp: int, ep: int, etp: int):
         """`alloc(shape, dtype)` for a batch's gathered tensors: carved from one reused arena on CPU (fresh
@@ -490,7 +562,7 @@ class ModelBridge:
             elif x.pdim >= 0 and tp > 1 and receive:
                 needs.append((_merged_shape(x.tensor, tp, x.pdim), dtype))
         if not needs:
-            return None
+            return lambda shape, dtype: torch.empty(shape, dtype=dtype)  # not reached: nothing to gather
         return self._gather.buffers.take(Arena.bytes_for(needs)).empty
 
     def _all_gather_into(self, items: list, group, receive: bool) -> None:
@@ -519,6 +591,13 @@ def _mark_experts_expert_parallel(chunk: torch.nn.Module) -> None:
     for name, p in chunk.named_parameters():
         if ".mlp.experts." in name:
             p.allreduce = False
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 def _merged_shape(shard: torch.Tensor, parts: int, partition_dim: int) -> tuple[int, ...]:

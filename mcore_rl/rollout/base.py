@@ -77,6 +77,13 @@ class RolloutEngine(abc.ABC):
         """The Hugging Face names a complete sync must deliver, or None if the engine cannot tell."""
         return None
 
+    def weight_buffer(self, name: str) -> Optional[torch.Tensor]:
+        """The engine's own tensor holding Hugging Face weight `name` (a view where the engine fuses several),
+        for an exporter that writes new weights straight into it; None where the engine's memory is not
+        reachable that way (then `load_weights` copies). An engine that returns tensors here must skip, in
+        `load_weights`, a given tensor that already IS its own."""
+        return None
+
     def weight_diffs(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Optional[dict[str, float]]:
         """Max abs difference between the engine's copy of each given tensor and the given value, or None
         where the engine cannot read its weights back (used to name the tensors a failed sync got wrong)."""

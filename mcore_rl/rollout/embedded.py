@@ -15,7 +15,8 @@ Sampling is our own loop over a KV cache on left-padded batches (each prompt rep
   router record the top-k expert ids of every token fed through the model, prompt tokens included; each sample
   gets them as int16 ``[prompt + response, moe_layers, k]`` (else ``routed_experts`` is None).
 - weights: ``load_weights`` copies (Hugging Face checkpoint name, tensor) pairs into the live parameters in
-  place. transformers >= 5 stores the experts of a layer fused as 3-D ``gate_up_proj`` / ``down_proj``; the
+  place; ``weight_buffer(name)`` hands out those parameters (or slices) so an exporter can gather into them
+  directly, and a pair that already is the engine's own tensor is then skipped. transformers >= 5 stores the experts of a layer fused as 3-D ``gate_up_proj`` / ``down_proj``; the
   checkpoint's per-expert names are mapped onto slices of those (see ``_weight_targets``).
 """
 
@@ -247,10 +248,15 @@ class EmbeddedEngine(RolloutEngine):
             )
         return target
 
+    def weight_buffer(self, name: str) -> Optional[torch.Tensor]:
+        return self._targets.get(name)
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in weights:
-            self._target(name, tensor).copy_(tensor)
+            target = self._target(name, tensor)
+            if not _same_memory(target, tensor):  # an exporter may have written it in place (weight_buffer)
+                target.copy_(tensor)
 
     @torch.no_grad()
     def weight_diffs(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
@@ -448,6 +454,10 @@ class EmbeddedEngine(RolloutEngine):
         logits = self._forward(ids, mask, positions).float()
         logp = torch.log_softmax(logits[:, :-1] / temperature, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         return [logp[i, p - 1 : len(s) - 1].cpu().clone() for i, (s, p) in enumerate(zip(sequences, prompt_lens))]
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.dtype == b.dtype and a.device == b.device
 
 
 @contextmanager

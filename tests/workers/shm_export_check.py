@@ -4,7 +4,9 @@
 Loads the tiny checkpoint into a real Megatron model in the given layout and exports it three ways, each
 compared exactly (all names, shapes, dtypes, bits) with the checkpoint's safetensors: shared memory with tiny
 gather batches and rounds (many batches, tensors split over rounds), shared memory where only rank 0
-receives (the others must yield nothing), and the torch.distributed fallback (ranks claim different hosts).
+receives (the others must yield nothing), gathered straight into a random-weight embedded engine's own
+tensors (`into`, every rank / rank 0 only: the engine ends bit-identical to the checkpoint), and the
+torch.distributed fallback (ranks claim different hosts).
 Prints "SHM_EXPORT_OK" on rank 0.
 """
 
@@ -39,6 +41,28 @@ def check_export(bridge, chunks, expected: dict, what: str, receive: bool = True
         assert torch.equal(t.view(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), f"{what}: {name} differs"
 
 
+def check_into_engine(bridge, chunks, expected: dict, tiny_dir: str, what: str, receive: bool = True) -> str:
+    """Export straight into an engine's own tensors (`into`, as the trainer syncs): a fresh engine with random
+    weights ends bit-identical to the checkpoint, and some gathered tensors were written in place."""
+    from mcore_rl.rollout.embedded import EmbeddedEngine
+
+    engine = EmbeddedEngine(tiny_dir, config=bridge.hf_config) if receive else None  # every weight must arrive
+    into = engine.weight_buffer if engine is not None else None
+    in_place = []
+    for name, t in bridge.export_hf_weights(chunks, gather_batch_mb=0.01, receive=receive, into=into):
+        if t.data_ptr() == engine.weight_buffer(name).data_ptr():
+            in_place.append(name)
+        engine.load_weights([(name, t)])
+    if engine is None:
+        return ""
+    for name, want in expected.items():
+        got = engine.weight_buffer(name)
+        assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), f"{what}: {name}"
+    gathered = bridge.layout.tp > 1 or bridge.layout.ep > 1
+    assert in_place or not gathered, f"{what}: no tensor was gathered into the engine's memory"
+    return f"{len(in_place)} of {len(expected)} in place"
+
+
 def main() -> None:
     tiny_dir, tp, ep, etp = sys.argv[1], *map(int, sys.argv[2:5])
     platform = get_platform("cpu")
@@ -59,12 +83,14 @@ def main() -> None:
     check_export(bridge, chunks, expected, "shm, large batches", batch_mb=64)
     check_export(bridge, chunks, expected, "shm, rank 0 receives only", receive=rank == 0)
     check_export(bridge, chunks, expected, "shm again (arenas reused)")
+    direct = check_into_engine(bridge, chunks, expected, tiny_dir, "shm into the engine")
+    check_into_engine(bridge, chunks, expected, tiny_dir, "shm into rank 0's engine only", receive=rank == 0)
     bridge._gather = GroupGather(host_id=lambda: f"host-of-rank-{rank}")
     check_export(bridge, chunks, expected, "torch.distributed fallback")
     assert not bridge._gather.uses_shared_memory(None)
     dist.barrier()
     if rank == 0:
-        print("SHM_EXPORT_OK", tp, ep, etp, flush=True)
+        print("SHM_EXPORT_OK", tp, ep, etp, f"(into the engine: {direct})", flush=True)
     destroy_parallel()
 
 
