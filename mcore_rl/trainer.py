@@ -114,8 +114,9 @@ class Trainer:
         if resume is not None:
             self._load(resume.path)
         self.metrics = MetricsLogger(cfg.trainer.run_dir, cfg, rank=self.rank, start_step=self.step)
-        # The engine starts from the HF files; after a resume the actor differs, so sync once up front.
-        self.sync_engine(verify=resume is not None)
+        # The engine starts from the same HF files as the actor: only a resumed actor differs from it.
+        if resume is not None:
+            self.sync_engine(verify=True)
 
     # ---- phases ------------------------------------------------------------------------------
     def rollout(self, examples, n: int, temperature: float, seed: int):
