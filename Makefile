@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup artifacts demo test test-fast lint format setup-vllm test-vllm setup-compat test-compat gpu-wheels gpu-venv test-gpu clean
+.PHONY: setup artifacts demo test test-fast lint format setup-vllm test-vllm setup-compat test-compat gpu-wheels gpu-venv test-gpu setup-trl clean
 
 $(BIN)/mcore-rl: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -102,5 +102,11 @@ gpu-venv:
 test-gpu:
 	PYTHONPATH=$(CURDIR) .venv-gpu/bin/python tests/gpu/smoke.py --out gpu_smoke_summary.txt
 
+# Optional: Hugging Face TRL in its own venv, the single-process baseline of benchmarks/demo_speed.py.
+setup-trl:
+	$(PY) -m venv .venv-trl
+	.venv-trl/bin/pip install -q -U pip
+	.venv-trl/bin/pip install -q torch==2.13.0 trl==1.16.0 pyarrow
+
 clean:
-	rm -rf $(VENV) .venv-vllm .venv-compat .venv-gpu *.egg-info
+	rm -rf $(VENV) .venv-vllm .venv-compat .venv-gpu .venv-trl *.egg-info

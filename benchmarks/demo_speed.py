@@ -1,0 +1,316 @@
+"""The demo against a single-process Hugging Face trainer: time from process start to a 10-step mean reward of 0.8.
+
+    python benchmarks/demo_speed.py [--preset configs/tiny/gspo_cpu.yaml] [--seeds 1] [--only mcore|trl]
+                                    [--threshold 0.8] [--window 10] [--max-steps 300] [key=value ...]
+
+Runs, back to back in one invocation and so under the same machine load:
+  1. Hugging Face TRL's GRPOTrainer (one process, in the side venv .venv-trl: `make setup-trl`) on the demo's
+     task: the same model files, training data, reward function (mcore_rl/rewards/task.py, loaded by path)
+     and hyperparameters as the preset (prompts x samples per step, one answer token, temperature, lr, Adam,
+     gradient clip, GSPO's sequence-level ratio with the preset's clip range, one optimizer step per batch, no KL);
+  2. `mcore-rl train PRESET` (torchrun, the preset's own layout; extra key=value overrides are applied).
+Each run is stopped as soon as the mean reward of the last `window` steps reaches `threshold` (or after
+max-steps). Printed per run: wall seconds from launching the process to that step, the step, the median
+seconds per step up to it (each trainer's own step boundaries: TRL's on_step_end times, mcore-rl's metrics
+rows) and the start-up seconds (launch to the end of the first step minus that step's duration); then
+the ratio mcore-rl / TRL of the wall times. The 1-minute load average before and after each run is printed
+too: on a shared machine only runs under similar load compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TRL_PYTHON = REPO / ".venv-trl" / "bin" / "python"
+
+
+# ---- the TRL side (runs inside .venv-trl; imports nothing from mcore_rl's package) -------------------------
+def trl_worker(spec: dict) -> None:
+    """GRPOTrainer on the demo task; prints `STEP <n> <mean reward> <unix time>` after every optimizer step."""
+    import importlib.util
+
+    import pyarrow.parquet as pq
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(spec["threads"])
+    loaded = importlib.util.spec_from_file_location("task_reward", REPO / "mcore_rl" / "rewards" / "task.py")
+    task_reward = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(task_reward)
+
+    rows = pq.read_table(spec["train_path"]).to_pylist()
+    data = Dataset.from_list(
+        [{"prompt": r["prompt"], "ground_truth": str(r["reward_model"]["ground_truth"])} for r in rows]
+    )
+
+    def reward(completions, ground_truth, **_):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [task_reward.score(t, g) for t, g in zip(texts, ground_truth)]
+
+    class Report(TrainerCallback):
+        """The Trainer logs right after each optimizer step (logging_steps=1): one line per step."""
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "reward" in logs:
+                print(f"STEP {state.global_step} {float(logs['reward']):.6f} {time.time():.6f}", flush=True)
+
+    model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
+    a = spec["algo"]
+    config = GRPOConfig(
+        output_dir=spec["out_dir"],
+        use_cpu=True,
+        seed=spec["seed"],
+        max_steps=spec["max_steps"],
+        per_device_train_batch_size=spec["prompts"] * spec["n"],
+        num_generations=spec["n"],
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_iterations=1,
+        max_completion_length=spec["max_new_tokens"],
+        temperature=spec["temperature"],
+        learning_rate=spec["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=spec["weight_decay"],
+        adam_beta1=spec["adam_beta1"],
+        adam_beta2=spec["adam_beta2"],
+        adam_epsilon=spec["adam_eps"],
+        max_grad_norm=spec["clip_grad"],
+        beta=0.0,
+        epsilon=a["clip_low"],
+        epsilon_high=a["clip_high"],
+        importance_sampling_level="sequence" if a["loss"] == "gspo" else "token",
+        loss_type="grpo",  # per-sequence token mean, then the batch mean (seq-mean-token-mean)
+        scale_rewards="group",  # (R - group mean) / group std, like adv_estimator=grpo
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data, processing_class=tokenizer)
+    trainer.add_callback(Report())
+    trainer.train()
+
+
+# ---- the launcher (runs in mcore-rl's venv) -----------------------------------------------------------------
+def _load() -> float:
+    return os.getloadavg()[0]
+
+
+def _reached(rewards: list[float], threshold: float, window: int) -> bool:
+    return len(rewards) >= window and sum(rewards[-window:]) / window >= threshold
+
+
+def _summary(name: str, launched: float, steps: list[tuple[int, float, float]], threshold: float, window: int) -> dict:
+    """steps: (step, mean reward, unix time at the step's end), in order."""
+    rewards = [r for _, r, _ in steps]
+    hit = next((i for i in range(len(steps)) if _reached(rewards[: i + 1], threshold, window)), None)
+    upto = steps[: (hit + 1) if hit is not None else len(steps)]
+    durations = [b[2] - a[2] for a, b in zip(upto, upto[1:])]
+    median = statistics.median(durations) if durations else float("nan")
+    first_end = upto[0][2] - launched if upto else float("nan")
+    return {
+        "name": name,
+        "reached": hit is not None,
+        "step": upto[-1][0] if upto else None,
+        "wall_s": (upto[-1][2] - launched) if upto else float("nan"),
+        "median_step_s": median,
+        "startup_s": first_end - median,
+        "steps_run": len(steps),
+    }
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    import psutil
+
+    try:
+        family = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    for p in family:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+    psutil.wait_procs(family[1:], timeout=30)
+
+
+def run_trl(spec: dict, threshold: float, window: int) -> dict:
+    if not TRL_PYTHON.is_file():
+        raise SystemExit(f"{TRL_PYTHON} not found: run `make setup-trl` first (TRL in its own venv)")
+    env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), TOKENIZERS_PARALLELISM="false")
+    launched = time.time()
+    proc = subprocess.Popen(
+        [str(TRL_PYTHON), __file__, "--trl-worker", json.dumps(spec)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=REPO,
+    )
+    steps, tail = [], []
+    for line in proc.stdout:
+        tail = (tail + [line])[-40:]
+        if line.startswith("STEP "):
+            _, step, reward, stamp = line.split()
+            steps.append((int(step), float(reward), float(stamp)))
+            if _reached([r for _, r, _ in steps], threshold, window):
+                break
+    _stop(proc)
+    if not steps:
+        raise SystemExit("TRL run produced no steps:\n" + "".join(tail))
+    return _summary("trl", launched, steps, threshold, window)
+
+
+def run_mcore(
+    preset: str, overrides: list[str], run_dir: Path, threshold: float, window: int, repo: Path = REPO
+) -> dict:
+    metrics = run_dir / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "mcore_rl.cli", "train", preset, f"trainer.run_dir={run_dir}", *overrides]
+    launched = time.time()
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=repo,  # `python -m mcore_rl.cli` imports the package of the working directory first
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        start_new_session=True,
+    )
+    steps: list[tuple[int, float, float]] = []
+    seen = 0
+    while True:
+        done = proc.poll() is not None
+        if metrics.is_file():
+            lines = metrics.read_text().splitlines()
+            for line in lines[seen:]:
+                if line.strip():
+                    row = json.loads(line)
+                    if "reward/mean" in row:
+                        steps.append((row["step"], row["reward/mean"], row["time"]))
+            seen = len(lines)
+        if _reached([r for _, r, _ in steps], threshold, window) or done:
+            break
+        time.sleep(0.05)
+    err = proc.stderr.read() if done else ""
+    _stop(proc)
+    if done and proc.returncode and not steps:
+        raise SystemExit(f"mcore-rl train failed ({proc.returncode}):\n{err[-4000:]}")
+    return _summary("mcore-rl", launched, steps, threshold, window)
+
+
+def trl_spec(cfg, seed: int, out_dir: str, max_steps: int, threads: int) -> dict:
+    if cfg.algo.kl_coef or cfg.algo.entropy_coef or cfg.algo.loss not in ("gspo", "grpo"):
+        raise SystemExit("the TRL baseline covers the tiny GSPO / GRPO presets without KL or entropy bonus")
+    o = cfg.actor.optim
+    return dict(
+        model_path=str(Path(cfg.model.path).resolve()),
+        train_path=str(Path(cfg.data.train_path).resolve()),
+        out_dir=out_dir,
+        seed=seed,
+        max_steps=max_steps,
+        prompts=cfg.data.prompts_per_step,
+        n=cfg.rollout.n,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature,
+        lr=o.lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad,
+        algo={"loss": cfg.algo.loss, "clip_low": cfg.algo.clip_low, "clip_high": cfg.algo.clip_high},
+        threads=threads,
+    )
+
+
+def _line(r: dict, before: float, after: float) -> str:
+    status = f"reached at step {r['step']}" if r["reached"] else f"NOT reached in {r['steps_run']} steps"
+    return (
+        f"{r['name']:9s} {status}: {r['wall_s']:.1f} s from launch, median {r['median_step_s']:.3f} s/step, "
+        f"start-up {r['startup_s']:.1f} s (load {before:.1f} -> {after:.1f})"
+    )
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--trl-worker":
+        trl_worker(json.loads(sys.argv[2]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="configs/tiny/gspo_cpu.yaml")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1], help="trainer.seed of each pair of runs")
+    parser.add_argument("--only", choices=["mcore", "trl"], default=None)
+    parser.add_argument("--threshold", type=float, default=0.8)
+    parser.add_argument("--window", type=int, default=10)
+    parser.add_argument("--max-steps", type=int, default=300)
+    parser.add_argument(
+        "--trl-threads",
+        type=int,
+        default=None,
+        help="torch threads of the TRL process (default: trainer.nproc, the cores mcore-rl's single-threaded ranks use)",
+    )
+    parser.add_argument(
+        "--mcore-repo",
+        default=str(REPO),
+        help="source tree whose mcore_rl runs (e.g. an unpacked older commit, for a before/after pair)",
+    )
+    parser.add_argument("overrides", nargs="*", help="key=value overrides for the mcore-rl run")
+    args = parser.parse_args()
+    sys.path.insert(0, str(REPO))
+    from mcore_rl.config import load_config
+
+    results = []
+    with tempfile.TemporaryDirectory(prefix="demo_speed_") as tmp:
+        for seed in args.seeds:
+            overrides = [f"trainer.seed={seed}", f"trainer.steps={args.max_steps}", *args.overrides]
+            cfg = load_config(REPO / args.preset, overrides)
+            pair = {}
+            if args.only != "trl":
+                before = _load()
+                pair["mcore"] = run_mcore(
+                    args.preset,
+                    overrides,
+                    Path(tmp) / f"mcore_{seed}",
+                    args.threshold,
+                    args.window,
+                    Path(args.mcore_repo).resolve(),
+                )
+                print(_line(pair["mcore"], before, _load()), flush=True)
+            if args.only != "mcore":
+                before = _load()
+                pair["trl"] = run_trl(
+                    trl_spec(
+                        cfg, seed, str(Path(tmp) / f"trl_{seed}"), args.max_steps, args.trl_threads or cfg.trainer.nproc
+                    ),
+                    args.threshold,
+                    args.window,
+                )
+                print(_line(pair["trl"], before, _load()), flush=True)
+            if len(pair) == 2:
+                ratio = pair["mcore"]["wall_s"] / pair["trl"]["wall_s"]
+                step_ratio = pair["mcore"]["median_step_s"] / pair["trl"]["median_step_s"]
+                print(
+                    f"seed {seed}: mcore-rl / TRL wall time to a {args.window}-step mean reward of "
+                    f"{args.threshold}: {ratio:.2f}x (median s/step {step_ratio:.2f}x)",
+                    flush=True,
+                )
+            results.append({"seed": seed, **pair})
+    print("RESULT " + json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
