@@ -1,9 +1,9 @@
 """End to end through `mcore-rl train`: real torchrun, 2 processes, Megatron actor, embedded engine.
 
-- a short GSPO (EP2, rollout routing replay) and SAPO (TP2 + KL + entropy, old-policy routing replay, two
-  mini-batches) run writes metrics, checkpoints, plots and a HF export; both run the old-policy pass; so do the
-  dense presets (SAPO on Qwen3 TP2, GSPO on the tied Qwen2 over PP2), whose export holds exactly the
-  checkpoint's names (tied: no lm_head)
+- a short GSPO (EP2, rollout routing replay) and SAPO (TP2 + KL + entropy, old-policy routing replay from a
+  separate old-policy pass: algo.old_log_prob_pass=always) run writes metrics, checkpoints, plots and a HF
+  export; both run the old-policy pass; so do the dense presets (SAPO on Qwen3 TP2, GSPO on the tied Qwen2
+  over PP2), whose export holds exactly the checkpoint's names (tied: no lm_head)
 - the plain GSPO run (exactly on-policy) skips that pass and still reports the entropy
 - a SIGKILL while the step-4 checkpoint is being written leaves step 2 loadable, and resuming from it
   reproduces the uninterrupted run exactly (final weights and metrics)
@@ -97,11 +97,16 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     "preset, arch, extra",
     [
         ("gspo_cpu.yaml", "qwen3-moe", {"algo.routing_replay": "r3"}),
-        # two mini-batches: the second is off-policy, so R2 records in the old-policy pass and replays
+        # old_log_prob_pass=always: R2 records routes in a separate old-policy pass and the update replays them
         (
             "sapo_cpu.yaml",
             "qwen3-moe",
-            {"algo.kl_coef": 0.01, "algo.entropy_coef": 0.001, "algo.routing_replay": "r2", "algo.mini_batches": 2},
+            {
+                "algo.kl_coef": 0.01,
+                "algo.entropy_coef": 0.001,
+                "algo.routing_replay": "r2",
+                "algo.old_log_prob_pass": "always",
+            },
         ),
         ("sapo_dense_cpu.yaml", "qwen3", {"algo.entropy_coef": 0.001}),
         ("gspo_dense_cpu.yaml", "qwen2", {}),
@@ -128,7 +133,7 @@ def test_short_run(tiny_arch_dir, task, tmp_path, preset, arch, extra):
         "response/length_mean",
         "perf/tokens_per_s",
         "time/rollout",
-        "time/old_logprob",  # R3 / two mini-batches: a separate old-policy pass runs
+        "time/old_logprob",  # R3 / old_log_prob_pass=always: a separate old-policy pass runs
         "time/update",
         "time/sync",
     ):
