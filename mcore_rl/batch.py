@@ -185,9 +185,17 @@ class RolloutBatch:
 
 
 def pack_rollouts(
-    samples: list[RolloutSample], rewards: torch.Tensor, advantages: torch.Tensor, pad_id: int, multiple: int = 8
+    samples: list[RolloutSample],
+    rewards: torch.Tensor,
+    advantages: torch.Tensor,
+    pad_id: int,
+    multiple: int = 8,
+    valid: Optional[torch.Tensor] = None,
 ) -> RolloutBatch:
-    """Pack samples (in group order) into right-padded tensors; S is rounded up to `multiple`."""
+    """Pack samples (in group order) into right-padded tensors; S is rounded up to `multiple`.
+
+    Samples whose `valid` flag is False (their reward failed) keep their tokens but get no loss-mask
+    entries, so they add nothing to the loss nor to its token and sequence counts."""
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     seq_len = -(-max(lengths) // multiple) * multiple
     batch = len(samples)
@@ -200,7 +208,7 @@ def pack_rollouts(
         tokens[i, :p] = torch.tensor(s.prompt_ids)
         tokens[i, p : p + r] = torch.tensor(s.response_ids, dtype=torch.long)
         # response token j sits at column p + j and is predicted at column p + j - 1
-        mask[i, p - 1 : p + r - 1] = 1.0
+        mask[i, p - 1 : p + r - 1] = 1.0 if valid is None or bool(valid[i]) else 0.0
         rollout_lp[i, p - 1 : p + r - 1] = s.logprobs.float()
         adv[i, p - 1 : p + r - 1] = float(advantages[i])
     routes = [s.routed_experts for s in samples]

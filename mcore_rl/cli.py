@@ -192,9 +192,14 @@ def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     check_paths(cfg)
     if inside_torchrun():
+        from mcore_rl.safety import TrainingHalted
         from mcore_rl.trainer import run
 
-        run(cfg)
+        try:
+            run(cfg)
+        except TrainingHalted as e:  # a decision the run took (the same on every rank), not a crash
+            print(f"mcore-rl: error: rank {os.environ.get('RANK', '0')}: {e}", file=sys.stderr, flush=True)
+            return 1
         return 0
     if cfg.trainer.nnodes > 1:
         raise ConfigError(

@@ -180,6 +180,7 @@ class RewardConfig:
     fn: str = "task"  # task | math | module:function
     overlong_buffer: int = 0  # DAPO overlong penalty buffer length in tokens (0: off)
     overlong_penalty: float = 1.0
+    max_error_rate: float = 0.5  # stop the run when more than this fraction of a batch's rewards fail
 
 
 @dataclass
@@ -203,6 +204,7 @@ class TrainerConfig:
     tensorboard: bool = True
     wandb: bool = False
     wandb_project: str = "mcore-rl"
+    max_consecutive_skips: int = 3  # optimizer steps skipped in a row (NaN/inf loss or grad norm) before stopping
 
 
 @dataclass
@@ -461,8 +463,26 @@ def _check_choices(cfg: Config) -> None:
             raise ConfigError(f"{key} = {value!r} is not one of: {shown}.{hint}")
 
 
+def _float_values(obj: Any, prefix: str = ""):
+    """(dotted key, value) of every float field of a config, nested sections included."""
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if is_dataclass(value):
+            yield from _float_values(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float):
+            yield f"{prefix}{f.name}", value
+
+
 def _check_ranges(cfg: Config) -> None:
+    import math
+
+    for key, v in _float_values(cfg):
+        _require(math.isfinite(v), f"{key} = {v} is not a finite number: give a finite value")
     a, r, o = cfg.algo, cfg.rollout, cfg.actor.optim
+    _require(
+        0 <= cfg.reward.max_error_rate <= 1,
+        f"reward.max_error_rate = {cfg.reward.max_error_rate} must lie in [0, 1] (1: never stop for reward errors)",
+    )
     positive_ints = {
         "algo.ppo_epochs": a.ppo_epochs,
         "algo.mini_batches": a.mini_batches,
@@ -477,6 +497,7 @@ def _check_ranges(cfg: Config) -> None:
         "trainer.nnodes": cfg.trainer.nnodes,
         "trainer.log_every": cfg.trainer.log_every,
         "trainer.val_prompts": cfg.trainer.val_prompts,
+        "trainer.max_consecutive_skips": cfg.trainer.max_consecutive_skips,
     }
     budget = cfg.actor.max_tokens_per_micro_batch
     if budget is not None:

@@ -70,6 +70,7 @@ class Trainer:
         from mcore_rl.rollout import make_engine
         from mcore_rl.rollout.weight_sync import ProbeBatch
         from mcore_rl.run_dir import CheckpointManager, resolve_resume
+        from mcore_rl.safety import SkipCounter
 
         self.cfg = cfg
         self.platform = get_platform(cfg.platform)
@@ -110,6 +111,8 @@ class Trainer:
         self.probe = ProbeBatch.random(self.actor.hf_config.vocab_size, seed=cfg.trainer.seed)
         self.ckpt = CheckpointManager(cfg.trainer.run_dir, cfg.checkpoint.keep_last)
         self.step = 0
+        self.skips = SkipCounter(cfg.trainer.max_consecutive_skips)
+        self.last_applied: list[bool] = []
         resume = resolve_resume(cfg)
         if resume is not None:
             self._load(resume.path)
@@ -187,6 +190,7 @@ class Trainer:
         from mcore_rl.algos import group_advantages
         from mcore_rl.batch import pack_rollouts, split_for_rank
         from mcore_rl.rollout.weight_sync import verify_due
+        from mcore_rl.safety import check_reward_errors
 
         cfg, timer, layout = self.cfg, PhaseTimer(), self.actor.layout
         step_start = time.perf_counter()
@@ -197,8 +201,12 @@ class Trainer:
             )
         self.engine.sleep()  # free the engine's memory for the actor's passes (a no-op where unsupported)
         rewards = torch.tensor(scored.rewards, dtype=torch.float32)
-        advantages = group_advantages(rewards, cfg.rollout.n, cfg.algo.adv_estimator)
-        batch = pack_rollouts(samples, rewards, advantages, self.tokenizer.pad_token_id, layout.seq_len_multiple)
+        valid = torch.tensor(scored.valid, dtype=torch.bool)  # failed rewards: out of their group and the loss
+        check_reward_errors(scored.errors, len(valid), scored.first_error, cfg.reward.max_error_rate, self.step + 1)
+        advantages = group_advantages(rewards, cfg.rollout.n, cfg.algo.adv_estimator, valid=valid)
+        batch = pack_rollouts(
+            samples, rewards, advantages, self.tokenizer.pad_token_id, layout.seq_len_multiple, valid=valid
+        )
         mini_batches = split_for_rank(
             batch,
             cfg.algo.mini_batches,
@@ -226,16 +234,21 @@ class Trainer:
                 for mini in mini_batches:
                     for k, v in self.actor.train_policy(mini, cfg.algo, on_policy=on_policy).items():
                         update.setdefault(k, []).append(v)
+        # An applied step can still overflow the weights (finite gradients, a huge learning rate): stop
+        # before the engine, a checkpoint or the export sees them.
+        self.actor.check_weights_finite(f"step {self.step + 1} made the weights non-finite")
         with timer("sync"):
             sync_metrics = self.sync_engine(verify=verify_due(self.step + 1, cfg.rollout.verify_every))
         self.step += 1
 
+        self.last_applied = [bool(v) for v in update.get("update_successful", [])]
         response_lengths = batch.response_lengths.float()
         num_tokens = int(response_lengths.sum())
         elapsed = time.perf_counter() - step_start
+        scored_rewards = rewards[valid]
         metrics = {
-            "reward/mean": float(rewards.mean()),
-            "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+            "reward/mean": float(scored_rewards.mean()) if len(scored_rewards) else 0.0,
+            "reward/std": float(scored_rewards.std()) if len(scored_rewards) > 1 else 0.0,
             "reward/errors": scored.errors,
             "response/length_mean": float(response_lengths.mean()),
             "response/length_max": float(response_lengths.max()),
@@ -245,6 +258,7 @@ class Trainer:
             "perf/step_seconds": elapsed,
             **{f"time/{k}": v for k, v in timer.seconds.items()},
             **{(k if k.startswith("routing/") else f"train/{k}"): float(np.mean(v)) for k, v in update.items()},
+            "train/skipped_steps": float(np.sum(update.get("skipped_steps", [0.0]))),
             **sync_metrics,
         }
         if entropy_sum is not None:
@@ -261,9 +275,16 @@ class Trainer:
 
     # ---- checkpoints -------------------------------------------------------------------------
     def save(self) -> None:
+        self.actor.check_weights_finite(f"not writing checkpoint step {self.step}")
+
         def write(tmp_dir: Path) -> None:
             self.actor.save_checkpoint(str(tmp_dir / "actor"))
-            state = {"step": self.step, "sampler": self.sampler.state_dict(), "rng": _rng_state()}
+            state = {
+                "step": self.step,
+                "sampler": self.sampler.state_dict(),
+                "rng": _rng_state(),
+                "skips": self.skips.state_dict(),
+            }
             torch.save(state, tmp_dir / f"trainer_state_rank{self.rank}.pt")
 
         ckpt = self.ckpt.save(self.step, write, meta={"step": self.step})
@@ -282,11 +303,14 @@ class Trainer:
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         _set_rng_state(state["rng"])
+        if "skips" in state:
+            self.skips.load_state_dict(state["skips"])
         if self.rank == 0:
             log.info("resumed from %s at step %d", path, self.step)
 
     def export_hf(self, out_dir: Path) -> None:
         """Write the actor as a Hugging Face folder (collective)."""
+        self.actor.check_weights_finite(f"not writing the Hugging Face export {out_dir}")
         self.actor.save_hf(str(out_dir), source_dir=self.cfg.model.path)
         if self.rank == 0:
             log.info("exported the trained model to %s", out_dir)
@@ -300,6 +324,7 @@ class Trainer:
             if self.val_set is not None and self.step % cfg.trainer.val_every == 0:
                 metrics.update(self.validate())
             self.metrics.log(self.step, metrics)
+            self.skips.record(self.last_applied, self.step)  # stops after too many skipped steps in a row
             if (save_every and self.step % save_every == 0) or self.step == cfg.trainer.steps:
                 self.save()
         self.metrics.close()

@@ -160,6 +160,21 @@ def test_group_of_one_has_no_signal():
     assert torch.all(group_advantages(torch.tensor([1.0, 0.0, 3.0]), 1) == 0)
 
 
+@pytest.mark.parametrize("estimator", ["grpo", "drgrpo"])
+def test_failed_rewards_are_left_out_of_their_group(estimator):
+    """A NaN (failed) reward gets advantage 0 and the rest of its group is scored as if it were absent:
+    the same as the reference on the group without it."""
+    rewards = torch.tensor([1.0, float("nan"), 0.0, 1.0, 0.0, 1.0, 0.5, 0.5])
+    valid = ~torch.isnan(rewards)
+    got = group_advantages(rewards, 4, estimator, valid=valid)
+    assert torch.isfinite(got).all() and got[1] == 0
+    kept = [1.0, 0.0, 1.0]
+    torch.testing.assert_close(got[[0, 2, 3]], torch.tensor(ref_advantages(kept, 3, estimator)), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[4:], group_advantages(rewards[4:], 4, estimator))  # other groups unchanged
+    one_left = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4, estimator, valid=torch.tensor([1, 0, 0, 0]))
+    assert torch.all(one_left == 0)  # a single valid response has nothing to compare with
+
+
 def test_group_advantages_bad_group_size():
     with pytest.raises(ValueError, match="do not split into groups of 4"):
         group_advantages(torch.zeros(6), 4)

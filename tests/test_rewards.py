@@ -96,6 +96,30 @@ def test_raising_reward_is_counted_and_scored_zero(user_reward_module):
     out = scorer(["abc", "boom", "ab", "boom"], [3, 4, 3, 1], ["s"] * 4)
     assert out.rewards == [1.0, 0.0, 0.0, 0.0]
     assert out.errors == 2 and "user reward exploded" in out.first_error
+    assert out.valid == [True, False, True, False]
+
+
+@pytest.mark.parametrize(
+    "returned, message",
+    [("'1.0'", "not a number"), ("float('nan')", "not a finite"), ("float('inf')", "not a finite"), ("None", "None")],
+)
+def test_non_numeric_or_non_finite_reward_is_an_error(tmp_path, monkeypatch, returned, message):
+    """A string "1.0" is not silently cast, NaN/inf are not passed on: each is a counted reward error."""
+    module = f"odd_rewards_{abs(hash(returned))}"  # one module per case: imports are cached
+    (tmp_path / f"{module}.py").write_text(f"def score(r, gt, ds, ex):\n    return {returned} if r == 'x' else 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = RewardScorer(f"{module}:score", max_new_tokens=8)(["x", "y", "x"], ["1"] * 3, ["s"] * 3)
+    assert out.valid == [False, True, False] and out.errors == 2 and out.error_rate == pytest.approx(2 / 3)
+    assert out.rewards == [0.0, 1.0, 0.0] and message in out.first_error
+
+
+def test_numpy_and_torch_scalars_and_bools_are_numbers():
+    import numpy as np
+    import torch
+
+    from mcore_rl.rewards.registry import check_reward_value
+
+    assert [check_reward_value(v) for v in (np.float32(0.5), torch.tensor(2.0), True, 3)] == [0.5, 2.0, 1.0, 3.0]
 
 
 def test_scorer_adds_overlong_penalty_to_task_reward():

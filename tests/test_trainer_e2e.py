@@ -242,3 +242,97 @@ def test_kill_during_checkpoint_write_then_exact_resume(tiny_model_dir, task, tm
     for ra, rb in zip(rows_a, rows_b):
         keep = lambda r: {k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)}
         assert keep(ra) == keep(rb), f"step {ra['step']} metrics differ"
+
+
+def _finite_checkpoint(ckpt_dir: Path) -> None:
+    """Every floating tensor of a published dist checkpoint (model and optimizer state) is finite."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    flat = ckpt_dir.parent / f"{ckpt_dir.name}.pt"
+    dcp_to_torch_save(ckpt_dir / "actor", flat)
+    state = torch.load(flat, weights_only=False)
+    flat.unlink()
+    tensors = []
+
+    def walk(obj, key=""):
+        if torch.is_tensor(obj):
+            tensors.append((key, obj))
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, f"{key}.{k}")
+
+    walk(state)
+    assert tensors, f"no tensors read from {ckpt_dir}"
+    bad = [k for k, t in tensors if t.is_floating_point() and not torch.isfinite(t).all()]
+    assert not bad, f"{ckpt_dir} holds non-finite tensors: {bad[:5]}"
+
+
+def test_bad_rewards_and_non_finite_updates_are_never_applied(tiny_model_dir, task, tmp_path):
+    """NaN / string / raising rewards are reward errors left out of their group; the steps whose gradient
+    norm overflows (1e30 rewards) are skipped on both ranks; every published checkpoint and the export
+    are finite. A second run whose weights turn inf at step 2 refuses to save it: step 1 survives keep_last=1."""
+    run_dir = tmp_path / "faulty"
+    args = overrides(
+        tiny_model_dir,
+        task,
+        run_dir,
+        **{
+            "reward.fn": "tests.faulty_reward:score",
+            "algo.adv_estimator": "drgrpo",
+            "trainer.val_every": 0,
+            "checkpoint.save_every": 1,
+            "checkpoint.keep_last": 1,
+            "trainer.max_consecutive_skips": 2,
+        },
+    )
+    out = run_train("gspo_cpu.yaml", args)
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[0]["reward/errors"] == 3 and "returned nan, not a finite number" in out
+    assert all(r["reward/errors"] == 0 for r in rows[1:])
+    assert [r["train/skipped_steps"] for r in rows] == [0.0, 1.0, 0.0, 1.0], rows
+    assert [r["train/update_successful"] for r in rows] == [1.0, 0.0, 1.0, 0.0]
+    import math
+
+    assert math.isfinite(rows[0]["train/loss"]) and math.isfinite(rows[2]["train/grad_norm"])
+    assert not math.isfinite(rows[1]["train/grad_norm"]) and not math.isfinite(rows[3]["train/grad_norm"])
+    assert "optimizer step(s) skipped" in out
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert ckpts == ["step_00000004"]
+    _finite_checkpoint(run_dir / "checkpoints" / "step_00000004")
+    hf = load_hf(run_dir)
+    assert all(torch.isfinite(t).all() for t in hf.values())
+
+    # Weights that become inf (weight decay x lr overflow at step 2, after a warm-up step at lr 0) are
+    # never written: the run stops with the reason, and step 1 stays the newest checkpoint.
+    diverged = tmp_path / "diverged"
+    args = overrides(
+        tiny_model_dir,
+        task,
+        diverged,
+        **{
+            "trainer.steps": 2,
+            "trainer.val_every": 0,
+            "checkpoint.save_every": 1,
+            "checkpoint.keep_last": 1,
+            "actor.optim.lr": 1e20,
+            "actor.optim.weight_decay": 1e20,
+            "actor.optim.warmup_steps": 1,
+        },
+    )
+    proc = subprocess.run(
+        train_cmd("gspo_cpu.yaml", args),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "mcore-rl: error: rank 0: step 2 made the weights non-finite: the weights hold NaN/inf" in out, out[-8000:]
+    from mcore_rl.run_dir import CheckpointManager
+
+    assert CheckpointManager(diverged).latest().step == 1
+    assert not (diverged / "checkpoints" / "step_00000002").exists() and not (diverged / "hf").exists()
+    _finite_checkpoint(diverged / "checkpoints" / "step_00000001")

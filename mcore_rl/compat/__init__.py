@@ -1,7 +1,8 @@
 """Version differences of the libraries mcore-rl builds on, kept in one place.
 
 One module per library: `compat.megatron` (megatron-core), `compat.mbridge`, `compat.transformers`,
-`compat.vllm` (vLLM / vLLM-Ascend: the in-place reload path and the vLLM-Ascend floor). Each
+`compat.vllm` (vLLM / vLLM-Ascend: the in-place reload path and the vLLM-Ascend floor), `compat.megatron_optim`
+(the optimizer step split into Megatron's own stages, to skip non-finite steps on every version). Each
 detects the installed version once (a cached function; nothing is stored at import time), exposes the few
 calls that differ between versions and lists every shim it can apply with the versions it covers and why
 (`Shim`); `shims()` returns the ones in force for the installed versions. Code elsewhere calls these

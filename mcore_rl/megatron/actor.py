@@ -329,6 +329,14 @@ class Actor:
         local = math.fsum(float((v.cpu() * mb.loss_mask).sum()) for v, mb in zip(values, micro_batches))
         return collectives.sum_floats([local], group=self.layout.groups.dp)[0]
 
+    def check_weights_finite(self, what: str) -> None:
+        """Collective: raises safety.TrainingHalted on every rank when any rank's weights hold NaN/inf
+        (`what` starts the message), so nothing non-finite reaches the engine, a checkpoint or an export."""
+        from mcore_rl.safety import check_weights_finite
+
+        named = ((name, p.data) for chunk in self.model for name, p in chunk.named_parameters())
+        check_weights_finite(named, what, device=self.platform.device)
+
     # ---- train -------------------------------------------------------------------------------
     def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over this rank's micro-batches (every DP rank passes its share).
@@ -336,7 +344,8 @@ class Actor:
         Returns, identical on every rank: `loss` (the global loss: sum of loss_fn outputs over all
         micro-batches and DP x CP ranks), each loss_fn metric summed the same way (so normalise
         metrics by global counts inside loss_fn, like the loss), `grad_norm` (global, before clipping),
-        `lr` (used for this step) and `update_successful` (1.0 / 0.0).
+        `lr` (used for this step), `update_successful` (1.0 / 0.0) and `skipped_steps` (its complement:
+        1.0 when the step was skipped because the loss or the gradient norm was NaN/inf).
         """
         if self.optimizer is None:
             raise RuntimeError(
@@ -357,17 +366,29 @@ class Actor:
             return loss * scale, record
 
         stored = self._run_schedule(micro_batches, loss_and_metrics, forward_only=False)
-        update_successful, grad_norm, _ = self.optimizer.step()
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.scheduler.step(increment=1)
         metrics = self._reduce_metrics(stored) if self.layout.is_last_stage else None
-        metrics = self._from_last_stage(metrics)
+        metrics = self._from_last_stage(metrics)  # the same values on every rank
+        lr = self.optimizer.param_groups[0]["lr"]
+        outcome = self._step_if_finite(metrics["loss"])
         metrics.update(
-            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            grad_norm=outcome.grad_norm,
             lr=float(lr),
-            update_successful=float(bool(update_successful)),
+            update_successful=float(outcome.applied),
+            skipped_steps=float(not outcome.applied),
         )
         return metrics
+
+    def _step_if_finite(self, loss: float):
+        """The optimizer step, skipped on every rank when the global loss or gradient norm is not finite
+        (the LR schedule then stays where it is, as in Megatron's own loop)."""
+        from mcore_rl.compat.megatron_optim import StepOutcome, guarded_step
+
+        if not math.isfinite(loss):
+            return StepOutcome(False, float("nan"))
+        outcome = guarded_step(self.optimizer)
+        if outcome.applied:
+            self.scheduler.step(increment=1)
+        return outcome
 
     def train_policy(self, mini_batch: MiniBatch, algo: AlgoConfig, on_policy: bool = False) -> dict[str, float]:
         """One optimizer step of the policy loss over this rank's share of `mini_batch`; under routing

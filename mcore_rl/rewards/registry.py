@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -46,13 +48,38 @@ def resolve_reward_fn(name: str) -> RewardFn:
     return fn
 
 
+class RewardValueError(ValueError):
+    """A reward function returned something that is not a finite number."""
+
+
+def check_reward_value(value: Any) -> float:
+    """The reward as a float; a RewardValueError for a non-number (a string "1.0" too) or NaN/inf.
+
+    bool, int, float and numpy / 0-d torch scalars are numbers; nothing is parsed from text."""
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 0) == 0:
+        value = value.item()  # numpy or torch scalar
+    if not isinstance(value, numbers.Real):
+        raise RewardValueError(
+            f"returned {value!r} ({type(value).__name__}), not a number: return a float (no string parsing)"
+        )
+    value = float(value)
+    if not math.isfinite(value):
+        raise RewardValueError(f"returned {value}, not a finite number")
+    return value
+
+
 @dataclass
 class RewardBatch:
-    rewards: list[float]  # final rewards (task reward + overlong penalty)
+    rewards: list[float]  # final rewards (task reward + overlong penalty); 0.0 where not valid
     task_rewards: list[float]  # before the overlong penalty
-    errors: int = 0  # reward calls that raised (scored 0)
+    errors: int = 0  # reward calls that raised or returned a non-finite / non-numeric value
     first_error: Optional[str] = None
     penalties: list[float] = field(default_factory=list)
+    valid: list[bool] = field(default_factory=list)  # False: the reward failed; leave the sample out
+
+    @property
+    def error_rate(self) -> float:
+        return self.errors / max(1, len(self.rewards))
 
 
 class RewardScorer:
@@ -88,19 +115,22 @@ class RewardScorer:
             )
         if self.overlong is not None and (response_lengths is None or len(response_lengths) != n):
             raise ValueError("the overlong penalty needs response_lengths (in tokens), one per response")
-        task, errors, first_error = [], 0, None
+        task, valid, errors, first_error = [], [], 0, None
         for text, truth, source, extra in zip(responses, ground_truths, data_sources, extras):
             try:
-                task.append(float(self.fn(text, truth, source, extra)))
-            except Exception as e:  # a user reward that raises must not stop training: score 0, count it
+                task.append(check_reward_value(self.fn(text, truth, source, extra)))
+                valid.append(True)
+            except Exception as e:  # counted; the sample is left out of its group and of the loss
                 errors += 1
                 if first_error is None:
                     first_error = f"{type(e).__name__}: {e}"
                     log.warning(
-                        "reward function raised on response %r: %s (scored 0; further errors only counted)",
+                        "reward function failed on response %r: %s (sample left out; further errors only counted)",
                         text[:80],
                         first_error,
                     )
                 task.append(0.0)
+                valid.append(False)
         penalties = [self.overlong(l) for l in response_lengths] if self.overlong is not None else [0.0] * n
-        return RewardBatch([r + p for r, p in zip(task, penalties)], task, errors, first_error, penalties)
+        rewards = [r + p if ok else 0.0 for r, p, ok in zip(task, penalties, valid)]
+        return RewardBatch(rewards, task, errors, first_error, penalties, valid)

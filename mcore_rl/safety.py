@@ -1,0 +1,103 @@
+"""Guards that keep a bad step from reaching the weights, the checkpoints or the export.
+
+* SkipCounter: counts optimizer steps skipped for a non-finite loss / gradient norm (the skip itself
+  is decided in mcore_rl.compat.megatron_optim.guarded_step, the same on every rank) and stops the
+  run after `max_consecutive` skips in a row.
+* first_non_finite / check_weights_finite: a checkpoint or a Hugging Face export is never written
+  from weights that hold NaN or inf.
+* check_reward_errors: a reward function that fails on more than a set fraction of a batch stops the
+  run, with its first exception shown.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class TrainingHalted(RuntimeError):
+    """The run cannot continue safely; the message says why and what was kept."""
+
+
+@dataclass
+class SkipCounter:
+    """Skipped optimizer steps: in total and in a row. `record` raises after `max_consecutive` in a row."""
+
+    max_consecutive: int
+    total: int = 0
+    in_a_row: int = 0
+
+    def record(self, applied: list[bool], step: int) -> None:
+        """`applied`: the optimizer steps of training step `step` in order (one per mini-batch and epoch)."""
+        for ok in applied:
+            self.in_a_row = 0 if ok else self.in_a_row + 1
+        skipped = applied.count(False)
+        self.total += skipped
+        if skipped:
+            log.warning(
+                "step %d: %d optimizer step(s) skipped (loss or gradient norm NaN/inf); %d in a row, %d in total",
+                step,
+                skipped,
+                self.in_a_row,
+                self.total,
+            )
+        if self.in_a_row >= self.max_consecutive:
+            raise TrainingHalted(
+                f"{self.in_a_row} optimizer steps in a row were skipped because the loss or the gradient norm "
+                f"was NaN/inf (trainer.max_consecutive_skips = {self.max_consecutive}); the weights were not "
+                f"changed by them and the last checkpoint is intact: look for the cause (rewards, learning rate, "
+                f"data) and resume, or raise trainer.max_consecutive_skips"
+            )
+
+    def state_dict(self) -> dict:
+        return {"total": self.total, "in_a_row": self.in_a_row}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.total, self.in_a_row = int(state["total"]), int(state["in_a_row"])
+
+
+def first_non_finite(named: Iterable[tuple[str, torch.Tensor]]) -> Optional[str]:
+    """Name of the first tensor holding NaN or inf, or None."""
+    for name, tensor in named:
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return name
+    return None
+
+
+def check_weights_finite(named: Iterable[tuple[str, torch.Tensor]], what: str, device=None, group=None) -> None:
+    """Collective over `group` (default: the whole job): raises TrainingHalted on every rank when any
+    rank's tensors hold NaN/inf, naming the first bad one, so nothing non-finite is used or written.
+    `device`: where the flag is reduced (the process group's device: CPU for gloo, the accelerator else)."""
+    import torch.distributed as dist
+
+    bad = first_non_finite(named)
+    found = [bad] if bad is not None else []
+    if dist.is_available() and dist.is_initialized():
+        flag = torch.tensor([0.0 if bad is None else 1.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if float(flag) > 0:  # rare: collect the names for the message
+            names = [None] * dist.get_world_size(group)
+            dist.all_gather_object(names, bad, group=group)
+            found = [n for n in names if n is not None]
+    if found:
+        raise TrainingHalted(
+            f"{what}: the weights hold NaN/inf (first: {found[0]}); nothing is written from them and the "
+            f"previous checkpoint is kept: resume from it with a lower actor.optim.lr (or fix what made the "
+            f"weights diverge)"
+        )
+
+
+def check_reward_errors(errors: int, total: int, first_error: Optional[str], max_rate: float, step: int) -> None:
+    """Stop when more than `max_rate` of a batch's rewards failed (the same counts on every rank)."""
+    rate = errors / max(1, total)
+    if rate > max_rate:
+        raise TrainingHalted(
+            f"step {step}: the reward function failed on {errors} of {total} samples ({rate:.0%} > "
+            f"reward.max_error_rate = {max_rate:.0%}); first error: {first_error}; fix the reward function "
+            f"(or raise reward.max_error_rate)"
+        )
