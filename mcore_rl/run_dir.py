@@ -25,13 +25,60 @@ import os
 import re
 import shutil
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 MARKER = "COMPLETE"
 POINTER = "latest"
+CHECKSUMS = "CHECKSUMS.json"  # {relative path: {"size": bytes, "crc32": "8 hex digits"}} of every payload file
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_CHUNK = 16 << 20
+
+
+class CheckpointWriteError(OSError):
+    """Writing a checkpoint failed (disk full, quota, I/O error); the previous checkpoint is intact."""
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC / EDQUOT anywhere in the exception chain, or torch's zip writer's "unexpected pos" (how
+    torch.save reports a short write)."""
+    import errno
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(exc)
+        if "No space left on device" in text or "Disk quota exceeded" in text or "unexpected pos" in text:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _free_bytes(path: Path) -> Optional[int]:
+    for p in (path, *path.parents):
+        try:
+            st = os.statvfs(p)
+            return st.f_bavail * st.f_frsize
+        except OSError:
+            continue
+    return None
+
+
+def _write_error(exc: BaseException, step: int, tmp: Path, previous: Optional["Checkpoint"]) -> CheckpointWriteError:
+    kept = f"the previous checkpoint {previous.path} is intact" if previous else "no earlier checkpoint exists"
+    if _is_disk_full(exc):
+        free = _free_bytes(tmp)
+        free_text = f", {free / 2**20:.1f} MiB free there" if free is not None else ""
+        reason = f"[Errno 28] No space left on device: {tmp}{free_text}"
+        fix = "free space or set trainer.run_dir on a larger filesystem, then resume (checkpoint.resume=auto)"
+    else:
+        reason = f"{type(exc).__name__}: {exc}"
+        fix = "fix the cause, then resume (checkpoint.resume=auto)"
+    return CheckpointWriteError(f"checkpoint step {step} was not written ({reason}); {kept}: {fix}")
 
 
 @dataclass(frozen=True)
@@ -50,6 +97,87 @@ def _dist_rank_and_barrier() -> tuple[int, Callable[[], None]]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.barrier
     return 0, lambda: None
+
+
+def _dist_world_and_gather() -> tuple[int, Callable[[Any], list]]:
+    """(world size, all-gather of one Python object per rank); (1, [obj]) without a process group."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+
+        def gather(obj):
+            out = [None] * dist.get_world_size()
+            dist.all_gather_object(out, obj)
+            return out
+
+        return dist.get_world_size(), gather
+    return 1, lambda obj: [obj]
+
+
+# ---- checksums: each rank hashes the files it wrote at save, and a share of them at load ----------------
+_WRITER = (re.compile(r"__(\d+)_\d+\.distcp$"), re.compile(r"rank(\d+)"))  # dist-checkpoint shards, per-rank state
+
+
+def file_owner(relpath: str, world: int) -> int:
+    """The rank that wrote a payload file (Megatron's __R_k.distcp, our *_rankR.pt), else rank 0; mod world."""
+    for pattern in _WRITER:
+        m = pattern.search(relpath)
+        if m:
+            return int(m.group(1)) % world
+    return 0
+
+
+def file_crc32(path: Path) -> str:
+    """CRC-32 (zlib) of a file, read in 16 MiB chunks; cost per GB in the README (benchmarks/checksum_speed.py)."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def _payload_files(directory: Path) -> list[str]:
+    skip = {MARKER, CHECKSUMS}
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file() and p.name not in skip)
+
+
+def _checksum_share(directory: Path, rank: int, world: int) -> dict[str, dict]:
+    return {
+        rel: {"size": (directory / rel).stat().st_size, "crc32": file_crc32(directory / rel)}
+        for rel in _payload_files(directory)
+        if file_owner(rel, world) == rank
+    }
+
+
+def _verify_share(directory: Path, manifest: dict[str, dict], rank: int, world: int) -> list[str]:
+    problems = []
+    for rel, want in sorted(manifest.items()):
+        if file_owner(rel, world) != rank:
+            continue
+        path = directory / rel
+        if not path.is_file():
+            problems.append(f"{path} is missing")
+        elif path.stat().st_size != want["size"]:
+            problems.append(f"{path} has {path.stat().st_size} bytes, {want['size']} were written (truncated?)")
+        elif file_crc32(path) != want["crc32"]:
+            problems.append(f"{path} fails its checksum (crc32 {file_crc32(path)}, written {want['crc32']})")
+    return problems
+
+
+def verify_checkpoint(ckpt: "Checkpoint", rank: int = 0, world: int = 1, gather=None) -> list[str]:
+    """Collective when `gather` is given (every rank checks its share): the problems found, [] when it
+    verifies. A checkpoint written before checksums existed has no manifest and is taken as it is."""
+    manifest_path = ckpt.path / CHECKSUMS
+    problems = []
+    if manifest_path.is_file():
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            problems = _verify_share(ckpt.path, manifest, rank, world)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            problems = [f"{manifest_path} is unreadable ({type(e).__name__}: {e})"] if rank == 0 else []
+    if gather is not None:
+        problems = [p for share in gather(problems) for p in share]
+    return problems
 
 
 def _fsync_dir(path: Path) -> None:
@@ -117,11 +245,13 @@ class CheckpointManager:
     ) -> Checkpoint:
         """Collective: every rank calls this with the same step; write_fn(tmp_dir) writes this rank's part.
 
-        `rank`/`barrier` default to torch.distributed's (or 0 / no-op without a process group).
+        `rank`/`barrier` default to torch.distributed's (or 0 / no-op without a process group). Each
+        rank then checksums the files it wrote; rank 0 stores them all in CHECKSUMS.json before publishing.
         """
         default_rank, default_barrier = _dist_rank_and_barrier()
         rank = default_rank if rank is None else rank
         barrier = default_barrier if barrier is None else barrier
+        world, gather = _dist_world_and_gather()
         final = self.step_dir(step)
         tmp = final.with_name(final.name + ".tmp")
         if rank == 0:
@@ -130,10 +260,19 @@ class CheckpointManager:
                 shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir()
         barrier()
-        write_fn(tmp)
+        try:
+            write_fn(tmp)
+        except Exception as e:  # this rank could not write its part: name the OS error and the path
+            raise _write_error(e, step, tmp, self.latest()) from e
         barrier()
+        shares = gather(_checksum_share(tmp, rank, world))
         if rank == 0:
-            self._publish(step, tmp, final, meta or {})
+            manifest = {rel: entry for share in shares for rel, entry in share.items()}
+            try:
+                _write_atomic(tmp / CHECKSUMS, json.dumps(manifest, indent=0, sort_keys=True))
+                self._publish(step, tmp, final, {"world_size": world, **(meta or {})})
+            except OSError as e:
+                raise _write_error(e, step, tmp, self.latest()) from e
             self._prune()
         barrier()
         return Checkpoint(step, final)
@@ -179,3 +318,259 @@ def resolve_resume(cfg) -> Optional[Checkpoint]:
             f"with one: use auto, never, or the path of a checkpoints/step_N directory"
         )
     return newest
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ownership: one run per run directory
+# ---------------------------------------------------------------------------------------------------------
+
+LOCK_FILE = ".lock"  # RUN_DIR/.lock: "pid host start-time" of the run holding it
+PREVIOUS_RUNS = "previous_runs"  # RUN_DIR/previous_runs/<time>/: an older run moved aside (move_old_run)
+ABANDONED = "abandoned"  # RUN_DIR/checkpoints/abandoned/: checkpoints newer than the one a run resumed from
+
+
+def _holder(text: str) -> str:
+    parts = text.split()
+    try:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(parts[2])))
+        return f"pid {int(parts[0])} on host {parts[1]}, since {since}"
+    except (IndexError, ValueError):
+        return "an unknown process"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RunLock:
+    """An exclusive lock on a run directory, held for the life of the run (one process: rank 0).
+
+    It is an flock(2) on RUN_DIR/.lock: the kernel drops it when the process exits or dies, however it
+    dies, so a lock left by a dead run never blocks the next one; the file keeps "pid host time" of the
+    holder for the error message. On a shared filesystem the lock is only as good as the filesystem's
+    flock: NFS (v4, or v3 with the lock manager running) and Lustre mounted with `-o flock` lock across
+    nodes; Lustre's `localflock` or a mount without lock support does not. Where flock fails with
+    "not supported", the file's contents are used instead: a holder on this host whose pid is gone is
+    stale and replaced; a holder on another host must be removed by hand (the error says so).
+    """
+
+    def __init__(self, path: Path, fd: int, flocked: bool):
+        self.path, self._fd, self._flocked = path, fd, flocked
+
+    @classmethod
+    def acquire(cls, run_dir: str | os.PathLike) -> "RunLock":
+        """Take the lock or raise ConfigError naming the holder."""
+        import fcntl
+        import socket
+
+        from mcore_rl.config import ConfigError
+
+        path = Path(run_dir) / LOCK_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        flocked = True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
+            os.close(fd)
+            raise ConfigError(
+                f"trainer.run_dir = {run_dir} is in use by another run ({holder}; lock {path}): wait for it to "
+                f"finish or stop it, or use another trainer.run_dir"
+            ) from None
+        except OSError:  # the filesystem has no flock (ENOLCK, EOPNOTSUPP, ENOSYS): use the file's contents
+            flocked = False
+            text = os.pread(fd, 4096, 0).decode(errors="replace").split()
+            if len(text) >= 3 and text[0].isdigit():
+                pid, host = int(text[0]), text[1]
+                if host != socket.gethostname() or _pid_alive(pid):
+                    os.close(fd)
+                    raise ConfigError(
+                        f"trainer.run_dir = {run_dir} is in use by another run ({_holder(' '.join(text))}; lock "
+                        f"{path}, this filesystem has no flock): stop that run, or delete {path} if it is gone"
+                    ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()} {time.time():.0f}\n".encode(), 0)
+        os.fsync(fd)
+        return cls(path, fd, flocked)
+
+    def release(self) -> None:
+        if self._fd < 0:
+            return
+        os.ftruncate(self._fd, 0)  # no holder recorded: nothing looks locked after a clean exit
+        os.close(self._fd)  # drops the flock
+        self._fd = -1
+
+
+def check_lock_free(run_dir: str | os.PathLike) -> None:
+    """Pre-flight: ConfigError when another run holds RUN_DIR (takes and drops the lock)."""
+    if (Path(run_dir) / LOCK_FILE).exists():
+        RunLock.acquire(run_dir).release()
+
+
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        path.resolve().relative_to(root.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def ownership_problem(cfg, resume: Optional[Checkpoint]) -> Optional[str]:
+    """Why starting this run in cfg.trainer.run_dir would mix it with another run, or None.
+
+    A run directory holding complete checkpoints belongs to the run that wrote them: only resuming from
+    one of them continues it. A fresh start (resume=never, or resume=PATH of another directory) is refused.
+    """
+    manager = CheckpointManager(cfg.trainer.run_dir)
+    done = manager.complete()
+    if not done or (resume is not None and _inside(resume.path, manager.root)):
+        return None
+    return (
+        f"trainer.run_dir = {cfg.trainer.run_dir} holds another run's checkpoints (newest {done[-1].path.name}) and "
+        f"checkpoint.resume = {cfg.checkpoint.resume} would start over in it: use a new trainer.run_dir, continue "
+        f"that run with checkpoint.resume=auto, or set checkpoint.move_old_run=true to move it to "
+        f"{Path(cfg.trainer.run_dir) / PREVIOUS_RUNS}/ (nothing is deleted)"
+    )
+
+
+def _unique(path: Path) -> Path:
+    candidate, i = path, 1
+    while candidate.exists():
+        candidate, i = path.with_name(f"{path.name}.{i}"), i + 1
+    return candidate
+
+
+def move_old_run(run_dir: str | os.PathLike) -> Path:
+    """Move everything of RUN_DIR (but its lock and earlier moved runs) to RUN_DIR/previous_runs/<time>/."""
+    run_dir = Path(run_dir)
+    target = _unique(run_dir / PREVIOUS_RUNS / time.strftime("%Y%m%d-%H%M%S"))
+    target.mkdir(parents=True)
+    for entry in run_dir.iterdir():
+        if entry.name not in (LOCK_FILE, PREVIOUS_RUNS):
+            os.rename(entry, target / entry.name)
+    _fsync_dir(run_dir)
+    return target
+
+
+def abandon_newer(manager: CheckpointManager, resume: Checkpoint) -> list[Path]:
+    """Move complete checkpoints newer than `resume` (an abandoned line of training) to checkpoints/abandoned/,
+    so that resume=auto can never pick them up after this run continued from an older one."""
+    moved = []
+    for ckpt in manager.complete():
+        if ckpt.step > resume.step:
+            target = _unique(manager.root / ABANDONED / ckpt.path.name)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(ckpt.path, target)
+            moved.append(target)
+    if moved:
+        _fsync_dir(manager.root)
+        _write_atomic(manager.root / POINTER, resume.path.name + "\n")
+    return moved
+
+
+def claim_run_dir(cfg, resume: Optional[Checkpoint], log=None) -> RunLock:
+    """Rank 0, before anything is written: lock RUN_DIR, refuse (or move aside) another run, abandon newer
+    checkpoints when resuming from an older one of this run. Raises ConfigError with the fix."""
+    from mcore_rl.config import ConfigError
+
+    run_dir = Path(cfg.trainer.run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"trainer.run_dir = {run_dir} is a file, not a directory: choose another trainer.run_dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunLock.acquire(run_dir)
+    try:
+        (run_dir / "STOP").unlink(missing_ok=True)  # a stop request (safety.STOP_FILE) of an earlier run
+        problem = ownership_problem(cfg, resume)
+        if problem and not cfg.checkpoint.move_old_run:
+            raise ConfigError(problem)
+        if problem:
+            moved = move_old_run(run_dir)
+            if log:
+                log.warning("moved the previous run in %s to %s (checkpoint.move_old_run=true)", run_dir, moved)
+        elif resume is not None and _inside(resume.path, run_dir / "checkpoints"):
+            manager = CheckpointManager(run_dir)
+            for path in abandon_newer(manager, resume):
+                if log:
+                    log.warning("resuming from %s: the newer %s was moved to %s", resume.path.name, path.name, path)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def check_run_dir(cfg) -> None:
+    """Pre-flight, before any process starts: the run directory is usable by this run (not a file, not
+    locked by another run, not another run's checkpoints unless moving them aside)."""
+    from mcore_rl.config import ConfigError
+
+    run_dir = Path(cfg.trainer.run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"trainer.run_dir = {run_dir} is a file, not a directory: choose another trainer.run_dir")
+    resume = resolve_resume(cfg)  # a bad checkpoint.resume fails here
+    if not run_dir.is_dir():
+        return
+    check_lock_free(run_dir)
+    problem = ownership_problem(cfg, resume)
+    if problem and not cfg.checkpoint.move_old_run:
+        raise ConfigError(problem)
+
+
+def claim_run_dir_collective(cfg, resume: Optional[Checkpoint], log=None) -> Optional[RunLock]:
+    """Every rank calls this; rank 0 claims the run directory (claim_run_dir) and every rank raises the
+    same ConfigError when it cannot. Returns the lock on rank 0, None elsewhere."""
+    import torch.distributed as dist
+
+    from mcore_rl.config import ConfigError
+
+    rank, _ = _dist_rank_and_barrier()
+    lock, error = None, None
+    if rank == 0:
+        try:
+            lock = claim_run_dir(cfg, resume, log)
+        except ConfigError as e:
+            error = str(e)
+    if dist.is_available() and dist.is_initialized():
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise ConfigError(error)
+    return lock
+
+
+def resolve_verified_resume(cfg, log=None) -> Optional[Checkpoint]:
+    """resolve_resume, then the checksums (collective: every rank verifies a share of the files).
+
+    resume=auto falls back to the newest complete checkpoint that verifies, saying which it skipped and
+    why; an explicit PATH that does not verify is a ConfigError naming the file."""
+    from mcore_rl.config import ConfigError
+
+    rank, _ = _dist_rank_and_barrier()
+    world, gather = _dist_world_and_gather()
+    chosen = resolve_resume(cfg)
+    if chosen is None:
+        return None
+    if cfg.checkpoint.resume != "auto":
+        problems = verify_checkpoint(chosen, rank, world, gather)
+        if problems:
+            raise ConfigError(
+                f"checkpoint.resume = {cfg.checkpoint.resume}: {chosen.path} is damaged: {'; '.join(problems[:3])}; "
+                f"resume from another checkpoint (checkpoint.resume=auto takes the newest that verifies)"
+            )
+        return chosen
+    for ckpt in reversed(CheckpointManager(cfg.trainer.run_dir).complete()):
+        problems = verify_checkpoint(ckpt, rank, world, gather)
+        if not problems:
+            return ckpt
+        if log is not None and rank == 0:
+            log.warning("checkpoint %s skipped: %s", ckpt.path, "; ".join(problems[:3]))
+    raise ConfigError(
+        f"no checkpoint in {CheckpointManager(cfg.trainer.run_dir).root} verifies (see the warnings above): "
+        f"restore one, or start over in a new trainer.run_dir"
+    )

@@ -1,5 +1,6 @@
 """Checkpoint publishing: atomic under SIGKILL, pruning, resume resolution, multi-rank protocol."""
 
+import json
 import os
 import signal
 import subprocess
@@ -127,3 +128,209 @@ def test_resolve_resume(tmp_path):
 def test_multi_rank_save_protocol(tmp_path):
     out = run_torchrun(WORKERS / "run_dir_save.py", 2, str(tmp_path), timeout=120)
     assert "rank 0 ok" in out and "rank 1 ok" in out
+
+
+# ---------------------------------------------------------------- one run per run directory
+def _cfg(run, *overrides):
+    return load_config(None, [f"trainer.run_dir={run}", *overrides])
+
+
+def test_fresh_start_over_another_run_is_refused_or_moved_aside(tmp_path):
+    """resume=never in a used run directory used to truncate its metrics and prune its checkpoints."""
+    from mcore_rl.run_dir import PREVIOUS_RUNS, check_run_dir, claim_run_dir
+
+    run = tmp_path / "run"
+    CheckpointManager(run).save(8, write_payload("old run"))
+    (run / "metrics.jsonl").write_text('{"step": 8}\n')
+    never = _cfg(run, "checkpoint.resume=never")
+    for check in (check_run_dir, lambda c: claim_run_dir(c, resolve_resume(c))):
+        with pytest.raises(ConfigError) as err:
+            check(never)
+        message = str(err.value)
+        assert str(run) in message and "step_00000008" in message
+        assert "new trainer.run_dir" in message and "checkpoint.move_old_run=true" in message
+    # Starting over from another directory's checkpoint is a fresh start too.
+    other = tmp_path / "other"
+    CheckpointManager(other).save(2, write_payload("other run"))
+    with pytest.raises(ConfigError, match="holds another run's checkpoints"):
+        check_run_dir(_cfg(run, f"checkpoint.resume={other}"))
+    check_run_dir(_cfg(run, "checkpoint.resume=auto"))  # continuing the run is fine
+    assert not (run / ".lock").read_text()  # the failed claims released the lock
+
+    moving = _cfg(run, "checkpoint.resume=never", "checkpoint.move_old_run=true")
+    check_run_dir(moving)
+    lock = claim_run_dir(moving, resolve_resume(moving))
+    lock.release()
+    (moved,) = (run / PREVIOUS_RUNS).iterdir()
+    assert (moved / "checkpoints" / "step_00000008" / "weights.bin").read_text() == "old run"
+    assert (moved / "metrics.jsonl").read_text() == '{"step": 8}\n'
+    assert CheckpointManager(run).latest() is None and not (run / "metrics.jsonl").exists()
+
+
+def test_run_dir_that_is_a_file_is_refused(tmp_path):
+    from mcore_rl.run_dir import check_run_dir
+
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ConfigError, match="is a file, not a directory"):
+        check_run_dir(_cfg(tmp_path / "f"))
+
+
+LOCK_HOLDER = r"""
+import sys, time
+from mcore_rl.run_dir import RunLock
+lock = RunLock.acquire(sys.argv[1])
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def test_second_run_is_refused_while_the_first_holds_the_lock(tmp_path):
+    """Two runs on one directory corrupted each other; the lock dies with its holder (kill -9 included)."""
+    from mcore_rl.run_dir import RunLock, check_lock_free
+
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(tmp_path)], stdout=subprocess.PIPE, cwd=REPO)
+    try:
+        assert holder.stdout.readline().strip() == b"locked"
+        for attempt in (lambda: RunLock.acquire(tmp_path), lambda: check_lock_free(tmp_path)):
+            with pytest.raises(ConfigError) as err:
+                attempt()
+            assert f"pid {holder.pid} on host" in str(err.value) and "is in use by another run" in str(err.value)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    lock = RunLock.acquire(tmp_path)  # the dead holder's lock is gone with it
+    assert str(os.getpid()) in (tmp_path / ".lock").read_text()
+    lock.release()
+
+
+def test_lock_without_flock_detects_stale_and_live_holders(tmp_path, monkeypatch):
+    """Filesystems without flock (Lustre without -o flock): the recorded pid/host decides."""
+    import errno
+    import fcntl
+    import socket
+
+    from mcore_rl.run_dir import RunLock
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / ".lock").write_text(f"{dead.pid} {socket.gethostname()} 0\n")
+    RunLock.acquire(tmp_path).release()  # stale: that pid is gone
+    (tmp_path / ".lock").write_text(f"{os.getppid()} {socket.gethostname()} 0\n")
+    with pytest.raises(ConfigError, match="has no flock"):
+        RunLock.acquire(tmp_path)
+    (tmp_path / ".lock").write_text("1 another-host 0\n")
+    with pytest.raises(ConfigError, match="on host another-host.*delete"):
+        RunLock.acquire(tmp_path)
+
+
+def test_resuming_from_an_older_checkpoint_abandons_the_newer_ones(tmp_path):
+    """Resume from step 4, save step 6: a later resume=auto must load that 6, never the stale 8."""
+    from mcore_rl.run_dir import ABANDONED, claim_run_dir
+
+    run = tmp_path / "run"
+    manager = CheckpointManager(run, keep_last=5)
+    for step in (2, 4, 6, 8):
+        manager.save(step, write_payload(f"first line {step}"))
+    cfg = _cfg(run, f"checkpoint.resume={manager.step_dir(4)}")
+    claim_run_dir(cfg, resolve_resume(cfg)).release()
+    assert [c.step for c in manager.complete()] == [2, 4]
+    abandoned = manager.root / ABANDONED
+    assert sorted(p.name for p in abandoned.iterdir()) == ["step_00000006", "step_00000008"]
+    assert (abandoned / "step_00000008" / "weights.bin").read_text() == "first line 8"
+    assert (manager.root / POINTER).read_text().strip() == "step_00000004"
+    manager.save(6, write_payload("second line 6"))
+    auto = resolve_resume(_cfg(run, "checkpoint.resume=auto"))
+    assert auto.step == 6 and (auto.path / "weights.bin").read_text() == "second line 6"
+
+
+# ---------------------------------------------------------------- checksums
+def _damage(path: Path, how: str) -> None:
+    if how == "truncated":
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "0xFF":  # same size, 4 KiB of 0xFF: only the checksum can tell
+        with open(path, "r+b") as f:
+            f.seek(16)
+            f.write(b"\xff" * 4096)
+    else:
+        path.unlink()
+
+
+@pytest.mark.parametrize("how", ["truncated", "0xFF", "missing"])
+def test_damaged_newest_checkpoint_falls_back_and_names_the_file(tmp_path, caplog, how):
+    import logging
+
+    from mcore_rl.run_dir import CHECKSUMS, resolve_verified_resume
+
+    run = tmp_path / "run"
+    manager = CheckpointManager(run, keep_last=3)
+
+    def write(tmp: Path) -> None:
+        (tmp / "actor").mkdir()
+        (tmp / "actor" / "__0_0.distcp").write_bytes(os.urandom(10_000))
+        (tmp / "trainer_state_rank0.pt").write_bytes(os.urandom(100))
+
+    for step in (2, 4):
+        manager.save(step, write)
+    manifest = json.loads((manager.step_dir(4) / CHECKSUMS).read_text())
+    assert sorted(manifest) == ["actor/__0_0.distcp", "trainer_state_rank0.pt"]
+    damaged = manager.step_dir(4) / "actor" / "__0_0.distcp"
+    _damage(damaged, how)
+    expected = {"truncated": "truncated", "0xFF": "fails its checksum", "missing": "is missing"}[how]
+    with caplog.at_level(logging.WARNING):
+        chosen = resolve_verified_resume(_cfg(run, "checkpoint.resume=auto"), logging.getLogger("test"))
+    assert chosen.step == 2
+    assert f"checkpoint {manager.step_dir(4)} skipped: {damaged}" in caplog.text and expected in caplog.text
+    with pytest.raises(ConfigError) as err:
+        resolve_verified_resume(_cfg(run, f"checkpoint.resume={manager.step_dir(4)}"))
+    assert str(damaged) in str(err.value) and expected in str(err.value)
+
+
+# ---------------------------------------------------------------- disk full
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 1 MiB tmpfs where one can be mounted (root), else None (the test injects ENOSPC instead)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    ok = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    if ok.returncode != 0:
+        yield None
+        return
+    try:
+        yield mount
+    finally:
+        # Lazy: the failed write's file object may still be open in the test's traceback.
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_disk_full_names_the_os_error_and_keeps_the_previous_checkpoint(small_filesystem, tmp_path):
+    """torch.save on a full disk said only "enforce fail at inline_container.cc ... unexpected pos"."""
+    import errno
+
+    import torch
+
+    from mcore_rl.run_dir import CheckpointWriteError, resolve_verified_resume
+
+    run = (small_filesystem or tmp_path) / "run"
+    manager = CheckpointManager(run, keep_last=1)
+
+    def write(size):
+        def fn(tmp: Path) -> None:
+            if small_filesystem is None and size > 100_000:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp / "state.pt"))
+            torch.save({"w": torch.ones(size // 4)}, tmp / "state.pt")  # torch's own zip writer
+
+        return fn
+
+    manager.save(1, write(200_000))
+    with pytest.raises(CheckpointWriteError) as err:
+        manager.save(2, write(2_000_000))  # does not fit next to step 1
+    message = str(err.value)
+    assert "No space left on device" in message and str(manager.root / "step_00000002.tmp") in message
+    assert f"the previous checkpoint {manager.step_dir(1)} is intact" in message
+    assert manager.latest().step == 1
+    assert resolve_verified_resume(_cfg(run, "checkpoint.resume=auto")).step == 1  # and its checksums verify

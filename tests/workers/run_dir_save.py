@@ -26,6 +26,20 @@ def main(run_dir: str) -> None:
         for r in range(world):
             assert (ckpt.path / f"shard_{r}.txt").read_text() == f"step {step} rank {r}"
     assert [c.step for c in manager.complete()] == [2, 3]
+    # Checksums: each rank hashed its own shard at save; at load each rank verifies its share, and a
+    # shard damaged on one rank makes every rank fall back to the previous checkpoint.
+    import json
+
+    from mcore_rl.config import load_config
+    from mcore_rl.run_dir import CHECKSUMS, resolve_verified_resume
+
+    assert sorted(json.loads((manager.step_dir(3) / CHECKSUMS).read_text())) == [f"shard_{r}.txt" for r in range(world)]
+    dist.barrier()
+    if rank == world - 1:
+        (manager.step_dir(3) / f"shard_{rank}.txt").write_text(f"step 3 rank {rank}, damaged")
+    dist.barrier()
+    cfg = load_config(None, [f"trainer.run_dir={run_dir}"])
+    assert resolve_verified_resume(cfg).step == 2
     dist.barrier()
     dist.destroy_process_group()
     print(f"rank {rank} ok", flush=True)
