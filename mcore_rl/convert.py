@@ -49,6 +49,29 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None)
     return args
 
 
+class ConvertError(ValueError):
+    """A bad argument or input folder; printed as one line, exit status 2 (like `mcore-rl train`)."""
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Inputs exist and sizes are sane, before Megatron or torch.distributed start."""
+    if not os.path.isfile(os.path.join(args.hf, "config.json")):
+        raise ConvertError(f"--hf {args.hf} has no config.json: point it at a Hugging Face checkpoint folder")
+    if args.ckpt is not None and not os.path.isfile(os.path.join(args.ckpt, "metadata.json")):
+        raise ConvertError(
+            f"--ckpt {args.ckpt} is not a Megatron dist checkpoint (no metadata.json): give a checkpoints/step_N/actor "
+            f"folder or an hf-to-mcore output"
+        )
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ConvertError(f"--out {args.out} is a file: give a directory")
+    for flag in ("tp", "pp", "ep", "etp"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ConvertError(f"--{flag} = {value} must be >= 1")
+    if args.max_shard_gb <= 0:
+        raise ConvertError(f"--max-shard-gb = {args.max_shard_gb} must be > 0")
+
+
 def convert(args: argparse.Namespace) -> None:
     """Run one conversion (collective under torchrun)."""
     import torch
@@ -74,7 +97,13 @@ def convert(args: argparse.Namespace) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> int:
-    convert(parse_args(argv, prog))
+    args = parse_args(argv, prog)
+    try:
+        check_args(args)
+    except ConvertError as e:
+        print(f"{prog or 'mcore-rl convert'}: error: {e}", file=sys.stderr)
+        return 2
+    convert(args)
     return 0
 
 

@@ -249,3 +249,45 @@ def test_plot_command(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "plots" / "overview.png").stat().st_size > 1000 and "overview" in proc.stdout
     assert "no numeric metrics" in one_line_error(cli("plot", tmp_path / "empty"))
+
+
+def _main_error(capsys, *argv) -> str:
+    """In-process `mcore-rl ARGV`: exit status 2 and one error line on stderr (no subprocess: fast)."""
+    from mcore_rl.cli import main
+
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("mcore-rl"), err
+    return err
+
+
+def test_tool_errors_in_the_train_style(tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    assert f"--out {a_file} is a file" in _main_error(capsys, "make-task", "--out", str(a_file))
+    assert "--train-size = 0 must be >= 1" in _main_error(
+        capsys, "make-task", "--out", str(tmp_path), "--train-size", "0"
+    )
+    assert f"--out {a_file} is a file" in _main_error(capsys, "make-tiny", "--out", str(a_file))
+    err = _main_error(capsys, "convert", "hf-to-mcore", "--hf", str(tmp_path / "none"), "--out", str(tmp_path / "o"))
+    assert err.startswith("mcore-rl convert: error: --hf") and "has no config.json" in err
+    err = _main_error(
+        capsys,
+        "convert",
+        "mcore-to-hf",
+        "--hf",
+        str(REPO / "configs/qwen3_30b_a3b"),
+        "--ckpt",
+        str(tmp_path),
+        "--out",
+        "o",
+    )
+    assert "is not a Megatron dist checkpoint" in err
+
+
+def test_convert_help_is_the_converters(capsys):
+    from mcore_rl.cli import main
+
+    assert main(["convert", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "hf-to-mcore" in out and "--max-shard-gb" in out

@@ -81,6 +81,7 @@ class ModelDims:
         """From a Hugging Face config object, a dict, a config.json path or a checkpoint folder."""
         if isinstance(hf_config, ModelDims):
             return hf_config
+        source = "the model config"
         if isinstance(hf_config, (str, os.PathLike)):
             path = os.fspath(hf_config)
             if os.path.isdir(path):
@@ -89,9 +90,23 @@ class ModelDims:
                 raise LayoutError(
                     f"model config {path} does not exist: point model.path at a Hugging Face checkpoint folder with a config.json"
                 )
-            with open(path) as f:
-                hf_config = json.load(f)
+            try:
+                with open(path) as f:
+                    hf_config = json.load(f)
+            except (OSError, ValueError) as e:
+                raise LayoutError(
+                    f"model config {path} is unreadable ({type(e).__name__}: {e}): restore the file"
+                ) from None
+            if not isinstance(hf_config, dict):
+                raise LayoutError(f"model config {path} is not a JSON object: restore the file")
+            source = path
         get = hf_config.get if isinstance(hf_config, dict) else (lambda k, d=None: getattr(hf_config, k, d))
+        required = ("num_hidden_layers", "num_attention_heads", "vocab_size", "hidden_size")
+        missing = [k for k in required if not isinstance(get(k), int) or isinstance(get(k), bool)]
+        if missing:
+            raise LayoutError(
+                f"{source} lacks integer {', '.join(missing)}: it is incomplete; restore it from the model's release"
+            )
         heads = get("num_attention_heads")
         num_experts = get("num_experts") or get("num_local_experts") or get("n_routed_experts") or 0
         return cls(
