@@ -28,3 +28,7 @@ def score(response, ground_truth, data_source=None, extra=None):
     if step in (2, 4) and index % GROUP == 0:
         return 1e30
     return task_score(response, ground_truth, data_source, extra)
+
+
+def always_raises(response, ground_truth, data_source=None, extra=None):
+    raise ValueError("this reward always fails")

@@ -1,5 +1,6 @@
 """Rewards: task answer matching, math-verify, DAPO overlong penalty, selection and error counting."""
 
+import os
 import textwrap
 
 import pytest
@@ -136,3 +137,24 @@ def test_scorer_adds_overlong_penalty_to_task_reward():
 def test_batch_size_mismatch_is_an_error():
     with pytest.raises(ValueError, match="sizes differ"):
         RewardScorer("task", max_new_tokens=4)(["1", "2"], ["1"], ["s", "s"])
+
+
+def test_reward_that_never_returns_times_out_in_its_worker(tmp_path, monkeypatch):
+    """A hung reward used to hang the run forever: the worker process is killed after reward.timeout_s,
+    the batch counts as reward errors with the reason, and the next batch gets a fresh worker."""
+    (tmp_path / "hanging_reward.py").write_text(
+        "import time\ndef score(r, gt, ds, ex):\n    if r == 'hang':\n        time.sleep(3600)\n    return 1.0\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")  # the spawned worker imports it
+    monkeypatch.syspath_prepend(str(tmp_path))
+    scorer = RewardScorer("hanging_reward:score", max_new_tokens=8, timeout_s=3)
+    try:
+        out = scorer(["a", "hang", "b"], ["1"] * 3, ["s"] * 3)
+        assert out.valid == [False] * 3 and out.errors == 3
+        assert "did not return within reward.timeout_s = 3 s" in out.first_error
+        hung = scorer.worker
+        assert hung._proc is None  # killed
+        out = scorer(["a", "b"], ["1"] * 2, ["s"] * 2)
+        assert out.valid == [True, True] and out.rewards == [1.0, 1.0]
+    finally:
+        scorer.close()

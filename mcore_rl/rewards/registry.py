@@ -82,13 +82,91 @@ class RewardBatch:
         return self.errors / max(1, len(self.rewards))
 
 
+def score_items(fn: RewardFn, items: list[tuple]) -> tuple[list[float], list[bool], int, Optional[str]]:
+    """fn over (response, ground_truth, data_source, extra) items: (rewards, valid, errors, first error)."""
+    task, valid, errors, first_error = [], [], 0, None
+    for text, truth, source, extra in items:
+        try:
+            task.append(check_reward_value(fn(text, truth, source, extra)))
+            valid.append(True)
+        except Exception as e:  # counted; the sample is left out of its group and of the loss
+            errors += 1
+            if first_error is None:
+                first_error = f"{type(e).__name__}: {e} (on response {text[:80]!r})"
+            task.append(0.0)
+            valid.append(False)
+    return task, valid, errors, first_error
+
+
+def _worker_main(conn, fn_spec) -> None:
+    """The reward worker: resolve the function once, then score batches until the pipe closes."""
+    fn = resolve_reward_fn(fn_spec) if isinstance(fn_spec, str) else fn_spec
+    while True:
+        try:
+            items = conn.recv()
+        except (EOFError, OSError):  # the trainer is gone
+            return
+        conn.send(score_items(fn, items))
+
+
+class RewardWorker:
+    """One child process that runs the reward function, so a call that never returns can be given up
+    on: after `timeout_s` the child is killed (math-verify's own timeout uses SIGALRM, which only works
+    in a main thread, so a thread would not do) and a fresh one serves the next batch. A daemon with
+    a pipe: it ends with the trainer, also when the trainer is killed (the pipe closes)."""
+
+    def __init__(self, fn_spec: str | RewardFn, timeout_s: float):
+        self.fn_spec, self.timeout_s = fn_spec, timeout_s
+        self._proc = self._conn = None
+
+    def _start(self) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")  # the trainer holds threads and process groups: never fork it
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_worker_main, args=(child, self.fn_spec), daemon=True, name="mcore-rl-reward")
+        self._proc.start()
+        child.close()
+
+    def score(self, items: list[tuple]):
+        """score_items in the worker; TimeoutError when it does not answer within timeout_s."""
+        if self._proc is None or not self._proc.is_alive():
+            self._start()
+        self._conn.send(items)
+        if not self._conn.poll(self.timeout_s):
+            self.close()
+            raise TimeoutError(f"the reward function did not return within reward.timeout_s = {self.timeout_s:g} s")
+        try:
+            return self._conn.recv()
+        except EOFError:
+            code = self._proc.exitcode if self._proc is not None else None
+            self.close()
+            raise RuntimeError(f"the reward worker process died (exit code {code})") from None
+
+    def close(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.join()
+            self._conn.close()
+        self._proc = self._conn = None
+
+
 class RewardScorer:
-    """Scores responses with one reward function plus the optional overlong penalty."""
+    """Scores responses with one reward function plus the optional overlong penalty.
+
+    With timeout_s > 0 the function runs in a RewardWorker process and a batch that takes longer counts
+    every sample as a reward error (the message says so); timeout_s = 0 runs it in this process."""
 
     def __init__(
-        self, fn: str | RewardFn, max_new_tokens: int, overlong_buffer: int = 0, overlong_penalty: float = 1.0
+        self,
+        fn: str | RewardFn,
+        max_new_tokens: int,
+        overlong_buffer: int = 0,
+        overlong_penalty: float = 1.0,
+        timeout_s: float = 0.0,
     ):
         self.fn = resolve_reward_fn(fn) if isinstance(fn, str) else fn
+        self.worker = RewardWorker(fn, timeout_s) if timeout_s > 0 else None
         self.overlong = (
             OverlongPenalty(max_new_tokens, overlong_buffer, overlong_penalty) if overlong_buffer > 0 else None
         )
@@ -96,7 +174,22 @@ class RewardScorer:
     @classmethod
     def from_config(cls, reward_cfg, max_new_tokens: int) -> "RewardScorer":
         """From a `config.RewardConfig` and `rollout.max_new_tokens`."""
-        return cls(reward_cfg.fn, max_new_tokens, reward_cfg.overlong_buffer, reward_cfg.overlong_penalty)
+        return cls(
+            reward_cfg.fn, max_new_tokens, reward_cfg.overlong_buffer, reward_cfg.overlong_penalty, reward_cfg.timeout_s
+        )
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+
+    def _score(self, items: list[tuple]):
+        if self.worker is None:
+            return score_items(self.fn, items)
+        try:
+            return self.worker.score(items)
+        except (TimeoutError, RuntimeError) as e:
+            n = len(items)
+            return [0.0] * n, [False] * n, n, f"{type(e).__name__}: {e} (batch of {n})"
 
     def __call__(
         self,
@@ -115,22 +208,14 @@ class RewardScorer:
             )
         if self.overlong is not None and (response_lengths is None or len(response_lengths) != n):
             raise ValueError("the overlong penalty needs response_lengths (in tokens), one per response")
-        task, valid, errors, first_error = [], [], 0, None
-        for text, truth, source, extra in zip(responses, ground_truths, data_sources, extras):
-            try:
-                task.append(check_reward_value(self.fn(text, truth, source, extra)))
-                valid.append(True)
-            except Exception as e:  # counted; the sample is left out of its group and of the loss
-                errors += 1
-                if first_error is None:
-                    first_error = f"{type(e).__name__}: {e}"
-                    log.warning(
-                        "reward function failed on response %r: %s (sample left out; further errors only counted)",
-                        text[:80],
-                        first_error,
-                    )
-                task.append(0.0)
-                valid.append(False)
+        task, valid, errors, first_error = self._score(list(zip(responses, ground_truths, data_sources, extras)))
+        if first_error is not None:
+            log.warning(
+                "reward function failed on %d of %d samples; first: %s (those samples are left out)",
+                errors,
+                n,
+                first_error,
+            )
         penalties = [self.overlong(l) for l in response_lengths] if self.overlong is not None else [0.0] * n
         rewards = [r + p if ok else 0.0 for r, p, ok in zip(task, penalties, valid)]
         return RewardBatch(rewards, task, errors, first_error, penalties, valid)
