@@ -110,8 +110,13 @@ class RankWorker:
         return free_port(host="")  # rank 0's node hosts the rendezvous: a port free on every interface
 
     def run(self, env: dict, cfg, entry: str):
+        from mcore_rl.safety import StopRequested
+
         os.environ.update(env)  # before anything initialises torch.distributed or the device
-        return resolve_entry(entry)(cfg)
+        try:
+            return resolve_entry(entry)(cfg)
+        except StopRequested as e:  # stopped as asked (RUN_DIR/STOP, written by the driver on SIGTERM)
+            return f"stopped: {e}"
 
 
 def parse_args(argv: Optional[Sequence[str]] = None):
@@ -198,9 +203,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         pending = [
             w.run.remote(rank_env(p, world, master_addr, master_port, accelerator), cfg, args.entry) for p, w in by_rank
         ]
+        stop = request_stop_on_signals(cfg.trainer.run_dir)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
-            ray.get(done[0])  # raises the rank's exception; the finally below stops the other ranks
+            result = ray.get(done[0])  # raises the rank's exception; the finally below stops the other ranks
+            if isinstance(result, str) and result.startswith("stopped: "):
+                print(f"ray_launch: {result[len('stopped: ') :]}", file=sys.stderr, flush=True)
     except Exception as e:  # one rank failed: the rest would hang in collectives
         print(f"ray_launch: a rank failed: {e}", file=sys.stderr)
         return 1
@@ -208,8 +216,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for w in workers:
             ray.kill(w)
         remove_placement_group(pg)
+    if stop:
+        return 128 + stop[0]
     print("ray_launch: all ranks finished", flush=True)
     return 0
+
+
+def request_stop_on_signals(run_dir: str) -> list[int]:
+    """SIGTERM / SIGINT to this driver write RUN_DIR/STOP: every rank stops after its current step (a
+    checkpoint being written is published first) and returns; a second signal stops the driver at once
+    (its `finally` kills the ranks). The returned list receives the signal numbers."""
+    import signal
+
+    from mcore_rl.safety import STOP_FILE
+
+    received: list[int] = []
+
+    def handle(signum, frame):
+        received.append(signum)
+        if len(received) > 1:
+            raise KeyboardInterrupt
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, STOP_FILE), "w") as f:
+            f.write(f"{signal.Signals(signum).name} to ray_launch pid {os.getpid()}\n")
+        print(f"ray_launch: {signal.Signals(signum).name}: the ranks stop after their current step", file=sys.stderr)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handle)
+    return received
 
 
 if __name__ == "__main__":

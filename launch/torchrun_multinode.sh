@@ -53,4 +53,6 @@ if [[ "${DRY_RUN:-0}" == "1" ]]; then
   printf '%q ' "${CMD[@]}"; echo
   exit 0
 fi
-exec "${CMD[@]}"
+# Supervised: SIGTERM / SIGINT to this script's process reach every worker (they stop after the current
+# step), and processes the workers leave behind are stopped when torchrun exits (mcore_rl/supervise.py).
+exec "$PYTHON" -m mcore_rl.supervise "${CMD[@]}"

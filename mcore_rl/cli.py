@@ -18,6 +18,8 @@ from mcore_rl.compat import describe_versions
 from mcore_rl.config import Config, ConfigError, check_paths, load_config
 from mcore_rl.megatron.layout import Layout, LayoutError, ModelDims, validate_run
 from mcore_rl.models.tiny import ARCHS
+from mcore_rl.preflight import check_run_inputs
+from mcore_rl.run_dir import CheckpointWriteError, check_run_dir
 
 EXIT_BAD_INPUT = 2
 
@@ -82,9 +84,23 @@ def describe(cfg: Config, layout: Layout, nnodes: int, nproc: int) -> str:
 # ---------------------------------------------------------------------------------------------- commands
 
 
+def _output_dir(out: str) -> None:
+    """--out of make-tiny / make-task: a directory (made when absent), not a file, writable."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--out {out} is a file: give a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot create it ({e.strerror}): give a writable directory") from None
+    if not os.access(path, os.W_OK):
+        raise ConfigError(f"--out {out} is not writable: give a writable directory")
+
+
 def cmd_make_tiny(args) -> int:
     from mcore_rl.models.tiny import make_tiny_checkpoint
 
+    _output_dir(args.out)
     path = make_tiny_checkpoint(args.out, seed=args.seed, arch=args.arch)
     print(f"tiny {args.arch} checkpoint written to {path}")
     return 0
@@ -93,6 +109,10 @@ def cmd_make_tiny(args) -> int:
 def cmd_make_task(args) -> int:
     from mcore_rl.data.task import make_task_dataset
 
+    for flag, value in (("--train-size", args.train_size), ("--val-size", args.val_size)):
+        if value < 1:
+            raise ConfigError(f"{flag} = {value} must be >= 1")
+    _output_dir(args.out)
     train, val = make_task_dataset(
         args.out, train_size=args.train_size, val_size=args.val_size, seed=args.seed, fmt=args.format
     )
@@ -192,14 +212,18 @@ def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     check_paths(cfg)
     if inside_torchrun():
-        from mcore_rl.safety import TrainingHalted
+        from mcore_rl.safety import StopRequested, TrainingHalted
         from mcore_rl.trainer import run
 
         try:
             run(cfg)
-        except TrainingHalted as e:  # a decision the run took (the same on every rank), not a crash
-            print(f"mcore-rl: error: rank {os.environ.get('RANK', '0')}: {e}", file=sys.stderr, flush=True)
-            return 1
+        except (TrainingHalted, ConfigError, CheckpointWriteError) as e:  # a clear reason, not a crash
+            stopped = isinstance(e, StopRequested)  # as asked: the launcher reports the signal in its exit status
+            if os.environ.get("LOCAL_RANK", "0") == "0":  # every rank stops for the same reason: say it once a node
+                print(f"mcore-rl: {'' if stopped else 'error: '}{e}", file=sys.stderr, flush=True)
+            if stopped:
+                return 0
+            return EXIT_BAD_INPUT if isinstance(e, ConfigError) else 1
         return 0
     if cfg.trainer.nnodes > 1:
         raise ConfigError(
@@ -209,6 +233,8 @@ def cmd_train(args) -> int:
     platform = _resolve_platform(cfg)
     layout = preflight(cfg, cfg.trainer.nproc, platform=platform)
     _check_engine_install(cfg, platform)
+    check_run_inputs(cfg)
+    check_run_dir(cfg)
     check_inputs(cfg)
     for warning in layout.warnings:
         print(f"mcore-rl: warning: {warning}", file=sys.stderr)
@@ -227,8 +253,9 @@ def cmd_train(args) -> int:
     print(f"mcore-rl: {cfg.trainer.nproc} process(es) on {platform}: {' '.join(cmd[1:])}", flush=True)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # without it every rank spins all cores (0.5 s stalls on small CPUs)
-    os.execve(sys.executable, cmd, env)
-    return 0  # not reached
+    from mcore_rl.supervise import run_supervised
+
+    return run_supervised(cmd, env)  # SIGTERM/SIGINT reach every worker; nothing is left running
 
 
 def cmd_plot(args) -> int:
@@ -298,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output folder (default RUN_DIR/plots)")
     p.set_defaults(func=cmd_plot)
 
+    # No help of its own: `mcore-rl convert --help` shows the converter's.
     p = sub.add_parser(
         "convert", help="convert checkpoints HF <-> Megatron (mcore_rl.convert; args passed through)", add_help=False
     )

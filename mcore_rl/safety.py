@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -22,6 +23,10 @@ log = logging.getLogger(__name__)
 
 class TrainingHalted(RuntimeError):
     """The run cannot continue safely; the message says why and what was kept."""
+
+
+class StopRequested(TrainingHalted):
+    """SIGTERM / SIGINT asked the run to stop; it did, at a step boundary (not an error of the run)."""
 
 
 @dataclass
@@ -101,3 +106,55 @@ def check_reward_errors(errors: int, total: int, first_error: Optional[str], max
             f"reward.max_error_rate = {max_rate:.0%}); first error: {first_error}; fix the reward function "
             f"(or raise reward.max_error_rate)"
         )
+
+
+STOP_FILE = "STOP"  # RUN_DIR/STOP: asks a run to stop like SIGTERM (what the Ray launcher writes)
+_STOP_FILE_CODE = 1000  # above every signal number
+
+
+class StopSignals:
+    """SIGTERM / SIGINT, or a file RUN_DIR/STOP, ask the run to stop at the next safe point instead of
+    killing it where it is.
+
+    The handler only records the signal; the trainer asks `agreed()` (collective) between steps, so
+    a checkpoint being written is finished and published first, and every rank stops at the same step.
+    A second SIGINT (Ctrl-C twice) raises KeyboardInterrupt at once. In a thread other than the main
+    one (some launchers run the trainer there) signal handlers cannot be set: only the file works."""
+
+    def __init__(self, stop_file=None):
+        self.received: int = 0
+        self.stop_file = stop_file
+
+    def install(self) -> None:
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        import signal
+
+        if self.received and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = self.received or signum
+        log.warning("received %s: stopping after the current step", signal.Signals(signum).name)
+
+    def agreed(self, device=None) -> Optional[str]:
+        """Collective: the signal's name when any rank received one (then every rank stops), else None."""
+        import signal
+
+        import torch.distributed as dist
+
+        received = self.received
+        if not received and self.stop_file is not None and os.path.exists(self.stop_file):
+            received = _STOP_FILE_CODE
+        if dist.is_available() and dist.is_initialized():
+            flag = torch.tensor([float(received)], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            received = int(flag)
+        if received == _STOP_FILE_CODE:
+            return str(self.stop_file)
+        return signal.Signals(received).name if received else None

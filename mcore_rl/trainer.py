@@ -69,8 +69,8 @@ class Trainer:
         from mcore_rl.rewards import RewardScorer
         from mcore_rl.rollout import make_engine
         from mcore_rl.rollout.weight_sync import ProbeBatch
-        from mcore_rl.run_dir import CheckpointManager, resolve_resume
-        from mcore_rl.safety import SkipCounter
+        from mcore_rl.run_dir import CheckpointManager, claim_run_dir_collective, resolve_verified_resume
+        from mcore_rl.safety import STOP_FILE, SkipCounter, StopSignals
 
         self.cfg = cfg
         self.platform = get_platform(cfg.platform)
@@ -78,8 +78,10 @@ class Trainer:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.run_dir = Path(cfg.trainer.run_dir)
+        resume = resolve_verified_resume(cfg, log)  # the newest checkpoint whose checksums verify
+        # One run per run directory: locked for the life of the run, another run's checkpoints refused.
+        self.run_lock = claim_run_dir_collective(cfg, resume, log)
         if self.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.run_dir / "config.yaml")
         # Cheap, rank-local work first so bad data or reward functions fail before Megatron starts.
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
@@ -113,7 +115,8 @@ class Trainer:
         self.step = 0
         self.skips = SkipCounter(cfg.trainer.max_consecutive_skips)
         self.last_applied: list[bool] = []
-        resume = resolve_resume(cfg)
+        self.stop_signals = StopSignals(self.run_dir / STOP_FILE)
+        self.stop_signals.install()
         if resume is not None:
             self._load(resume.path)
         self.metrics = MetricsLogger(cfg.trainer.run_dir, cfg, rank=self.rank, start_step=self.step)
@@ -133,14 +136,18 @@ class Trainer:
         samples = [s for group in groups for s in group]
         texts = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
         expanded = [ex for ex in examples for _ in range(n)]
-        scored = self.reward_fn(
-            texts,
-            [ex.ground_truth for ex in expanded],
-            [ex.data_source for ex in expanded],
-            [ex.extra_info for ex in expanded],
-            [len(s.response_ids) for s in samples],
-        )
-        return samples, scored
+        scored = None
+        if self.rank == 0:  # scored once (in the reward worker) and shared: every rank sees the same rewards
+            scored = self.reward_fn(
+                texts,
+                [ex.ground_truth for ex in expanded],
+                [ex.data_source for ex in expanded],
+                [ex.extra_info for ex in expanded],
+                [len(s.response_ids) for s in samples],
+            )
+        box = [scored]
+        dist.broadcast_object_list(box, src=0)
+        return samples, box[0]
 
     def sync_engine(self, verify: bool) -> dict:
         """Actor weights -> rollout engine (bucketed), verified against the actor when `verify`."""
@@ -274,6 +281,21 @@ class Trainer:
         return {"val/reward_mean": float(np.mean(scored.rewards))}
 
     # ---- checkpoints -------------------------------------------------------------------------
+    def _stop_if_asked(self) -> None:
+        """Between steps (a checkpoint in progress is finished first): stop every rank on SIGTERM/SIGINT."""
+        from mcore_rl.safety import STOP_FILE, StopRequested
+
+        name = self.stop_signals.agreed(self.platform.device)
+        if name:
+            self.reward_fn.close()
+            if self.rank == 0:
+                (self.run_dir / STOP_FILE).unlink(missing_ok=True)  # a later resume must not stop at once
+            newest = self.ckpt.latest()
+            raise StopRequested(
+                f"stopped by {name} after step {self.step}; newest checkpoint: "
+                f"{newest.path if newest else 'none'}; continue with checkpoint.resume=auto"
+            )
+
     def save(self) -> None:
         self.actor.check_weights_finite(f"not writing checkpoint step {self.step}")
 
@@ -292,14 +314,24 @@ class Trainer:
             log.info("saved checkpoint %s", ckpt.path)
 
     def _load(self, path: Path) -> None:
-        self.actor.load_checkpoint(str(Path(path) / "actor"))
+        from mcore_rl.run_dir import Checkpoint
+
+        saved_world = Checkpoint(self.step, Path(path)).meta.get("world_size")
         state_file = Path(path) / f"trainer_state_rank{self.rank}.pt"
+        if saved_world is not None and saved_world != self.world:
+            raise RuntimeError(
+                f"{path} was written by {saved_world} processes, this run has {self.world}: resume with "
+                f"trainer.nproc x trainer.nnodes = {saved_world}"
+            )
         if not state_file.exists():
             raise FileNotFoundError(
-                f"{state_file} missing: the checkpoint was written by a run with a different world "
-                f"size; resume with the same number of processes"
+                f"{state_file} is missing: the checkpoint {path} is incomplete; resume from another"
             )
-        state = torch.load(state_file, weights_only=False)
+        try:
+            self.actor.load_checkpoint(str(Path(path) / "actor"))
+            state = torch.load(state_file, weights_only=False)
+        except Exception as e:  # name the checkpoint: torch's own messages ("zip archive corrupted") do not
+            raise RuntimeError(f"cannot load checkpoint {path}: {type(e).__name__}: {e}") from e
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         _set_rng_state(state["rng"])
@@ -320,6 +352,7 @@ class Trainer:
         cfg = self.cfg
         save_every = cfg.checkpoint.save_every
         while self.step < cfg.trainer.steps:
+            self._stop_if_asked()
             metrics = self.train_step()
             if self.val_set is not None and self.step % cfg.trainer.val_every == 0:
                 metrics.update(self.validate())
@@ -328,6 +361,7 @@ class Trainer:
             if (save_every and self.step % save_every == 0) or self.step == cfg.trainer.steps:
                 self.save()
         self.metrics.close()
+        self.reward_fn.close()
         if cfg.checkpoint.save_hf:
             self.export_hf(self.run_dir / "hf")
         self.engine.close()
@@ -355,7 +389,12 @@ def run(cfg: Config) -> None:
     _setup_logging()
     log.info("%s", describe_versions())
     torch.manual_seed(cfg.trainer.seed)
-    Trainer(cfg).fit()
+    trainer = Trainer(cfg)
+    try:
+        trainer.fit()
+    finally:
+        if trainer.run_lock is not None:
+            trainer.run_lock.release()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -303,6 +303,28 @@ def test_bad_rewards_and_non_finite_updates_are_never_applied(tiny_model_dir, ta
     hf = load_hf(run_dir)
     assert all(torch.isfinite(t).all() for t in hf.values())
 
+    # Continuing it (checksums of the real Megatron checkpoint verified) with a reward that fails on
+    # every sample stops at once with the first error, instead of training on nothing to the end.
+    args = overrides(
+        tiny_model_dir,
+        task,
+        run_dir,
+        **{"reward.fn": "tests.faulty_reward:always_raises", "trainer.val_every": 0, "trainer.steps": 6},
+    )
+    proc = subprocess.run(
+        train_cmd("gspo_cpu.yaml", args),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "resumed from" in out and "step_00000004" in out, out[-5000:]
+    assert "mcore-rl: error: step 5: the reward function failed on 16 of 16 samples" in out, out[-5000:]
+    assert "first error: ValueError: this reward always fails" in out
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
+
     # Weights that become inf (weight decay x lr overflow at step 2, after a warm-up step at lr 0) are
     # never written: the run stops with the reason, and step 1 stays the newest checkpoint.
     diverged = tmp_path / "diverged"
@@ -330,9 +352,46 @@ def test_bad_rewards_and_non_finite_updates_are_never_applied(tiny_model_dir, ta
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
-    assert "mcore-rl: error: rank 0: step 2 made the weights non-finite: the weights hold NaN/inf" in out, out[-8000:]
+    assert "mcore-rl: error: step 2 made the weights non-finite: the weights hold NaN/inf" in out, out[-8000:]
     from mcore_rl.run_dir import CheckpointManager
 
     assert CheckpointManager(diverged).latest().step == 1
     assert not (diverged / "checkpoints" / "step_00000002").exists() and not (diverged / "hf").exists()
     _finite_checkpoint(diverged / "checkpoints" / "step_00000001")
+
+
+def test_sigterm_stops_every_worker_at_a_step_boundary(tiny_model_dir, task, tmp_path):
+    """`kill -TERM` of `mcore-rl train` used to leave the workers training to the end: now every worker
+    stops after its current step (a checkpoint being written is published first) and nothing the run
+    started is left running."""
+    import psutil
+
+    run_dir = tmp_path / "stopped"
+    args = overrides(tiny_model_dir, task, run_dir, **{"trainer.steps": 50, "checkpoint.save_every": 1})
+    proc = subprocess.Popen(
+        train_cmd("gspo_cpu.yaml", args),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    try:
+        _wait_for_checkpoint_write(proc, run_dir, 2, timeout=240)
+        started = psutil.Process(proc.pid).children(recursive=True)
+        assert len(started) >= 3  # torchrun and its two workers
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            kill_job(proc)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-4000:]
+    assert "stopped by SIGTERM after step" in out, out[-4000:]
+    alive = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [(p.pid, p.cmdline()[:4]) for p in alive]
+    from mcore_rl.run_dir import CheckpointManager
+
+    newest = CheckpointManager(run_dir).latest()
+    assert newest.step >= 2 and f"newest checkpoint: {newest.path}" in out
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))  # nothing half-written was left
+    assert newest.step < 50 and not (run_dir / "hf").exists()

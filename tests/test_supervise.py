@@ -1,0 +1,80 @@
+"""Stopping a run: SIGTERM/SIGINT reach every worker (which stop at a safe point), and nothing the run
+started outlives it. Real processes; the trainer's side runs in tests/test_trainer_e2e.py::test_sigterm_*."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+from mcore_rl.safety import StopSignals
+
+# A stand-in for a torchrun worker: starts a helper that ignores SIGTERM and would run forever (like a
+# process forked to write checkpoint files), then stops cleanly when it is signalled itself.
+WORKER = """
+import os, signal, subprocess, sys, time
+out, i = sys.argv[1], sys.argv[2]
+code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+helper = subprocess.Popen([sys.executable, "-c", code])
+open(os.path.join(out, f"helper{i}"), "w").write(str(helper.pid))
+stop = []
+signal.signal(signal.SIGTERM, lambda s, f: stop.append(s))
+open(os.path.join(out, f"ready{i}"), "w").write("")
+while not stop:
+    time.sleep(0.05)
+open(os.path.join(out, f"stopped{i}"), "w").write(str(stop[0]))
+"""
+
+# A stand-in for torchrun: two workers, each in its own session (as torchrun starts them).
+FAKE_LAUNCHER = """
+import subprocess, sys
+out, worker = sys.argv[1], sys.argv[2]
+procs = [subprocess.Popen([sys.executable, "-c", worker, out, str(i)], start_new_session=True) for i in range(2)]
+sys.exit(max(p.wait() for p in procs))
+"""
+
+
+def test_sigterm_reaches_every_worker_and_leftovers_are_stopped(tmp_path):
+    code = f"from mcore_rl.supervise import run_supervised; import sys; sys.exit(run_supervised({[sys.executable, '-c', FAKE_LAUNCHER, str(tmp_path), WORKER]!r}, grace_s=2))"
+    sup = subprocess.Popen([sys.executable, "-c", code], cwd=os.getcwd())
+    deadline = time.time() + 60
+    while not all((tmp_path / f"ready{i}").exists() for i in range(2)):
+        assert time.time() < deadline and sup.poll() is None, "workers did not start"
+        time.sleep(0.05)
+    helpers = [int((tmp_path / f"helper{i}").read_text()) for i in range(2)]
+    sup.send_signal(signal.SIGTERM)
+    assert sup.wait(timeout=60) == 128 + signal.SIGTERM
+    for i in range(2):  # each worker got the signal itself and stopped on its own
+        assert (tmp_path / f"stopped{i}").read_text() == str(int(signal.SIGTERM))
+    for pid in helpers:  # orphaned helpers that ignore SIGTERM were re-parented to the supervisor and killed
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_stop_signals_record_the_first_and_a_second_ctrl_c_interrupts():
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    stop = StopSignals()
+    try:
+        stop.install()
+        assert stop.agreed() is None
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)
+        assert stop.agreed() == "SIGINT"
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+            raise AssertionError("a second SIGINT must interrupt")
+        except KeyboardInterrupt:
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def test_stop_file_asks_like_a_signal(tmp_path):
+    """The Ray launcher's way to stop the ranks (they may run outside a main thread): RUN_DIR/STOP."""
+    stop = StopSignals(tmp_path / "STOP")
+    assert stop.agreed() is None
+    (tmp_path / "STOP").write_text("SIGTERM to ray_launch\n")
+    assert stop.agreed() == str(tmp_path / "STOP")
