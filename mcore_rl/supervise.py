@@ -99,7 +99,7 @@ def run_supervised(cmd: Sequence[str], env: Optional[dict] = None, grace_s: floa
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         leftovers = reap_descendants(grace_s)
-        if leftovers:
+        if leftovers and (received or proc.returncode):  # after a clean finish these are idle helpers
             print(f"mcore-rl: stopped {len(leftovers)} process(es) left behind by the run", file=sys.stderr)
     if received:  # stopped on request: say so in the status, like a process that a signal ended
         return 128 + received[0]

@@ -60,7 +60,7 @@ def train_cmd(preset: str, args: list[str]) -> list[str]:
     return [sys.executable, "-m", "mcore_rl.cli", "train", str(REPO / "configs/tiny" / preset), *args]
 
 
-def run_train(preset: str, args: list[str], timeout: float = 300) -> str:
+def run_train(preset: str, args: list[str], timeout: float = 600) -> str:
     proc = subprocess.run(
         train_cmd(preset, args),
         capture_output=True,
@@ -316,7 +316,7 @@ def test_bad_rewards_and_non_finite_updates_are_never_applied(tiny_model_dir, ta
         capture_output=True,
         text=True,
         cwd=REPO,
-        timeout=300,
+        timeout=600,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
     out = proc.stdout + proc.stderr
@@ -347,7 +347,7 @@ def test_bad_rewards_and_non_finite_updates_are_never_applied(tiny_model_dir, ta
         capture_output=True,
         text=True,
         cwd=REPO,
-        timeout=300,
+        timeout=600,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
     out = proc.stdout + proc.stderr
