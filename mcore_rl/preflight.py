@@ -10,8 +10,8 @@ import struct
 from pathlib import Path
 
 from mcore_rl.config import Config, ConfigError
+from mcore_rl.megatron.layout import ARCHITECTURES
 
-SUPPORTED_MODEL_TYPES = ("qwen3_moe",)  # what models/bridge.py maps and the tests cover
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
@@ -50,10 +50,10 @@ def check_model_folder(folder: str | os.PathLike) -> None:
     folder = Path(folder)
     config = _read_config_json(folder)
     model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in ARCHITECTURES:  # the one table of supported architectures (megatron/layout.py)
         raise ConfigError(
             f"model.path = {folder}: model_type {model_type!r} is not supported; mcore-rl trains "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)} models (Qwen3 MoE)"
+            f"{', '.join(ARCHITECTURES)} models"
         )
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise ConfigError(

@@ -18,6 +18,8 @@ from typing import Iterable, Optional
 
 import torch
 
+from mcore_rl.platform import collectives
+
 log = logging.getLogger(__name__)
 
 
@@ -83,9 +85,7 @@ def check_weights_finite(named: Iterable[tuple[str, torch.Tensor]], what: str, d
     bad = first_non_finite(named)
     found = [bad] if bad is not None else []
     if dist.is_available() and dist.is_initialized():
-        flag = torch.tensor([0.0 if bad is None else 1.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        if float(flag) > 0:  # rare: collect the names for the message
+        if collectives.any_true(bad is not None, group=group):  # rare: collect the names for the message
             names = [None] * dist.get_world_size(group)
             dist.all_gather_object(names, bad, group=group)
             found = [n for n in names if n is not None]
@@ -152,9 +152,7 @@ class StopSignals:
         if not received and self.stop_file is not None and os.path.exists(self.stop_file):
             received = _STOP_FILE_CODE
         if dist.is_available() and dist.is_initialized():
-            flag = torch.tensor([float(received)], device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            received = int(flag)
+            (received,) = collectives.max_ints([int(received)])
         if received == _STOP_FILE_CODE:
             return str(self.stop_file)
         return signal.Signals(received).name if received else None

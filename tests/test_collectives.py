@@ -64,6 +64,12 @@ ALLOWED = {
     ("models/bridge.py", "export_hf_weights", "broadcast"): "pipeline broadcast of exported weights",
     ("trainer.py", "run", "barrier"): "end-of-run fence, no tensor",
     ("convert.py", "convert", "barrier"): "end-of-conversion fence, no tensor",
+    ("run_dir.py", "gather", "all_gather_object"): "object gather: each rank's checkpoint verification outcome",
+    ("run_dir.py", "claim_run_dir_collective", "broadcast_object_list"): "object broadcast: rank 0's run-dir "
+    "claim error (a message string)",
+    ("safety.py", "check_weights_finite", "all_gather_object"): "object gather: names of non-finite weights "
+    "(only after a rank found one)",
+    ("trainer.py", "rollout", "broadcast_object_list"): "object broadcast: the rewards rank 0 scored once",
 }
 
 

@@ -183,7 +183,9 @@ def test_npu_refuses_rollout_routing_replay():
 def test_npu_refuses_engine_logprobs_at_temperature_other_than_1(option):
     hot = ["rollout.temperature=0.7", "algo.temperature=0.7"]
     cfg = load_config(None, NPU_VLLM + hot + [option])
-    with pytest.raises(LayoutError, match=f"{option.split('=')[0]} uses the engine's sampling log-probs.*temperature 1"):
+    with pytest.raises(
+        LayoutError, match=f"{option.split('=')[0]} uses the engine's sampling log-probs.*temperature 1"
+    ):
         validate_run(cfg, 8, QWEN)
     validate_run(load_config(None, NPU_VLLM + [option]), 8, QWEN)  # temperature 1: raw = processed
     validate_run(load_config(None, NPU_VLLM + hot + [option, "rollout.engine=embedded"]), 8, QWEN)

@@ -102,7 +102,7 @@ def train(*overrides):
         ("model.path={model_truncated}", "it is truncated or damaged"),
         ("model.path={model_no_weights_file}", "has no *.safetensors weights"),
         ("model.path={model_no_tokenizer}", "has no tokenizer files"),
-        ("model.path={model_llama}", "model_type 'llama' is not supported"),
+        ("model.path={model_llama}", "model_type 'llama' (config.json) is not supported"),
         ("model.path={model_bad_config}", "config.json is unreadable"),
         ("model.path={model_incomplete_config}", "lacks integer num_hidden_layers"),
     ],
