@@ -53,6 +53,17 @@ def _chunk_stats(z: torch.Tensor, target: torch.Tensor, vocab_start: int, group)
     return m, log_z, target_shifted, sum_exp_shifted / sum_exp
 
 
+def _keep_settings(ctx, target, temperature, chunk_tokens, vocab_start, with_entropy) -> None:
+    """What backward needs besides the saved tensors (both chunked log-prob functions keep the same)."""
+    ctx.temperature, ctx.chunk_tokens, ctx.vocab_start, ctx.with_entropy = (
+        temperature,
+        chunk_tokens,
+        vocab_start,
+        with_entropy,
+    )
+    ctx.mark_non_differentiable(target)
+
+
 class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, temperature, group, chunk_tokens, with_entropy):
@@ -70,13 +81,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             entropy[s:e] = log_z - mean_shifted  # H = log Z - E_p[z - m] (Z taken after the shift)
             maxes[s:e], log_zs[s:e] = m, log_z
         ctx.save_for_backward(logits, target, maxes, log_zs, entropy)
-        ctx.temperature, ctx.chunk_tokens, ctx.vocab_start, ctx.with_entropy = (
-            temperature,
-            chunk_tokens,
-            vocab_start,
-            with_entropy,
-        )
-        ctx.mark_non_differentiable(target)
+        _keep_settings(ctx, target, temperature, chunk_tokens, vocab_start, with_entropy)
         return log_prob, entropy
 
     @staticmethod
@@ -176,13 +181,7 @@ class _FusedOutputLogProbs(torch.autograd.Function):
             entropy[s:e] = log_z - mean_shifted
             maxes[s:e], log_zs[s:e] = m, log_z
         ctx.save_for_backward(hidden, weight, target, maxes, log_zs, entropy)
-        ctx.temperature, ctx.chunk_tokens, ctx.vocab_start, ctx.with_entropy = (
-            temperature,
-            chunk_tokens,
-            vocab_start,
-            with_entropy,
-        )
-        ctx.mark_non_differentiable(target)
+        _keep_settings(ctx, target, temperature, chunk_tokens, vocab_start, with_entropy)
         return log_prob, entropy
 
     @staticmethod
