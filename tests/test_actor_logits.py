@@ -15,7 +15,7 @@ import torch
 from mcore_rl.compat import megatron as compat_megatron
 from mcore_rl.config import ParallelConfig
 from mcore_rl.megatron.layout import LayoutError, validate_layout
-from tests.torchrun_util import REPO, run_torchrun
+from tests.torchrun_util import REPO, run_worker
 
 WORKER = REPO / "tests" / "workers" / "actor_layouts.py"
 
@@ -35,8 +35,11 @@ def reference(request, tiny_arch_dir, tmp_path_factory):
         logits = hf(tokens).logits
     torch.save({"tokens": tokens, "logits": logits, "loss_mask": loss_mask}, out / "hf_ref.pt")
     # TP1 x DP1, one micro-batch: also checks TP1 logits/export against HF.
-    run_torchrun(WORKER, 1, out, model_dir, 1, 1, 1, 1, 1, "ref")
-    return arch, model_dir, out
+    (ref,) = run_worker(
+        WORKER, 1, ref_dir=out, model_dir=model_dir, tp=1, pp=1, ep=1, etp=1, n_micro=1, mode="ref"
+    ).results
+    assert ref["logits_diff"] <= 1e-4 and ref["logprobs_diff"] <= 1e-4, ref
+    return arch, model_dir, out, ref
 
 
 LAYOUTS = {  # id: (nproc, tp, pp, ep, etp, n_micro)
@@ -55,13 +58,16 @@ CASES = [("qwen3-moe", layout) for layout in LAYOUTS] + [
 @pytest.mark.slow
 @pytest.mark.parametrize("reference,layout", CASES, ids=[f"{a}-{lay}" for a, lay in CASES], indirect=["reference"])
 def test_actor_layout_matches_reference(reference, layout):
-    arch, model_dir, ref_dir = reference
+    arch, model_dir, ref_dir, want = reference
     nproc, tp, pp, ep, etp, n_micro = LAYOUTS[layout]
     if compat_megatron.layout_problem(tp, ep, etp, tp > 1, None, moe=arch == "qwen3-moe"):  # < 0.13 with TP2 / ETP1
         with pytest.raises(LayoutError, match=r"megatron-core .* \(< 0\.13\).*set actor\.parallel\.etp = 2"):
             validate_layout(ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp), nproc, model_dir, platform="cpu")
         return
-    out = run_torchrun(WORKER, nproc, ref_dir, model_dir, tp, pp, ep, etp, n_micro, "check")
-    assert out.count(" OK logits ") == nproc, out[-3000:]
-    if arch == "qwen2" and pp > 1:
-        assert out.count("tied copies in step") == nproc, out[-3000:]
+    args = dict(ref_dir=ref_dir, model_dir=model_dir, tp=tp, pp=pp, ep=ep, etp=etp, n_micro=n_micro, mode="check")
+    for r in run_worker(WORKER, nproc, **args).results:  # one per rank (run_worker fails unless all reported)
+        assert r["logits_diff"] <= 1e-4 and r["logprobs_diff"] <= 1e-4, r
+        assert r["tokens"] == want["tokens"] and abs(r["loss"] - want["loss"]) < 1e-5, (r, want)
+        assert abs(r["grad_norm"] - want["grad_norm"]) < 1e-5 * max(1.0, want["grad_norm"]), (r, want)
+        assert r["step_size"] > 1e-3 and r["weights_diff"] < 1e-5, r
+        assert r["tied_copies_checked"] == (arch == "qwen2" and pp > 1), r

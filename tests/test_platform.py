@@ -1,14 +1,10 @@
 """Platform selection and the CPU adaptation of Megatron-Core (each patched call site, idempotence)."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from mcore_rl.platform import Platform, get_platform
-from tests.torchrun_util import REPO
+from tests.torchrun_util import REPO, run_worker
 
 SITES = ["idempotent", "factories", "seeding", "rotary", "streams", "clip_grads", "router_gemm", "split_sizes"]
 
@@ -27,7 +23,27 @@ def test_backends():
     ]
 
 
-def test_megatron_subgroups_inherit_the_default_backend():
+BACKENDS_WORKER = """
+import torch.distributed as dist
+
+from mcore_rl.platform import free_port
+from tests.workers.harness import worker_args, write_result
+
+args = worker_args(__doc__)
+dist.init_process_group("cpu:gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+from megatron.core import parallel_state as mpu
+
+mpu.initialize_model_parallel()
+groups = {
+    "dp": mpu.get_data_parallel_group(),
+    "tp": mpu.get_tensor_model_parallel_group(),
+    "ep": mpu.get_expert_model_parallel_group(),
+}
+write_result(args.results, **{name: dist.get_backend(group) for name, group in groups.items()})
+"""
+
+
+def test_megatron_subgroups_inherit_the_default_backend(tmp_path):
     """Megatron's parallel_state creates its groups with backend=None; torch resolves that to the default
     group's backend string, so a multi-device default reaches every TP/PP/DP/EP group."""
     import inspect
@@ -35,17 +51,10 @@ def test_megatron_subgroups_inherit_the_default_backend():
     from megatron.core import parallel_state
 
     assert "backend=None" in inspect.getsource(parallel_state.create_group)
-    script = (
-        "import torch.distributed as dist\n"
-        "dist.init_process_group('cpu:gloo', rank=0, world_size=1)\n"
-        "from megatron.core import parallel_state as mpu\n"
-        "mpu.initialize_model_parallel()\n"
-        "print('BACKENDS', dist.get_backend(mpu.get_data_parallel_group()), "
-        "dist.get_backend(mpu.get_tensor_model_parallel_group()), dist.get_backend(mpu.get_expert_model_parallel_group()))\n"
-    )
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()), OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
-    assert "BACKENDS cpu:gloo cpu:gloo cpu:gloo" in out.stdout, out.stdout + out.stderr[-3000:]
+    script = tmp_path / "backends.py"
+    script.write_text(BACKENDS_WORKER)
+    (got,) = run_worker(script, 1, torchrun=False, timeout=120).results
+    assert got == {"rank": 0, "dp": "cpu:gloo", "tp": "cpu:gloo", "ep": "cpu:gloo"}, got
 
 
 def test_ascend_environment_is_set_once_and_user_values_win():
@@ -55,12 +64,6 @@ def test_ascend_environment_is_set_once_and_user_values_win():
         applied == {"VLLM_ASCEND_ENABLE_NZ": "0", "HCCL_CONNECT_TIMEOUT": "600"} and env["VLLM_ASCEND_ENABLE_NZ"] == "0"
     )
     assert Platform("cuda").apply_environment({}) == {}
-
-
-def _port() -> int:
-    from tests.torchrun_util import free_port
-
-    return free_port()
 
 
 def test_unknown_platform_is_rejected():
@@ -74,23 +77,19 @@ def test_cuda_requested_without_cuda_is_rejected():
 
 
 @pytest.fixture(scope="module")
-def site_output():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), WORLD_SIZE="1", RANK="0")
-    env.pop("MASTER_PORT", None)
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "workers" / "actor_platform_sites.py")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=REPO,
-    )
-    return proc.stdout + proc.stderr
+def site_outcome():
+    """Every site's outcome from one plain-python world-1 process (the patches stay out of pytest)."""
+    (outcome,) = run_worker(REPO / "tests" / "workers" / "actor_platform_sites.py", 1, torchrun=False).results
+    return outcome
+
+
+def test_every_site_was_checked(site_outcome):
+    assert set(site_outcome) - {"rank"} == set(SITES), site_outcome
 
 
 @pytest.mark.parametrize("site", SITES)
-def test_cpu_adaptation_site(site_output, site):
-    assert f"ok {site}\n" in site_output, site_output[-4000:]
+def test_cpu_adaptation_site(site_outcome, site):
+    assert site_outcome[site] == "ok", f"{site}: {site_outcome[site]}"
 
 
 def test_mindspeed_arguments_set_after_the_adaptor():

@@ -4,7 +4,6 @@ Ray is an optional extra; this module runs where it is installed (e.g. a venv ma
 `python -m venv .venv-ray && .venv-ray/bin/pip install 'ray==2.60.*' && .venv-ray/bin/pip install -e .`).
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import pytest
 pytest.importorskip("ray", reason="Ray is not installed (pip install 'mcore-rl[ray]')")
 
 from tests.torchrun_util import REPO  # noqa: E402
+from tests.workers.harness import read_results  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -45,9 +45,10 @@ def launch(tmp_path, tiny_model_dir, entry, *overrides):
 def test_ray_launch_runs_two_ranks(tmp_path, tiny_model_dir):
     proc = launch(tmp_path, tiny_model_dir, "tests.workers.ray_entry:run", "algo.loss=sapo")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((tmp_path / "run" / "ray_result.json").read_text())
-    assert result["sum"] == 3.0 and result["loss"] == "sapo"  # 1 + 2 over the two ranks; overrides reached the ranks
-    envs = result["envs"]
+    results = read_results(tmp_path / "run" / "results", 2, proc.stdout + proc.stderr)  # one per rank
+    # 1 + 2 over the two ranks; overrides reached the ranks
+    assert [(r["sum"], r["loss"]) for r in results] == [(3.0, "sapo")] * 2, results
+    envs = [r["env"] for r in results]
     assert [e["RANK"] for e in envs] == ["0", "1"] and {e["LOCAL_RANK"] for e in envs} == {"0", "1"}
     assert {e["WORLD_SIZE"] for e in envs} == {"2"} and len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs}) == 1
 

@@ -11,7 +11,7 @@ from mcore_rl.compat import megatron as compat_megatron
 from mcore_rl.config import ParallelConfig
 from mcore_rl.megatron.layout import LayoutError, validate_layout
 from mcore_rl.megatron.routing_replay import RecordedRoutes
-from tests.torchrun_util import REPO, run_torchrun
+from tests.torchrun_util import REPO, run_worker
 
 WORKER = REPO / "tests" / "workers" / "replay_layouts.py"
 
@@ -27,8 +27,16 @@ def test_routing_replay_layout(tiny_model_dir, nproc, tp, pp, ep, recompute):
         with pytest.raises(LayoutError, match=r"\(< 0\.13\)"):
             validate_layout(ParallelConfig(tp=tp, pp=pp, ep=ep, etp=1), nproc, tiny_model_dir, platform="cpu")
         return
-    out = run_torchrun(WORKER, nproc, tiny_model_dir, tp, pp, ep, recompute)
-    assert out.count(" OK replay ") == nproc and out.count(" PACKED_REPLAY_OK ") == nproc, out[-3000:]
+    results = run_worker(WORKER, nproc, model_dir=tiny_model_dir, tp=tp, pp=pp, ep=ep, recompute=recompute).results
+    for r in results:  # one per rank (run_worker fails unless all nproc ranks reported)
+        assert r["token_mismatch"] > 0 and abs(r["token_mismatch"] - r["token_mismatch_counted"]) < 1e-12, r
+        assert abs(r["expert_mismatch"] - r["expert_mismatch_counted"]) < 1e-12, r
+        assert abs(r["masked_token_mismatch"] - r["masked_token_mismatch_counted"]) < 1e-12, r
+        assert r["masked_token_mismatch"] != r["token_mismatch"], r
+        assert r["r3_token_mismatch"] == 0.0 and r["r3_logit_gap"] < 1e-5, r
+        packed = r["packed"]  # 5.: packed R3 and R2
+        assert packed["r3_token_mismatch"] == 0.0 and packed["r2_token_mismatch"] == 0.0, r
+        assert packed["logit_gap"] < 1e-5 and packed["r3_logit_gap"] < 1e-5 and packed["r2_loss_diff"] == 0.0, r
 
 
 def test_pack_rollout_routes_pads_with_distinct_experts():

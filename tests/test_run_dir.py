@@ -12,7 +12,7 @@ import pytest
 
 from mcore_rl.config import ConfigError, load_config
 from mcore_rl.run_dir import MARKER, POINTER, CheckpointManager, resolve_resume
-from tests.torchrun_util import REPO, run_torchrun
+from tests.torchrun_util import REPO, run_worker
 
 WORKERS = Path(__file__).parent / "workers"
 
@@ -126,8 +126,8 @@ def test_resolve_resume(tmp_path):
 
 @pytest.mark.slow
 def test_multi_rank_save_protocol(tmp_path):
-    out = run_torchrun(WORKERS / "run_dir_save.py", 2, str(tmp_path), timeout=120)
-    assert "rank 0 ok" in out and "rank 1 ok" in out
+    results = run_worker(WORKERS / "run_dir_save.py", 2, run_dir=tmp_path, timeout=120).results
+    assert [(r["world"], r["complete"], r["resumed_after_damage"]) for r in results] == [(2, [2, 3], 2)] * 2, results
 
 
 # ---------------------------------------------------------------- one run per run directory

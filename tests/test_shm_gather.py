@@ -3,12 +3,15 @@ real processes: odd shapes, bf16/fp16/fp32/int/bool, strided destinations, multi
 do not receive, the mismatched-shapes error, no files left in /dev/shm, and the torch.distributed fallback
 when the ranks report different hosts. Also the pure layout helpers the exporter gathers into."""
 
+import os
+
 import pytest
 import torch
+from safetensors import safe_open
 
 from mcore_rl.models.bridge import _as_shard_view, _shard_views, _split
 from mcore_rl.platform.shm_gather import _pieces, _round_bytes, _rounds
-from tests.torchrun_util import REPO, run_torchrun
+from tests.torchrun_util import REPO, run_worker
 
 WORKER = REPO / "tests" / "workers" / "shm_gather_check.py"
 
@@ -16,8 +19,9 @@ WORKER = REPO / "tests" / "workers" / "shm_gather_check.py"
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc,mode", [(2, "shm"), (3, "shm"), (2, "fallback")])
 def test_shm_gather_equals_all_gather(nproc, mode):
-    out = run_torchrun(WORKER, nproc, mode, timeout=120)
-    assert f"SHM_GATHER_OK {mode}" in out
+    results = run_worker(WORKER, nproc, mode=mode, timeout=120).results
+    # one per rank (run_worker fails unless all nproc ranks reported)
+    assert [(r["mode"], r["shared_memory"], r["cases"]) for r in results] == [(mode, mode == "shm", 11)] * nproc
 
 
 @pytest.mark.parametrize(
@@ -52,8 +56,13 @@ def test_rounds_respect_the_chunk_limit_and_alignment():
     "nproc,tp,ep,etp", [(2, 1, 2, 1), (2, 2, 1, 2), (4, 2, 2, 2)], ids=["ep2", "tp2", "tp2-ep2-etp2"]
 )
 def test_export_over_shared_memory_is_bit_exact(tiny_model_dir, nproc, tp, ep, etp):
-    out = run_torchrun(
-        REPO / "tests" / "workers" / "shm_export_check.py", nproc, tiny_model_dir, tp, ep, etp, timeout=240
-    )
-    assert f"SHM_EXPORT_OK {tp} {ep} {etp}" in out
-    print(next(line for line in out.splitlines() if "SHM_EXPORT_OK" in line))
+    worker = REPO / "tests" / "workers" / "shm_export_check.py"
+    results = run_worker(worker, nproc, tiny_dir=tiny_model_dir, tp=tp, ep=ep, etp=etp, timeout=240).results
+    with safe_open(os.path.join(tiny_model_dir, "model.safetensors"), "pt") as f:
+        tensors = len(list(f.keys()))
+    # one per rank (run_worker fails unless all nproc ranks reported), each compared 7 exports of every tensor
+    # and gathered some tensors straight into the engine's memory (every layout here splits some tensor)
+    for r in results:
+        assert (r["layout"], r["tensors"], len(r["exports"])) == ([tp, ep, etp], tensors, 7), r
+        assert 0 < r["in_place"] <= tensors, r
+    print(f"into the engine: {results[0]['in_place']} of {tensors} tensors gathered in place")

@@ -8,7 +8,6 @@ One engine is started for the whole module (vLLM start-up is the expensive part)
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -18,11 +17,10 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make setup-vllm creates .venv-vllm)")
 
-from torchrun_util import run_torchrun  # noqa: E402
-
 from mcore_rl.config import RolloutConfig  # noqa: E402
 from mcore_rl.rollout.base import SamplingParams  # noqa: E402
 from mcore_rl.rollout.vllm_engine import ReplicaLayout, VllmEngine  # noqa: E402
+from tests.torchrun_util import run_worker  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -273,11 +271,18 @@ def test_rebuild_mode_buffers_a_sync_and_rebuilds_once_complete(engine, tiny_mod
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc,tp", [(2, 1), (2, 2)])
 def test_spmd_external_launcher(tiny_model_dir, nproc, tp):
-    out = run_torchrun(
-        WORKERS / "vllm_spmd.py", nproc, tiny_model_dir, str(tp), timeout=600, env={"VLLM_CPU_KVCACHE_SPACE": "1"}
-    )
-    print("\n".join(line for line in out.splitlines() if line.startswith("rank ")))
-    assert f"VLLM_SPMD_OK tp={tp} replicas={nproc // tp}" in out, out[-3000:]
+    results = run_worker(
+        WORKERS / "vllm_spmd.py",
+        nproc,
+        model_dir=tiny_model_dir,
+        tp=tp,
+        timeout=600,
+        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+    ).results
+    print(results)
+    # one per rank (run_worker fails unless all nproc ranks reported)
+    assert [(r["tp"], r["replicas"]) for r in results] == [(tp, nproc // tp)] * nproc, results
+    assert all(r["sampled_vs_hf"] < 0.01 and r["scored_vs_hf"] < 0.01 for r in results), results
 
 
 @pytest.fixture(scope="module")
@@ -317,20 +322,21 @@ def test_repeated_sync_from_megatron_actor(tiny_arch_dir, actor_dir, arch, layou
     need no fallback: Qwen3 reloads in place, the tied Qwen2 rebuilds in the sync on CPU."""
     from vllm.platforms import current_platform
 
-    out = run_torchrun(
+    run = run_worker(
         WORKERS / "vllm_sync_megatron.py",
         2,
-        layout,
-        str(rollout_tp),
-        tiny_arch_dir(arch),
-        actor_dir(arch),
-        reload,
-        "3",
+        layout=layout,
+        rollout_tp=rollout_tp,
+        engine_ckpt=tiny_arch_dir(arch),
+        actor_ckpt=actor_dir(arch),
+        reload=reload,
+        rounds=3,
         timeout=600,
         env={"VLLM_CPU_KVCACHE_SPACE": "1"},
     )
-    line = next(l for l in out.splitlines() if l.startswith("RESULT "))
-    r = json.loads(line[len("RESULT ") :])
+    out = run.output
+    assert [x["layout"] for x in run.results] == [layout] * 2  # both ranks passed every check
+    r = run.results[0]
     print(r)
     assert r["replicas"] == 2 // rollout_tp
     cpu = current_platform.is_cpu()

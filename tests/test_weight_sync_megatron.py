@@ -8,12 +8,10 @@ captured by the engine equal the actor router's choices; after the actor's weigh
 fails verification and a new sync fixes it; corrupted engine experts are caught and rebuilt exactly.
 """
 
-import json
-
 import pytest
 
 from mcore_rl.models.tiny import make_tiny_checkpoint
-from tests.torchrun_util import REPO, run_torchrun
+from tests.torchrun_util import REPO, run_worker
 
 WORKER = REPO / "tests" / "workers" / "sync_megatron.py"
 
@@ -38,9 +36,10 @@ def actor_dir(tmp_path_factory):
     "arch,layout", [("qwen3-moe", "tp2"), ("qwen3-moe", "ep2"), ("qwen3", "tp2"), ("qwen2", "tp2")]
 )
 def test_sync_from_megatron_actor(arch, layout, tiny_arch_dir, actor_dir):
-    out = run_torchrun(WORKER, 2, layout, tiny_arch_dir(arch), actor_dir(arch), timeout=240)
-    line = next(l for l in out.splitlines() if l.startswith("RESULT "))
-    r = json.loads(line[len("RESULT ") :])
+    args = dict(layout=layout, engine_ckpt=tiny_arch_dir(arch), actor_ckpt=actor_dir(arch))
+    results = run_worker(WORKER, 2, **args, timeout=240).results
+    assert [x["layout"] for x in results] == [layout] * 2  # both ranks passed every check
+    r = results[0]  # rank 0 holds the engine
     assert r["unsynced_error_names_tensors"]
     assert r["largest"] > r["bucket_bytes"] and r["num_buckets"] > 1
     assert r["verify_max_diff"] <= 1e-4

@@ -1,30 +1,32 @@
 """One layout of the actor against independent references (run under torchrun by test_actor_logits.py).
 
-argv: REF_DIR MODEL_DIR TP PP EP ETP N_MICRO MODE   (MODE: ref = write the train-step reference; check = compare)
+Arguments: --ref-dir --model-dir --tp --pp --ep --etp --n-micro --mode (ref = write the train-step reference;
+check = compare), --results (tests/workers/harness.py).
 Checks: forward_only logits == HF logits and per-token log-probs == HF log_softmax (<= 1e-4);
 export == checkpoint bit-identical (same names: a tied model exports `model.embed_tokens.weight` once, no
 `lm_head`); train_step loss / grad norm / updated weights == the world-1 reference; with tied embeddings over
 PP the last stage's output-layer copy equals the first stage's embedding after the step.
 Dense models with TP > 1 run with sequence parallel (MoE turns it on by itself).
+Result per rank: the measured differences, the step's loss, grad norm and token count, and whether the tied
+copies were compared (`tied_copies_checked`).
 """
 
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from actor_common import full_logits, my_micro_batches, nll_loss  # noqa: E402
+from tests.workers.actor_common import full_logits, my_micro_batches, nll_loss
+from tests.workers.harness import cpu_megatron, worker_args, write_result
 
 
-def check_tied_copies_in_step(actor) -> None:
+def check_tied_copies_in_step(actor) -> bool:
     """With tied embeddings split over pipeline stages, the last stage's output layer must equal the first
-    stage's embedding (this TP rank's shard of each), bit for bit."""
+    stage's embedding (this TP rank's shard of each), bit for bit. True when there were copies to compare."""
     from mcore_rl.models.bridge import _unwrap
 
     model = _unwrap(actor.model[0])
     if not model.share_embeddings_and_output_weights or actor.layout.pp == 1:
-        return
+        return False
     mine = model.embedding.word_embeddings.weight if model.pre_process else model.output_layer.weight
     group = actor.layout.groups.pp
     copies = [torch.empty_like(mine) for _ in range(actor.layout.pp)]
@@ -33,21 +35,21 @@ def check_tied_copies_in_step(actor) -> None:
     assert torch.equal(copies[0], copies[-1]), (
         f"tied output layer drifted from the embedding by {(copies[0] - copies[-1]).abs().max().item()}"
     )
-    print(f"rank {torch.distributed.get_rank()} tied copies in step", flush=True)
+    return True
 
 
 def main():
-    ref_dir, model_dir = sys.argv[1], sys.argv[2]
-    tp, pp, ep, etp, n_micro = map(int, sys.argv[3:8])
-    mode = sys.argv[8]
+    args = worker_args(
+        __doc__, ref_dir=str, model_dir=str, tp=int, pp=int, ep=int, etp=int, n_micro=int, mode=("ref", "check")
+    )
+    ref_dir, model_dir, mode = args.ref_dir, args.model_dir, args.mode
+    tp, pp, ep, etp, n_micro = args.tp, args.pp, args.ep, args.etp, args.n_micro
 
     from mcore_rl.batch import MicroBatch
     from mcore_rl.config import Config, ModelConfig, OptimConfig, ParallelConfig
     from mcore_rl.megatron.actor import Actor
-    from mcore_rl.platform import get_platform
 
-    platform = get_platform("cpu")
-    platform.adapt_megatron()
+    platform = cpu_megatron()
     from megatron.core import tensor_parallel
 
     cfg = Config(platform="cpu", model=ModelConfig(path=model_dir))
@@ -97,8 +99,10 @@ def main():
     # -- train_step: this DP rank's share of the global batch, split into n_micro micro-batches
     metrics = actor.train_step(my_micro_batches(tokens, loss_mask, n_micro), nll_loss(loss_mask.sum()))
     after = {name: t.clone() for name, t in actor.export_hf_weights()}
-    check_tied_copies_in_step(actor)
+    tied_checked = check_tied_copies_in_step(actor)
     result = {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "tokens": metrics["tokens"], "weights": after}
+    report = {k: v for k, v in result.items() if k != "weights"}
+    report.update(logits_diff=diff, logprobs_diff=lp_diff, tied_copies_checked=tied_checked)
     if mode == "ref":
         if rank == 0:
             torch.save(result, os.path.join(ref_dir, "train_ref.pt"))
@@ -115,13 +119,11 @@ def main():
         moved = max((want["weights"][k] - ckpt[k]).abs().max().item() for k in after)
         assert moved > 1e-3, f"reference step did not move the weights ({moved})"
         assert worst < 1e-5, f"updated weights differ from the world-1 reference by {worst} (step size {moved})"
+        report.update(weights_diff=worst, step_size=moved)
     if mode == "check":
         check_frozen_reference(cfg, platform, actor, mbs, next_token_logprobs, ref_lp)
-    print(
-        f"rank {rank} OK logits {diff:.2e} logprobs {lp_diff:.2e} loss {metrics['loss']:.6f} grad_norm {metrics['grad_norm']:.6f}",
-        flush=True,
-    )
     torch.distributed.barrier()
+    write_result(args.results, **report)
 
 
 def check_frozen_reference(cfg, platform, actor, mbs, next_token_logprobs, ref_lp):

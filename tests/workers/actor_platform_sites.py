@@ -1,15 +1,26 @@
 """Each CPU adaptation in mcore_rl.platform.cpu_adapt exercised at its Megatron call site (plain python,
-world 1). Run in a subprocess by tests/test_platform.py so the patches never leak into pytest."""
+world 1). Run in a subprocess by tests/test_platform.py so the patches never leak into pytest.
+
+Arguments: --results (tests/workers/harness.py). Result: {site: "ok" or the error it raised} for every site."""
 
 import torch
 
+from tests.workers.harness import worker_args, write_result
 
-def check(name, fn):
-    fn()
-    print(f"ok {name}", flush=True)
+
+def check(outcome: dict, name, fn):
+    """Run one site's check; record "ok" or the error, so one broken site does not hide the others."""
+    try:
+        fn()
+    except Exception as e:  # reported to the test, which fails naming the site
+        outcome[name] = f"{type(e).__name__}: {e}"
+    else:
+        outcome[name] = "ok"
 
 
 def main():
+    args = worker_args(__doc__)
+    outcome = {}
     from mcore_rl.platform import cpu_adapt, get_platform
 
     platform = get_platform("cpu")
@@ -20,7 +31,7 @@ def main():
     again = {n: getattr(torch, n) for n in cpu_adapt._FACTORIES}
     again.update(current_device=torch.cuda.current_device, tensor_cuda=torch.Tensor.cuda)
     assert all(snapshot[k] is again[k] for k in snapshot), "second apply() re-wrapped something"
-    print("ok idempotent", flush=True)
+    outcome["idempotent"] = "ok"
 
     info = platform.init_distributed()
     assert (info.rank, info.world_size) == (0, 1), info
@@ -93,7 +104,8 @@ def main():
         ("router_gemm", router_gemm),
         ("split_sizes", split_sizes_to_numpy),
     ]:
-        check(name, fn)
+        check(outcome, name, fn)
+    write_result(args.results, **outcome)
 
 
 if __name__ == "__main__":

@@ -1,23 +1,25 @@
 """Checkpoint save at one layout, load at another (run under torchrun by tests/test_checkpoint.py).
 
-argv: WORK_DIR MODEL_DIR TP EP ETP N_MICRO DIST_OPT MODE
-  MODE save: load HF, train step 1, save checkpoint, record logits, train step 2, record weights.
-  MODE load: build without HF weights, load the checkpoint, compare logits, train step 2, compare weights.
+Arguments: --work-dir --model-dir --tp --ep --etp --n-micro --dist-opt (0/1) --mode, --results (harness.py).
+  --mode save: load HF, train step 1, save checkpoint, record logits, train step 2, record weights.
+  --mode load: build without HF weights, load the checkpoint, compare logits, train step 2, compare weights.
+Result per rank: the step's loss and lr; after load also the differences from the uninterrupted run.
 """
 
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from actor_common import full_logits, global_batch, my_micro_batches, nll_loss  # noqa: E402
+from tests.workers.actor_common import full_logits, global_batch, my_micro_batches, nll_loss
+from tests.workers.harness import worker_args, write_result
 
 
 def main():
-    work, model_dir = sys.argv[1], sys.argv[2]
-    tp, ep, etp, n_micro, dist_opt = map(int, sys.argv[3:8])
-    mode = sys.argv[8]
+    args = worker_args(
+        __doc__, work_dir=str, model_dir=str, tp=int, ep=int, etp=int, n_micro=int, dist_opt=int, mode=("save", "load")
+    )
+    work, model_dir, mode = args.work_dir, args.model_dir, args.mode
+    tp, ep, etp, n_micro, dist_opt = args.tp, args.ep, args.etp, args.n_micro, args.dist_opt
     from mcore_rl.batch import MicroBatch
     from mcore_rl.config import Config, ModelConfig, OptimConfig, ParallelConfig
     from mcore_rl.megatron.actor import Actor
@@ -48,6 +50,7 @@ def main():
     logits = torch.cat(actor.forward_only([MicroBatch(tokens)], full_logits))
     metrics = actor.train_step(my_micro_batches(tokens, mask, n_micro), loss_fn)
     weights = {n: t.clone() for n, t in actor.export_hf_weights()}
+    report = {"loss": metrics["loss"], "lr": metrics["lr"]}
     if mode == "save":
         if rank == 0:
             torch.save(
@@ -61,8 +64,10 @@ def main():
         assert abs(metrics["loss"] - want["metrics"]["loss"]) < 1e-5, (metrics["loss"], want["metrics"]["loss"])
         worst = max((weights[k] - want["weights"][k]).abs().max().item() for k in weights)
         assert worst <= 1e-6, f"resumed step differs from the uninterrupted one by {worst}"
-        print(f"rank {rank} RESUME OK logits {d_logits:.2e} weights {worst:.2e}", flush=True)
+        report.update(logits_diff=d_logits, weights_diff=worst, want_loss=want["metrics"]["loss"])
+        report.update(want_lr=want["metrics"]["lr"])
     torch.distributed.barrier()
+    write_result(args.results, **report)
 
 
 if __name__ == "__main__":

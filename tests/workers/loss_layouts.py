@@ -1,23 +1,28 @@
 """Layout invariance of the policy losses (run under torchrun by tests/test_layout_invariance.py).
 
-argv: OUT_DIR MODEL_DIR TP PP EP N_MICRO MODE   (MODE: ref = world-1 reference, writes OUT_DIR/ref.pt;
-check = compare with it). For each of grpo / gspo / sapo a fresh Actor takes one optimizer step on
-the same global batch; every rank takes its data-parallel share split into N_MICRO micro-batches.
-Compared with the reference: the global loss, and the update (after - before) of EVERY parameter,
-exported with its Hugging Face name. Prints "LAYOUT_OK ..." lines; any mismatch raises.
-In check mode also: the on-policy shortcut equals the two-pass path in that layout ("SHORTCUT_OK" lines).
+Arguments: --out-dir --model-dir --tp --pp --ep --n-micro --mode (ref = world-1 reference, writes
+OUT_DIR/ref.pt; check = compare with it), --results (tests/workers/harness.py). For each of grpo / gspo / sapo
+a fresh Actor takes one optimizer step on the same global batch; every rank takes its data-parallel share
+split into N_MICRO micro-batches. Compared with the reference: the global loss, and the update (after - before)
+of EVERY parameter, exported with its Hugging Face name; any mismatch raises.
+In check mode also: the on-policy shortcut equals the two-pass path in that layout.
 
 Then, in the same job, the packed path: another fresh Actor takes the step on the same global batch cut
 by `split_for_rank(max_tokens=BUDGET)` (DP shares balanced by tokens, sequences packed into rows,
 attention confined to each; the log-prob pass merges micro-batches up to a forward budget of 2 x BUDGET). Its log-probs (per sequence, at response positions), loss and updates
-are compared with the same padded world-1 reference: "PACKED_OK ..." lines. The MoE load-balancing
+are compared with the same padded world-1 reference. The MoE load-balancing
 loss is off in both (mbridge's Qwen3-MoE config: moe_router_load_balancing_type = "none"; asserted).
+
+Result per rank: for each loss its value, the step's metrics and the number of parameters, after check the
+measured differences, and under "packed" the packed path's measurements; after check also "shortcut", the
+on-policy shortcut's measured differences from the two-pass path.
 """
 
 import os
-import sys
 
 import torch
+
+from tests.workers.harness import cpu_megatron, worker_args, write_result
 
 B, S, GROUP = 8, 16, 4
 REL_TOL = 1e-5
@@ -49,10 +54,11 @@ def global_batch():
 
 
 def compare(tag, name, metrics, update, want, layout_text, loss_abs_tol=0.0):
-    """Loss within REL_TOL relative (or `loss_abs_tol` absolute), every update within REL_TOL x the largest."""
+    """Loss within REL_TOL relative (or `loss_abs_tol` absolute), every update within REL_TOL x the largest.
+    Returns the measured differences."""
     rel_loss = abs(metrics["loss"] - want["loss"]) / abs(want["loss"])
     assert rel_loss <= REL_TOL or abs(metrics["loss"] - want["loss"]) <= loss_abs_tol, (
-        f"{tag} {name}: loss {metrics['loss']} vs reference {want['loss']} (rel {rel_loss:.2e})"
+        f"{tag} {name} {layout_text}: loss {metrics['loss']} vs reference {want['loss']} (rel {rel_loss:.2e})"
     )
     assert set(update) == set(want["update"])
     scale = max(float(u.abs().max()) for u in want["update"].values())
@@ -60,12 +66,10 @@ def compare(tag, name, metrics, update, want, layout_text, loss_abs_tol=0.0):
         ((n, float((update[n] - want["update"][n]).abs().max())) for n in update), key=lambda x: x[1]
     )
     assert worst <= REL_TOL * scale, (
-        f"{tag} {name}: update of {worst_name} differs by {worst:.3e} (largest update {scale:.3e})"
+        f"{tag} {name} {layout_text}: update of {worst_name} differs by {worst:.3e} (largest update {scale:.3e})"
     )
-    print(
-        f"{tag} {name} {layout_text} rank{torch.distributed.get_rank()}: loss {metrics['loss']:.8f} rel "
-        f"{rel_loss:.1e}; {len(update)} params, max |d update| {worst:.2e} ({worst_name}) vs largest update {scale:.2e}",
-        flush=True,
+    return dict(
+        loss=metrics["loss"], rel_loss=rel_loss, update_diff=worst, worst_param=worst_name, largest_update=scale
     )
 
 
@@ -113,7 +117,7 @@ SHORTCUT_ALGO = dict(
 
 def check_on_policy_shortcut(make_actor, micro_batches, counts, before):
     """Two fresh actors from the same weights: (a) old-policy pass (log-probs + entropy + R2 routes), then the
-    update; (b) the update alone with on_policy=True. Raises on any difference beyond SHORTCUT_TOL."""
+    update; (b) the update alone with on_policy=True. Raises on any difference beyond SHORTCUT_TOL; returns the measurements."""
     import dataclasses
 
     from mcore_rl.batch import MiniBatch
@@ -156,13 +160,22 @@ def check_on_policy_shortcut(make_actor, micro_batches, counts, before):
     assert scale > 0 and worst <= SHORTCUT_TOL * scale, (
         f"shortcut update of {worst_name} differs by {worst:.3e} ({scale:.3e})"
     )
-    return f"loss {m1['loss']:.8f} vs {m2['loss']:.8f}, entropy {e1:.6f}, max |d update| {worst:.2e} of {scale:.2e}"
+    return dict(
+        loss=m1["loss"],
+        two_pass_loss=m2["loss"],
+        entropy=e1,
+        two_pass_entropy=e2,
+        grad_norm=m1["grad_norm"],
+        two_pass_grad_norm=m2["grad_norm"],
+        update_diff=worst,
+        largest_update=scale,
+    )
 
 
 def main():
-    out_dir, model_dir = sys.argv[1], sys.argv[2]
-    tp, pp, ep, n_micro = map(int, sys.argv[3:7])
-    mode = sys.argv[7]
+    args = worker_args(__doc__, out_dir=str, model_dir=str, tp=int, pp=int, ep=int, n_micro=int, mode=("ref", "check"))
+    out_dir, model_dir, mode = args.out_dir, args.model_dir, args.mode
+    tp, pp, ep, n_micro = args.tp, args.pp, args.ep, args.n_micro
 
     from safetensors.torch import load_file
 
@@ -171,17 +184,15 @@ def main():
     from mcore_rl.config import AlgoConfig, Config, ModelConfig, OptimConfig, ParallelConfig
     from mcore_rl.megatron.actor import Actor
     from mcore_rl.megatron.policy_loss import make_log_prob_fn, make_policy_loss_fn
-    from mcore_rl.platform import get_platform
 
-    platform = get_platform("cpu")
-    platform.adapt_megatron()
+    platform = cpu_megatron()
 
     before = load_file(os.path.join(model_dir, "model.safetensors"))
     tokens, loss_mask, rewards, noise = global_batch()
     counts = GlobalCounts.from_mask(loss_mask)  # from the full global batch, before any split
     advantages = group_advantages(rewards, GROUP).unsqueeze(-1).expand(B, S).contiguous()
     ref = torch.load(os.path.join(out_dir, "ref.pt")) if mode == "check" else {}
-    results = {}
+    results, report = {}, {}
     for name, params in ALGOS.items():
         algo = AlgoConfig(**params)
         cfg = Config(platform="cpu", model=ModelConfig(path=model_dir))
@@ -225,9 +236,10 @@ def main():
         metrics = actor.train_step(train_mbs, make_policy_loss_fn(algo, counts, tp_group))
         update = {n: (t.float() - before[n].float()).clone() for n, t in actor.export_hf_weights()}
         results[name] = {"loss": metrics["loss"], "metrics": metrics, "update": update, "log_prob_full": lp_here}
+        report[name] = {"loss": metrics["loss"], "metrics": metrics, "params": len(update)}
         layout_text = f"tp{tp} pp{pp} ep{ep} dp{dp}"
         if mode == "check":
-            compare("LAYOUT_OK", name, metrics, update, ref[name], f"{layout_text} micro{n_micro}")
+            report[name].update(compare("layout", name, metrics, update, ref[name], f"{layout_text} micro{n_micro}"))
         else:
             cf = metrics.get("clipfrac_upper", 0.0) + metrics.get("clipfrac_lower", 0.0)
             if name == "grpo":  # every clipping branch is exercised by this batch
@@ -236,7 +248,6 @@ def main():
                 ), metrics
             if name == "gspo":  # some sequences clipped, some not (so the gradient is not all zero)
                 assert 0 < cf < 1, metrics
-            print(f"REF {name}: loss {metrics['loss']:.8f} clipfrac {cf:.3f} metrics {metrics}", flush=True)
         del actor
         if name == "gspo" and mode == "check":
             shortcut_mbs = [
@@ -248,8 +259,9 @@ def main():
                 )
                 for mb, lp, r0 in zip(train_mbs, lp_here.split(size), range(rows.start, rows.stop, size))
             ]
-            summary = check_on_policy_shortcut(lambda cfg=cfg: Actor(cfg, platform), shortcut_mbs, counts, before)
-            print(f"SHORTCUT_OK tp{tp} pp{pp} ep{ep} rank{torch.distributed.get_rank()}: {summary}", flush=True)
+            report["shortcut"] = check_on_policy_shortcut(
+                lambda cfg=cfg: Actor(cfg, platform), shortcut_mbs, counts, before
+            )
 
         # -- the packed path, same global batch, same reference
         cfg.actor.max_tokens_per_micro_batch, cfg.actor.max_tokens_per_forward_micro_batch = BUDGET, 2 * BUDGET
@@ -269,11 +281,13 @@ def main():
         # advantages of order 1: an absolute 1e-6 is what that allows (gspo's loss, ~-0.008, is a difference
         # of two terms ~0.015 and cannot meet 1e-5 relative from rounding alone). Updates: the usual bound.
         text = f"{layout_text} rows {lengths} (padded {B // dp}x{S}) lp {lp_diff:.1e}"
-        compare("PACKED_OK", name, metrics, update, want, text, loss_abs_tol=1e-6)
+        packed = compare("packed", name, metrics, update, want, text, loss_abs_tol=1e-6)
+        report[name]["packed"] = dict(packed, log_prob_diff=lp_diff, rows=lengths, params=len(update))
         del actor
     if mode == "ref" and torch.distributed.get_rank() == 0:
         torch.save(results, os.path.join(out_dir, "ref.pt"))
     torch.distributed.barrier()
+    write_result(args.results, layout=dict(tp=tp, pp=pp, ep=ep, n_micro=n_micro), **report)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,30 @@
 """Worker: vocab-parallel log-probs + entropy at TP=world (gloo) vs full-vocab log_softmax on one rank.
 
 Every rank builds the same full logits, keeps its vocabulary slice, and compares values and the
-gradient of its slice with the plain-torch reference. Prints LOGPROB_TP_OK on success.
+gradient of its slice with the plain-torch reference.
 Then the fused path (`fused_output_log_probs`: hidden states + this rank's output-weight shard, no
 logits tensor) against today's path on the same shard (projection + `vocab_parallel_log_probs`):
 log-probs, entropy, d hidden (this rank's partial sum) and d weight shard, and the summed d hidden
-against the full-vocabulary plain-torch reference. Prints FUSED_TP_OK on success.
+against the full-vocabulary plain-torch reference. Then mcore_rl.platform.collectives on the live group.
+A mismatch raises. Arguments: --results (tests/workers/harness.py).
+
+Result per rank: for every comparison the largest |got - want| and its excess over torch.testing.assert_close's
+bound (atol + rtol * |want|, <= 0 when it passes), and the small collectives' largest error.
 """
 
 import torch
 import torch.distributed as dist
 
 from mcore_rl.megatron.logprobs import fused_output_log_probs, vocab_parallel_log_probs
+from tests.workers.harness import init_gloo, worker_args, write_result
+
+
+def measured(got, want, rtol, atol) -> dict:
+    """assert_close(got, want, rtol, atol), and what it measured: the largest difference and its excess over
+    the allowed atol + rtol * |want| (<= 0)."""
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+    gap = (got.detach() - want.detach()).abs()
+    return {"max_diff": float(gap.max()), "excess": float((gap - (atol + rtol * want.detach().abs())).max())}
 
 
 def reference(logits, target, temperature, g_lp, g_h):
@@ -24,8 +37,8 @@ def reference(logits, target, temperature, g_lp, g_h):
 
 
 def main():
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    args = worker_args(__doc__)
+    rank, world = init_gloo()
     g = torch.Generator().manual_seed(0)
     n, vocab, temperature = 37, 128, 0.7
     logits = torch.randn(n, vocab, generator=g) * 4
@@ -39,20 +52,19 @@ def main():
         mine, target, temperature, group=dist.group.WORLD, with_entropy=True, chunk_tokens=8
     )
     ((lp * g_lp).sum() + (ent * g_h).sum()).backward()
-    torch.testing.assert_close(lp, want_lp, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ent, want_ent, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(mine.grad, want_grad[:, rank * shard : (rank + 1) * shard], rtol=1e-5, atol=1e-6)
-    err = (mine.grad - want_grad[:, rank * shard : (rank + 1) * shard]).abs().max()
-    print(
-        f"rank {rank}: LOGPROB_TP_OK max|dlp|={float((lp.detach() - want_lp).abs().max()):.2e} max|dgrad|={float(err):.2e}",
-        flush=True,
-    )
-    check_fused(rank, world)
-    check_small_collectives(rank, world)
+    checks = {
+        "log_prob": measured(lp, want_lp, 1e-5, 1e-5),
+        "entropy": measured(ent, want_ent, 1e-5, 1e-5),
+        "d_logits": measured(mine.grad, want_grad[:, rank * shard : (rank + 1) * shard], 1e-5, 1e-6),
+    }
+    fused = check_fused(rank, world)
+    collectives_err = check_small_collectives(rank, world)
     dist.destroy_process_group()
+    write_result(args.results, world=world, checks=checks, fused=fused, collectives_err=collectives_err)
 
 
-def check_fused(rank, world):
+def check_fused(rank, world) -> dict:
+    """The fused path against today's on the same shard and against the full-vocabulary reference."""
     g = torch.Generator().manual_seed(1)
     n, vocab, h, temperature = 29, 128, 24, 0.8
     hidden = torch.randn(n, h, generator=g)
@@ -73,12 +85,14 @@ def check_fused(rank, world):
         return lp.detach(), ent.detach(), x.grad, w.grad
 
     got, today = run(True), run(False)
+    checks = {}
     for name, a, b in zip(("log_prob", "entropy", "d_hidden", "d_weight"), got, today):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"fused {name}: {m}")
+        checks[f"{name}_vs_today"] = measured(a, b, 1e-5, 1e-5)
     # independent reference: the full-vocabulary projection + log_softmax on one rank
     x = hidden.clone().requires_grad_(True)
     want_lp, want_ent, _ = reference(x @ weight.t(), target, temperature, g_lp, g_h)
-    torch.testing.assert_close(got[0], want_lp, rtol=1e-5, atol=1e-5)
+    checks["log_prob_vs_full_vocab"] = measured(got[0], want_lp, 1e-5, 1e-5)
     x = hidden.clone().requires_grad_(True)
     logp_all = torch.log_softmax(x @ weight.t() / temperature, dim=-1)
     lp = logp_all.gather(-1, target.unsqueeze(-1)).squeeze(-1)
@@ -86,13 +100,13 @@ def check_fused(rank, world):
     ((lp * g_lp).sum() + (ent * g_h).sum()).backward()
     summed = got[2].clone()
     dist.all_reduce(summed)  # what the tensor-parallel region op does with the partial sums
-    torch.testing.assert_close(summed, x.grad, rtol=1e-5, atol=1e-5)
-    err = max(float((a - b).abs().max()) for a, b in zip(got, today))
-    print(f"rank {rank}: FUSED_TP_OK max|fused - today|={err:.2e}", flush=True)
+    checks["d_hidden_summed_vs_full_vocab"] = measured(summed, x.grad, 1e-5, 1e-5)
+    return checks
 
 
-def check_small_collectives(rank: int, world: int) -> None:
-    """mcore_rl.platform.collectives on a live gloo group vs plain Python references (test_collectives.py)."""
+def check_small_collectives(rank: int, world: int) -> float:
+    """mcore_rl.platform.collectives on a live gloo group vs plain Python references (test_collectives.py);
+    returns the float sums' largest relative error."""
     import math
 
     from mcore_rl.platform import collectives
@@ -102,7 +116,8 @@ def check_small_collectives(rank: int, world: int) -> None:
     values = [[2.0**40 + 0.125 * (r + 1), 1e-3 * (r + 1), -3.5 * r] for r in range(world)]
     got = collectives.sum_floats(values[rank])
     want = [math.fsum(v[i] for v in values) for i in range(3)]
-    assert all(abs(g - w) <= 1e-12 * max(1.0, abs(w)) for g, w in zip(got, want)), (got, want)
+    err = max(abs(g - w) / max(1.0, abs(w)) for g, w in zip(got, want))
+    assert err <= 1e-12, (got, want)
     f32 = float(torch.tensor([v[0] for v in values], dtype=torch.float32).sum())
     assert abs(f32 - want[0]) > 0.1, "the test values do not show float32's error"
     assert collectives.sum_ints([rank + 1, 2**40]) == [world * (world + 1) // 2, world * 2**40]
@@ -117,7 +132,7 @@ def check_small_collectives(rank: int, world: int) -> None:
             assert match in str(e), e
         else:
             raise AssertionError(f"{bad.dtype} on {bad.device} was not refused")
-    print(f"rank {rank}: SMALL_COLLECTIVES_OK", flush=True)
+    return err
 
 
 if __name__ == "__main__":

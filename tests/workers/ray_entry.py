@@ -1,6 +1,9 @@
-"""Entries for launch/ray_launch.py tests: a real gloo job started from the env the launcher sets."""
+"""Entries for launch/ray_launch.py tests: a real gloo job started from the env the launcher sets.
 
-import json
+`run` writes one result per rank (tests/workers/harness.py) into <trainer.run_dir>/results: the all-reduced sum,
+the launcher's environment variables as the rank saw them, and the loss named in the config it got.
+"""
+
 import os
 from pathlib import Path
 
@@ -8,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.platform import get_platform
+from tests.workers.harness import write_result
 
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -16,13 +20,13 @@ def run(cfg) -> None:
     info = get_platform(cfg.platform).init_distributed()
     total = torch.tensor([float(info.rank + 1)])
     dist.all_reduce(total)
-    envs = [None] * info.world_size
-    dist.all_gather_object(envs, {k: os.environ.get(k) for k in ENV_KEYS})
-    if info.rank == 0:
-        out = Path(cfg.trainer.run_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "ray_result.json").write_text(json.dumps({"sum": total.item(), "envs": envs, "loss": cfg.algo.loss}))
     dist.barrier()
+    write_result(
+        Path(cfg.trainer.run_dir) / "results",
+        sum=total.item(),
+        env={k: os.environ.get(k) for k in ENV_KEYS},
+        loss=cfg.algo.loss,
+    )
     dist.destroy_process_group()
 
 

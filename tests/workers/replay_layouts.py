@@ -1,6 +1,6 @@
 """Routing replay (R2 / R3) on one layout of the real Megatron actor (run by tests/test_routing_replay.py).
 
-argv: MODEL_DIR TP PP EP RECOMPUTE(0/1)
+Arguments: --model-dir --tp --pp --ep --recompute (0/1), --results (tests/workers/harness.py).
 Checks, on every rank:
   1. replaying routes recorded from the same weights: forward logits, train loss and every gradient
      equal the normal path bit for bit; mismatch 0; router fusion is off while replaying, restored after.
@@ -14,15 +14,13 @@ Checks, on every rank:
      sequences' offsets gives mismatch 0 and the packed logits equal the padded path's at every real token
      (<= 1e-5); R2 recorded on the packed old-policy pass and replayed in the packed update gives the same
      loss and gradients bit for bit, mismatch 0.
+Result per rank: the mismatch metrics of 2. (and their independent counts) and of 3.; under "packed" those of 5.
 """
-
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from actor_common import full_logits, global_batch, my_micro_batches, nll_loss  # noqa: E402
+from tests.workers.actor_common import full_logits, global_batch, my_micro_batches, nll_loss
+from tests.workers.harness import cpu_megatron, worker_args, write_result
 
 
 def grads(actor) -> dict[str, torch.Tensor]:
@@ -80,31 +78,31 @@ def packed_checks(actor, replay, samples, layout, full_logits):
     assert normal["loss"] == replayed["loss"] and r2["routing/token_mismatch"] == 0.0, (normal, replayed, r2)
     for name, g in grads(actor).items():
         assert torch.equal(g, normal_grads[name]), f"packed R2: grad of {name} differs"
-    print(
-        f"rank {torch.distributed.get_rank()} PACKED_REPLAY_OK rows {[mb.seq_lengths for mb in mbs]}: logits vs padded "
-        f"{gap:.1e}, R3 vs plain {r3_gap:.1e}, R2 loss {normal['loss']:.6f}",
-        flush=True,
+    return dict(
+        rows=[mb.seq_lengths for mb in mbs],
+        logit_gap=gap,
+        r3_logit_gap=r3_gap,
+        r3_token_mismatch=r3["routing/token_mismatch"],
+        r2_token_mismatch=r2["routing/token_mismatch"],
+        r2_loss_diff=abs(normal["loss"] - replayed["loss"]),
     )
 
 
 def main():
-    model_dir = sys.argv[1]
-    tp, pp, ep, recompute = map(int, sys.argv[2:6])
+    args = worker_args(__doc__, model_dir=str, tp=int, pp=int, ep=int, recompute=int)
+    model_dir, tp, pp, ep, recompute = args.model_dir, args.tp, args.pp, args.ep, args.recompute
 
     from mcore_rl.batch import MicroBatch, pack_rollout_routes
     from mcore_rl.config import Config, ModelConfig, OptimConfig, ParallelConfig
     from mcore_rl.megatron.actor import Actor
-    from mcore_rl.platform import get_platform
 
-    platform = get_platform("cpu")
-    platform.adapt_megatron()
+    platform = cpu_megatron()
     from mcore_rl.megatron.routing_replay import RoutingReplay
 
     cfg = Config(platform="cpu", model=ModelConfig(path=model_dir, recompute=bool(recompute)))
     cfg.actor.parallel = ParallelConfig(tp=tp, pp=pp, ep=ep, etp=1)
     cfg.actor.optim = OptimConfig(lr=0.0, min_lr=0.0, clip_grad=0.0, weight_decay=0.0)  # weights never move
     actor = Actor(cfg, platform)
-    rank = torch.distributed.get_rank()
     layout = actor.layout
     replay = RoutingReplay.install(actor.chunks, layout)
     assert replay.moe_layers == [1, 2], replay.moe_layers
@@ -227,13 +225,20 @@ def main():
             assert what in str(e), e
         else:
             raise AssertionError(f"replaying {len(bad)} micro-batches of routes over {len(mbs)} forwards was accepted")
-    packed_checks(actor, replay, samples, layout, full_logits)
-    print(
-        f"rank {rank} OK replay mismatch {metrics['routing/token_mismatch']:.3f} "
-        f"expert {metrics['routing/expert_mismatch']:.3f}",
-        flush=True,
-    )
+    packed = packed_checks(actor, replay, samples, layout, full_logits)
     torch.distributed.barrier()
+    write_result(
+        args.results,
+        token_mismatch=metrics["routing/token_mismatch"],
+        expert_mismatch=metrics["routing/expert_mismatch"],
+        token_mismatch_counted=differ_rows / rows,
+        expert_mismatch_counted=differ_experts / (rows * replay.top_k),
+        masked_token_mismatch=masked,
+        masked_token_mismatch_counted=want,
+        r3_token_mismatch=r3["routing/token_mismatch"],
+        r3_logit_gap=r3_gap,
+        packed=packed,
+    )
 
 
 if __name__ == "__main__":

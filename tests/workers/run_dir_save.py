@@ -1,17 +1,22 @@
-"""torchrun worker: every rank writes its shard into one checkpoint; rank 0 publishes after all are done."""
+"""torchrun worker: every rank writes its shard into one checkpoint; rank 0 publishes after all are done.
 
-import sys
+Arguments: --run-dir, --results (tests/workers/harness.py). Result per rank: the steps left complete, and the step a verified resume chose after one shard of the newest
+checkpoint was damaged (the previous one).
+"""
+
 import time
 from pathlib import Path
 
 import torch.distributed as dist
 
 from mcore_rl.run_dir import CheckpointManager
+from tests.workers.harness import init_gloo, worker_args, write_result
 
 
-def main(run_dir: str) -> None:
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+def main() -> None:
+    args = worker_args(__doc__, run_dir=str)
+    run_dir = args.run_dir
+    rank, world = init_gloo()
     manager = CheckpointManager(run_dir, keep_last=2)
     for step in (1, 2, 3):
 
@@ -25,7 +30,8 @@ def main(run_dir: str) -> None:
         assert manager.latest() == ckpt and ckpt.meta["world_size"] == world, (manager.latest(), ckpt)
         for r in range(world):
             assert (ckpt.path / f"shard_{r}.txt").read_text() == f"step {step} rank {r}"
-    assert [c.step for c in manager.complete()] == [2, 3]
+    complete = [c.step for c in manager.complete()]
+    assert complete == [2, 3], complete
     # Checksums: each rank hashed its own shard at save; at load each rank verifies its share, and a
     # shard damaged on one rank makes every rank fall back to the previous checkpoint.
     import json
@@ -39,11 +45,12 @@ def main(run_dir: str) -> None:
         (manager.step_dir(3) / f"shard_{rank}.txt").write_text(f"step 3 rank {rank}, damaged")
     dist.barrier()
     cfg = load_config(None, [f"trainer.run_dir={run_dir}"])
-    assert resolve_verified_resume(cfg).step == 2
+    resumed = resolve_verified_resume(cfg).step
+    assert resumed == 2, resumed
     dist.barrier()
     dist.destroy_process_group()
-    print(f"rank {rank} ok", flush=True)
+    write_result(args.results, world=world, complete=complete, resumed_after_damage=resumed)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main()

@@ -1,18 +1,18 @@
 """Worker: the exporter over shared memory gives every HF tensor bit-identical to the checkpoint.
 
-    torchrun --nproc_per_node=N tests/workers/shm_export_check.py TINY_DIR TP EP ETP
+    torchrun --nproc_per_node=N tests/workers/shm_export_check.py --tiny-dir DIR --tp TP --ep EP --etp ETP --results DIR
 Loads the tiny checkpoint into a real Megatron model in the given layout and exports it three ways, each
 compared exactly (all names, shapes, dtypes, bits) with the checkpoint's safetensors: shared memory with tiny
 gather batches and rounds (many batches, tensors split over rounds), shared memory where only rank 0
 receives (the others must yield nothing), gathered straight into a random-weight embedded engine's own
 tensors (`into`, every rank / rank 0 only: the engine ends bit-identical to the checkpoint), and the
 torch.distributed fallback (ranks claim different hosts).
-Prints "SHM_EXPORT_OK" on rank 0.
+Result per rank (tests/workers/harness.py): the layout, the number of checkpoint tensors, the exports compared
+and how many tensors were gathered in place into the engine's memory.
 """
 
 import glob
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from mcore_rl.megatron.parallel import destroy_parallel, init_parallel
 from mcore_rl.models.bridge import ModelBridge
 from mcore_rl.platform import get_platform
 from mcore_rl.platform.shm_gather import GroupGather
+from tests.workers.harness import worker_args, write_result
 
 
 def check_export(bridge, chunks, expected: dict, what: str, receive: bool = True, batch_mb: float = 0.01) -> None:
@@ -41,9 +42,10 @@ def check_export(bridge, chunks, expected: dict, what: str, receive: bool = True
         assert torch.equal(t.view(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), f"{what}: {name} differs"
 
 
-def check_into_engine(bridge, chunks, expected: dict, tiny_dir: str, what: str, receive: bool = True) -> str:
+def check_into_engine(bridge, chunks, expected: dict, tiny_dir: str, what: str, receive: bool = True) -> int:
     """Export straight into an engine's own tensors (`into`, as the trainer syncs): a fresh engine with random
-    weights ends bit-identical to the checkpoint, and some gathered tensors were written in place."""
+    weights ends bit-identical to the checkpoint, and some gathered tensors were written in place (how many:
+    returned; 0 on a rank that does not receive)."""
     from mcore_rl.rollout.embedded import EmbeddedEngine
 
     engine = EmbeddedEngine(tiny_dir, config=bridge.hf_config) if receive else None  # every weight must arrive
@@ -54,17 +56,18 @@ def check_into_engine(bridge, chunks, expected: dict, tiny_dir: str, what: str, 
             in_place.append(name)
         engine.load_weights([(name, t)])
     if engine is None:
-        return ""
+        return 0
     for name, want in expected.items():
         got = engine.weight_buffer(name)
         assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), f"{what}: {name}"
     gathered = bridge.layout.tp > 1 or bridge.layout.ep > 1
     assert in_place or not gathered, f"{what}: no tensor was gathered into the engine's memory"
-    return f"{len(in_place)} of {len(expected)} in place"
+    return len(in_place)
 
 
 def main() -> None:
-    tiny_dir, tp, ep, etp = sys.argv[1], *map(int, sys.argv[2:5])
+    args = worker_args(__doc__, tiny_dir=str, tp=int, ep=int, etp=int)
+    tiny_dir, tp, ep, etp = args.tiny_dir, args.tp, args.ep, args.etp
     platform = get_platform("cpu")
     platform.init_distributed()
     rank = dist.get_rank()
@@ -79,19 +82,21 @@ def main() -> None:
     expected = {k: v.to(torch.float32) for k, v in expected.items()}
 
     bridge._gather = GroupGather(max_chunk_bytes=4096)  # many rounds per batch, tensors split across rounds
-    check_export(bridge, chunks, expected, "shm")
-    check_export(bridge, chunks, expected, "shm, large batches", batch_mb=64)
-    check_export(bridge, chunks, expected, "shm, rank 0 receives only", receive=rank == 0)
-    check_export(bridge, chunks, expected, "shm again (arenas reused)")
-    direct = check_into_engine(bridge, chunks, expected, tiny_dir, "shm into the engine")
-    check_into_engine(bridge, chunks, expected, tiny_dir, "shm into rank 0's engine only", receive=rank == 0)
+    compared = ["shm", "shm, large batches", "shm, rank 0 receives only", "shm again (arenas reused)"]
+    check_export(bridge, chunks, expected, compared[0])
+    check_export(bridge, chunks, expected, compared[1], batch_mb=64)
+    check_export(bridge, chunks, expected, compared[2], receive=rank == 0)
+    check_export(bridge, chunks, expected, compared[3])
+    compared += ["shm into the engine", "shm into rank 0's engine only"]
+    in_place = check_into_engine(bridge, chunks, expected, tiny_dir, compared[4])
+    check_into_engine(bridge, chunks, expected, tiny_dir, compared[5], receive=rank == 0)
     bridge._gather = GroupGather(host_id=lambda: f"host-of-rank-{rank}")
-    check_export(bridge, chunks, expected, "torch.distributed fallback")
+    compared.append("torch.distributed fallback")
+    check_export(bridge, chunks, expected, compared[6])
     assert not bridge._gather.uses_shared_memory(None)
     dist.barrier()
-    if rank == 0:
-        print("SHM_EXPORT_OK", tp, ep, etp, f"(into the engine: {direct})", flush=True)
     destroy_parallel()
+    write_result(args.results, layout=[tp, ep, etp], tensors=len(expected), exports=compared, in_place=in_place)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,20 @@
 """Worker: GroupGather (shared memory, and the torch.distributed fallback) equals dist.all_gather.
 
-    torchrun --nproc_per_node=N tests/workers/shm_gather_check.py MODE
+    torchrun --nproc_per_node=N tests/workers/shm_gather_check.py --mode shm --results DIR
 MODE "shm": the gatherer must choose shared memory (all ranks on this host); "fallback": every rank claims a
 different host, so it must fall back to torch.distributed. Both compare every gathered shard bit-for-bit
 with dist.all_gather of the same shards, for odd shapes, several dtypes, strided destinations, tensors split
-over many rounds, several items per call, and segments that grow between calls. Prints "SHM_GATHER_OK".
+over many rounds, several items per call, and segments that grow between calls. Result per rank
+(tests/workers/harness.py): the mode, the transport chosen and the number of single-tensor cases.
 """
 
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
 from mcore_rl.platform.shm_gather import SHM_DIR, GroupGather
+from tests.workers.harness import init_gloo, worker_args, write_result
 
 
 def shard_for(rank: int, shape: tuple, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -44,9 +45,9 @@ def check_equal(got: list[torch.Tensor], want: list[torch.Tensor], what: str) ->
 
 
 def main() -> None:
-    mode = sys.argv[1]
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    args = worker_args(__doc__, mode=("shm", "fallback"))
+    mode = args.mode
+    rank, world = init_gloo()
     host_id = (lambda: f"host-of-rank-{rank}") if mode == "fallback" else None
     # A small chunk limit forces large tensors through many rounds and both segments.
     gather = GroupGather(max_chunk_bytes=4096, **({"host_id": host_id} if host_id else {}))
@@ -131,11 +132,11 @@ def main() -> None:
         want = [torch.empty_like(shard) for _ in range(2)]
         dist.all_gather(want, shard, group=sub)
         check_equal(gather.all_gather(shard, sub), want, "subgroup")
+    shared_memory = gather.uses_shared_memory(None)
     gather.close()
     dist.barrier()
-    if rank == 0:
-        print("SHM_GATHER_OK", mode, flush=True)
     dist.destroy_process_group()
+    write_result(args.results, mode=mode, shared_memory=shared_memory, cases=len(cases))
 
 
 if __name__ == "__main__":

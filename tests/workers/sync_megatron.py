@@ -1,16 +1,13 @@
 """Weight sync from a real multi-process Megatron actor (via ModelBridge) into the embedded engine on rank 0.
 
-Usage: torchrun --nproc_per_node=2 sync_megatron.py LAYOUT ENGINE_CKPT ACTOR_CKPT
-  LAYOUT: tp2 | ep2. The engine starts from ENGINE_CKPT, the actor from ACTOR_CKPT (different weights),
+Usage: torchrun --nproc_per_node=2 sync_megatron.py --layout tp2 --engine-ckpt DIR --actor-ckpt DIR --results DIR
+  --layout: tp2 | ep2. The engine starts from ENGINE_CKPT, the actor from ACTOR_CKPT (different weights),
   so a sync must really move them. Only rank 0 holds an engine; every rank drives the exporter.
   MoE or dense (Qwen3, tied Qwen2): routes are compared for MoE only; step 5 corrupts layer 1's MLP.
-Prints one line "RESULT {json}" on rank 0; any failed check raises.
+Result per rank (tests/workers/harness.py): the measurements below (engine ones on rank 0); a failed check raises.
 """
 
-import json
 import logging
-import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -19,9 +16,8 @@ from mcore_rl.megatron.parallel import destroy_parallel
 from mcore_rl.rollout.base import SamplingParams
 from mcore_rl.rollout.embedded import EmbeddedEngine
 from mcore_rl.rollout.weight_sync import ProbeBatch, SyncVerificationError, sync_weights, verify_sync
-
-sys.path.insert(0, os.path.dirname(__file__))
-from sync_actor import actor_logprobs, build_actor, tp_group  # noqa: E402
+from tests.workers.harness import worker_args, write_result
+from tests.workers.sync_actor import actor_logprobs, build_actor, tp_group
 
 TOL = 1e-4
 
@@ -68,7 +64,7 @@ def perturb(model) -> None:
         p.add_(0.02 * torch.sin(torch.arange(p.numel(), dtype=torch.float32) * 0.37).view_as(p).to(p.dtype))
 
 
-def main(layout: str, engine_ckpt: str, actor_ckpt: str) -> None:
+def main(layout: str, engine_ckpt: str, actor_ckpt: str, results: str) -> None:
     logging.basicConfig(level=logging.WARNING)
     bridge, model, bound = build_actor(layout, actor_ckpt)
     rank = dist.get_rank()
@@ -144,10 +140,10 @@ def main(layout: str, engine_ckpt: str, actor_ckpt: str) -> None:
                     p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
     report = verify_sync(engine, reference, probe, tol=TOL, fallback="rebuild", export_fn=export)
     result.update(corrupt_max_diff=report.max_diff, rebuilt=report.rebuilt, after_rebuild=report.max_diff_after_rebuild)
-    if rank == 0:
-        print("RESULT " + json.dumps(result), flush=True)
     destroy_parallel()
+    write_result(results, **result)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    args = worker_args(__doc__, layout=("tp2", "ep2"), engine_ckpt=str, actor_ckpt=str)
+    main(args.layout, args.engine_ckpt, args.actor_ckpt, args.results)

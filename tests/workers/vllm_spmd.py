@@ -2,13 +2,14 @@
 world / tp replicas), generates for the same prompts and scores them; rank 0 checks the gathered results
 against a Hugging Face forward and that every rank got identical results.
 
-usage: torchrun --nproc_per_node=N vllm_spmd.py MODEL_DIR TP
+usage: torchrun --nproc_per_node=N vllm_spmd.py --model-dir DIR --tp 2 --results DIR
+Result per rank (tests/workers/harness.py): TP, replicas and the largest sampled / scored log-prob differences.
 """
-
-import sys
 
 import torch
 import torch.distributed as dist
+
+from tests.workers.harness import worker_args, write_result
 
 
 def hf_logprobs(model_dir, sequences, prompt_lens):
@@ -25,7 +26,8 @@ def hf_logprobs(model_dir, sequences, prompt_lens):
 
 
 def main() -> None:
-    model_dir, tp = sys.argv[1], int(sys.argv[2])
+    args = worker_args(__doc__, model_dir=str, tp=int)
+    model_dir, tp = args.model_dir, args.tp
     # The actor initialises torch.distributed first (gloo on CPU); vLLM joins that world.
     dist.init_process_group("gloo")
     from mcore_rl.config import RolloutConfig
@@ -33,7 +35,7 @@ def main() -> None:
     from mcore_rl.rollout.base import SamplingParams
     from mcore_rl.rollout.data_parallel import generate_global
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     engine = make_engine(RolloutConfig(engine="vllm", tp=tp), model_dir, dtype="float32", max_model_len=256)
     prompts = [[1, 44, 45, 46], [1, 50, 51], [1, 20, 21, 22, 23], [1, 30, 31]]
     from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
@@ -56,13 +58,11 @@ def main() -> None:
     ref = hf_logprobs(model_dir, seqs, plens)
     worst_sampled = max((s.logprobs - r).abs().max().item() for s, r in zip(samples, ref))
     worst_scored = max((x - r).abs().max().item() for x, r in zip(scored, ref))
-    print(f"rank {rank}: sampled-vs-HF {worst_sampled:.2e}, scored-vs-HF {worst_scored:.2e}", flush=True)
-    assert worst_sampled < 0.01 and worst_scored < 0.01
+    assert worst_sampled < 0.01 and worst_scored < 0.01, (worst_sampled, worst_scored)
     dist.barrier()
-    if rank == 0:
-        print(f"VLLM_SPMD_OK tp={tp} replicas={world // tp}", flush=True)
     engine.close()
     dist.destroy_process_group()
+    write_result(args.results, tp=tp, replicas=world // tp, sampled_vs_hf=worst_sampled, scored_vs_hf=worst_scored)
 
 
 if __name__ == "__main__":

