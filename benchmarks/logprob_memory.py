@@ -43,7 +43,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
 
-from mcore_rl.megatron.logprobs import fused_output_log_probs, vocab_parallel_log_probs  # noqa: E402
+from mcore_rl.megatron.logprobs import LogProbOptions, fused_output_log_probs, vocab_parallel_log_probs  # noqa: E402
 
 GIB = 1024**3
 
@@ -76,7 +76,7 @@ def ours(logits, target, temperature):
 
 
 def fused(hidden, weight, target, temperature):
-    return fused_output_log_probs(hidden, weight, target, temperature, group=None, with_entropy=True)
+    return fused_output_log_probs(hidden, weight, target, LogProbOptions(temperature, with_entropy=True))
 
 
 def run_pass(path, inputs, g1, g2, target, temperature):

@@ -83,7 +83,7 @@ def test_tp2_equals_full_vocab(nproc):
 @pytest.mark.parametrize("temperature,dtype", [(1.0, torch.float32), (0.7, torch.float32)])
 def test_fused_output_log_probs_equal_todays_path_tp1(temperature, dtype):
     """TP1: fused (hidden + output weight, chunked, recomputed in backward) == projection + today's path."""
-    from mcore_rl.megatron.logprobs import fused_output_log_probs, vocab_parallel_log_probs
+    from mcore_rl.megatron.logprobs import LogProbOptions, fused_output_log_probs, vocab_parallel_log_probs
 
     g = torch.Generator().manual_seed(3)
     n, vocab, h = 41, 96, 16
@@ -95,7 +95,9 @@ def test_fused_output_log_probs_equal_todays_path_tp1(temperature, dtype):
     def run(fused):
         x, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
         if fused:
-            lp, ent = fused_output_log_probs(x, w, target, temperature, with_entropy=True, chunk_tokens=7)
+            lp, ent = fused_output_log_probs(
+                x, w, target, LogProbOptions(temperature, with_entropy=True, chunk_tokens=7)
+            )
         else:
             lp, ent = vocab_parallel_log_probs(x @ w.t(), target, temperature, with_entropy=True)
         ((lp * g_lp).sum() + (ent * g_h).sum()).backward()
@@ -105,7 +107,7 @@ def test_fused_output_log_probs_equal_todays_path_tp1(temperature, dtype):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     # and without entropy: only log-probs, no entropy gradient path
     x = hidden.clone().requires_grad_(True)
-    lp, ent = fused_output_log_probs(x, weight, target, temperature)
+    lp, ent = fused_output_log_probs(x, weight, target, LogProbOptions(temperature))
     assert ent is None
     lp.sum().backward()
     want = torch.log_softmax(hidden @ weight.t() / temperature, -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
@@ -113,12 +115,14 @@ def test_fused_output_log_probs_equal_todays_path_tp1(temperature, dtype):
 
 
 def test_fused_output_log_probs_rejects_bad_shapes():
-    from mcore_rl.megatron.logprobs import fused_output_log_probs
+    from mcore_rl.megatron.logprobs import LogProbOptions, fused_output_log_probs
 
     with pytest.raises(ValueError, match=r"must be target"):
         fused_output_log_probs(torch.zeros(4, 8), torch.zeros(10, 6), torch.zeros(4, dtype=torch.long))
     with pytest.raises(ValueError, match="temperature must be > 0"):
-        fused_output_log_probs(torch.zeros(4, 8), torch.zeros(10, 8), torch.zeros(4, dtype=torch.long), 0.0)
+        LogProbOptions(temperature=0.0)  # checked when made, before any tensor work
+    with pytest.raises(ValueError, match="chunk_tokens must be >= 1"):
+        LogProbOptions(chunk_tokens=0)
 
 
 # ---------------------------------------------------------------- the actor's loss_fn (world 1)

@@ -8,16 +8,41 @@ extra [tokens, V/tp] memory beyond the input logits and their gradient is one ch
 temporaries, in forward and in backward (the backward recomputes softmax from the saved input
 logits instead of keeping it). The input is never modified in place.
 
-Temperature is applied here, once: z = logits / temperature.
+Temperature is applied here, once: z = logits / temperature. `LogProbOptions` holds what both paths (from
+logits, from the last hidden states) take besides their tensors, and checks it once.
 Plain torch.distributed (no Megatron import): pass the tensor-parallel group, or None for world 1.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
 CHUNK_ELEMENTS = 1 << 25  # default chunk: ~32M fp32 values (128 MiB) per temporary
+
+
+@dataclass(frozen=True)
+class LogProbOptions:
+    """How a log-prob pass runs, on either path: the softmax temperature, the tensor-parallel group the vocabulary
+    is split over (None: unsharded), whether the entropy is returned too, and the tokens per chunk (None: the
+    path's element budget over V/tp). Checked when made, before any tensor work."""
+
+    temperature: float = 1.0
+    group: dist.ProcessGroup | None = None
+    with_entropy: bool = False
+    chunk_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}; use the rollout's sampling temperature")
+        if self.chunk_tokens is not None and self.chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
+
+    def chunk(self, budget_elements: int, local_vocab: int) -> int:
+        """Tokens per chunk: chunk_tokens, or as many as keep one [chunk, V/tp] fp32 temporary in the budget."""
+        return int(self.chunk_tokens) if self.chunk_tokens is not None else max(1, budget_elements // local_vocab)
 
 
 def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
@@ -126,20 +151,16 @@ def vocab_parallel_log_probs(
     chunk_tokens bounds the extra fp32 [chunk, V/tp] temporaries (a few live at once).
     Every rank of `group` must call this with the same tokens (it runs collectives).
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}; use the rollout's sampling temperature")
+    opts = LogProbOptions(temperature, group, with_entropy, chunk_tokens)
     if target.shape != logits.shape[:-1]:
         raise ValueError(
             f"target shape {tuple(target.shape)} must equal logits shape without the vocab dim {tuple(logits.shape[:-1])}"
         )
-    if chunk_tokens is None:
-        chunk_tokens = max(1, CHUNK_ELEMENTS // logits.shape[-1])
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     lead = target.shape
     flat_logits = logits.reshape(-1, logits.shape[-1])
+    chunk = opts.chunk(CHUNK_ELEMENTS, logits.shape[-1])
     log_prob, entropy = _VocabParallelLogProbs.apply(
-        flat_logits, target.reshape(-1).long(), float(temperature), group, int(chunk_tokens), with_entropy
+        flat_logits, target.reshape(-1).long(), float(temperature), group, chunk, with_entropy
     )
     return log_prob.view(lead), (entropy.view(lead) if with_entropy else None)
 
@@ -221,40 +242,33 @@ def fused_output_log_probs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
-    temperature: float = 1.0,
-    group: dist.ProcessGroup | None = None,
-    with_entropy: bool = False,
-    chunk_tokens: int | None = None,
+    options: LogProbOptions | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`vocab_parallel_log_probs(hidden @ weight.T, ...)` without the [tokens, V/tp] logits, in forward
     or backward: the output projection runs per chunk of tokens and is recomputed in backward.
 
     hidden: [..., h] the last hidden states (after the final norm), the same on every rank of `group`;
     weight: [V/tp, h] this rank's output-layer shard (rank r owns ids [r * V/tp, (r+1) * V/tp));
-    target: [...] global token ids. Returns (log_prob [...], entropy [...] or None), fp32.
+    target: [...] global token ids; options: temperature, group, entropy, chunk (default: LogProbOptions()).
+    Returns (log_prob [...], entropy [...] or None), fp32.
     Gradients: w.r.t. weight (this shard), and w.r.t. hidden as this rank's partial sum over its
     vocabulary shard - wrap `hidden` with the tensor-parallel region op that sums it (Megatron's
     copy_to_tensor_model_parallel_region, or gather_from_sequence_parallel_region under sequence
     parallelism) as the output layer does.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}; use the rollout's sampling temperature")
+    opts = options or LogProbOptions()
     if hidden.shape[:-1] != target.shape or hidden.shape[-1] != weight.shape[-1]:
         raise ValueError(
             f"hidden {tuple(hidden.shape)} must be target {tuple(target.shape)} x h and weight {tuple(weight.shape)} [V/tp, h]"
         )
-    if chunk_tokens is None:
-        chunk_tokens = max(1, FUSED_CHUNK_ELEMENTS // weight.shape[0])
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     lead = target.shape
     log_prob, entropy = _FusedOutputLogProbs.apply(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
         target.reshape(-1).long(),
-        float(temperature),
-        group,
-        int(chunk_tokens),
-        with_entropy,
+        float(opts.temperature),
+        opts.group,
+        opts.chunk(FUSED_CHUNK_ELEMENTS, weight.shape[0]),
+        opts.with_entropy,
     )
-    return log_prob.view(lead), (entropy.view(lead) if with_entropy else None)
+    return log_prob.view(lead), (entropy.view(lead) if opts.with_entropy else None)

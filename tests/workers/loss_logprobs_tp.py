@@ -15,7 +15,7 @@ bound (atol + rtol * |want|, <= 0 when it passes), and the small collectives' la
 import torch
 import torch.distributed as dist
 
-from mcore_rl.megatron.logprobs import fused_output_log_probs, vocab_parallel_log_probs
+from mcore_rl.megatron.logprobs import LogProbOptions, fused_output_log_probs, vocab_parallel_log_probs
 from tests.workers.harness import init_gloo, worker_args, write_result
 
 
@@ -78,7 +78,8 @@ def check_fused(rank, world) -> dict:
         x = hidden.clone().requires_grad_(True)
         w = w_mine.clone().requires_grad_(True)
         if fused:
-            lp, ent = fused_output_log_probs(x, w, target, temperature, dist.group.WORLD, True, chunk_tokens=6)
+            opts = LogProbOptions(temperature, dist.group.WORLD, with_entropy=True, chunk_tokens=6)
+            lp, ent = fused_output_log_probs(x, w, target, opts)
         else:
             lp, ent = vocab_parallel_log_probs(x @ w.t(), target, temperature, dist.group.WORLD, True, chunk_tokens=6)
         ((lp * g_lp).sum() + (ent * g_h).sum()).backward()
