@@ -76,10 +76,9 @@ def first_non_finite(named: Iterable[tuple[str, torch.Tensor]]) -> Optional[str]
     return None
 
 
-def check_weights_finite(named: Iterable[tuple[str, torch.Tensor]], what: str, device=None, group=None) -> None:
+def check_weights_finite(named: Iterable[tuple[str, torch.Tensor]], what: str, group=None) -> None:
     """Collective over `group` (default: the whole job): raises TrainingHalted on every rank when any
-    rank's tensors hold NaN/inf, naming the first bad one, so nothing non-finite is used or written.
-    `device`: where the flag is reduced (the process group's device: CPU for gloo, the accelerator else)."""
+    rank's tensors hold NaN/inf, naming the first bad one, so nothing non-finite is used or written."""
     import torch.distributed as dist
 
     bad = first_non_finite(named)
@@ -142,7 +141,7 @@ class StopSignals:
         self.received = self.received or signum
         log.warning("received %s: stopping after the current step", signal.Signals(signum).name)
 
-    def agreed(self, device=None) -> Optional[str]:
+    def agreed(self) -> Optional[str]:
         """Collective: the signal's name when any rank received one (then every rank stops), else None."""
         import signal
 

@@ -285,7 +285,7 @@ class Trainer:
         """Between steps (a checkpoint in progress is finished first): stop every rank on SIGTERM/SIGINT."""
         from mcore_rl.safety import STOP_FILE, StopRequested
 
-        name = self.stop_signals.agreed(self.platform.device)
+        name = self.stop_signals.agreed()
         if name:
             self.reward_fn.close()
             if self.rank == 0:

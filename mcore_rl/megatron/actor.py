@@ -335,7 +335,7 @@ class Actor:
         from mcore_rl.safety import check_weights_finite
 
         named = ((name, p.data) for chunk in self.model for name, p in chunk.named_parameters())
-        check_weights_finite(named, what, device=self.platform.device)
+        check_weights_finite(named, what)
 
     # ---- train -------------------------------------------------------------------------------
     def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
