@@ -60,3 +60,25 @@ def test_every_rank_must_report(tmp_path):
 
 def test_named_args():
     assert named_args({"model_dir": "/m", "tp": 2}) == ["--model-dir", "/m", "--tp", "2"]
+
+
+def test_write_result_plain_values_per_rank(tmp_path, monkeypatch):
+    """Tensors become numbers or lists, paths strings; the file is named by the launcher's RANK; anything else
+    is refused with the fix named (no half-written file is left)."""
+    import torch
+
+    from tests.workers.harness import write_result
+
+    monkeypatch.setenv("RANK", "3")
+    path = write_result(tmp_path, one=torch.tensor(1.5), many=torch.tensor([1, 2]), where=tmp_path, pair=(1, 2))
+    assert path == tmp_path / "rank3.json"
+    assert json.loads(path.read_text()) == {
+        "rank": 3,
+        "one": 1.5,
+        "many": [1, 2],
+        "where": str(tmp_path),
+        "pair": [1, 2],
+    }
+    with pytest.raises(TypeError, match="convert it to a number or string"):
+        write_result(tmp_path / "bad", value=object())
+    assert not any((tmp_path / "bad").glob("rank*.json"))
