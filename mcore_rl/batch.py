@@ -191,13 +191,18 @@ def pack_rollouts(
     pad_id: int,
     multiple: int = 8,
     valid: Optional[torch.Tensor] = None,
+    seq_len: Optional[int] = None,
 ) -> RolloutBatch:
-    """Pack samples (in group order) into right-padded tensors; S is rounded up to `multiple`.
+    """Pack samples (in group order) into right-padded tensors; S is the longest length rounded up to
+    `multiple`, or `seq_len` (a rank packing part of a step pads like the whole step: `step_seq_len`).
 
     Samples whose `valid` flag is False (their reward failed) keep their tokens but get no loss-mask
     entries, so they add nothing to the loss nor to its token and sequence counts."""
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-    seq_len = -(-max(lengths) // multiple) * multiple
+    if seq_len is None:
+        seq_len = step_seq_len(lengths, multiple)
+    elif seq_len < max(lengths, default=0):
+        raise ValueError(f"pack_rollouts: seq_len {seq_len} < the longest sequence ({max(lengths)} tokens)")
     batch = len(samples)
     tokens = torch.full((batch, seq_len), pad_id, dtype=torch.long)
     mask = torch.zeros(batch, seq_len)
@@ -218,11 +223,16 @@ def pack_rollouts(
         rollout_log_prob=rollout_lp,
         advantages=adv,
         rewards=rewards.float(),
-        response_lengths=torch.tensor([len(s.response_ids) for s in samples]),
-        prompt_lengths=torch.tensor([len(s.prompt_ids) for s in samples]),
+        response_lengths=torch.tensor([len(s.response_ids) for s in samples], dtype=torch.long),
+        prompt_lengths=torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long),
         routed_experts=routes if all(r is not None for r in routes) else None,
         pad_id=pad_id,
     )
+
+
+def step_seq_len(lengths: list[int], multiple: int) -> int:
+    """The padded width S of a step whose sequences have `lengths` tokens: the longest, rounded up."""
+    return _round_up(max(lengths, default=1), multiple)
 
 
 def _dummy_routes(seq_len: int, num_layers: int, k: int, num_experts: int) -> torch.Tensor:
@@ -437,6 +447,112 @@ def _require_routes(part: RolloutBatch) -> None:
         )
 
 
+@dataclass
+class MiniBatchPlan:
+    """Which sequences of one mini-batch each data-parallel rank trains on, in which micro-batches.
+
+    Decided from lengths alone (every rank computes the same plan), before any token moves: the trainer
+    sends each sequence only to the ranks that train on it (mcore_rl.step_data)."""
+
+    counts: GlobalCounts  # of the whole mini-batch, all ranks
+    start: int  # step index of the mini-batch's first sequence
+    parts: list[list[list[int]]]  # [dp rank][micro-batch] -> sequence indices inside the mini-batch
+    packed: bool  # token-budget micro-batches (packed rows) rather than fixed-size padded ones
+
+    def rows(self, dp_rank: int) -> list[int]:
+        """Step indices of the sequences data-parallel rank `dp_rank` trains on in this mini-batch, sorted."""
+        return sorted(self.start + i for micro in self.parts[dp_rank] for i in micro)
+
+
+def plan_mini_batches(
+    lengths: list[int],
+    loss_tokens: list[int],
+    num_mini_batches: int,
+    dp_size: int,
+    micro_batch_size: Optional[int] = None,
+    max_tokens: Optional[int] = None,
+    multiple: int = 1,
+    max_len: int = 1,
+) -> list[MiniBatchPlan]:
+    """The plan of every mini-batch of a step from per-sequence `lengths` (prompt + response tokens) and
+    `loss_tokens` (response tokens that count in the loss: 0 for a sample whose reward failed).
+
+    Either `micro_batch_size` (each rank a contiguous share, cut into fixed-size micro-batches) or
+    `max_tokens` (shares balanced by tokens and cut under the budget: `partition_by_tokens`). The
+    mini-batches are consecutive slices of the step. max_len: the Dr.GRPO denominator L_max."""
+    if (micro_batch_size is None) == (max_tokens is None):
+        raise ValueError("split_for_rank: give exactly one of micro_batch_size and max_tokens")
+    per_mini, rest = divmod(len(lengths), num_mini_batches)
+    if rest:
+        raise ValueError(
+            f"global batch of {len(lengths)} sequences does not split into {num_mini_batches} mini-batches: "
+            f"choose data.prompts_per_step x rollout.n divisible by algo.mini_batches"
+        )
+    plans = []
+    for m in range(num_mini_batches):
+        rows = slice(m * per_mini, (m + 1) * per_mini)
+        counts = GlobalCounts.from_lengths(loss_tokens[rows], max_len)
+        if max_tokens is None:
+            parts = _fixed_parts(per_mini, dp_size, micro_batch_size)
+        else:
+            parts = partition_by_tokens(lengths[rows], dp_size, max_tokens, multiple)
+        plans.append(MiniBatchPlan(counts, m * per_mini, parts, packed=max_tokens is not None))
+    return plans
+
+
+def _fixed_parts(size: int, dp_size: int, micro_batch_size: int) -> list[list[list[int]]]:
+    per_rank, rest = divmod(size, dp_size)
+    if rest or per_rank % micro_batch_size:
+        raise ValueError(
+            f"mini-batch of {size} sequences does not split into {dp_size} data-parallel ranks x "
+            f"micro-batches of {micro_batch_size}: choose data.prompts_per_step x rollout.n divisible by "
+            f"algo.mini_batches x dp x actor.parallel.micro_batch_size"
+        )
+    return [
+        [
+            list(range(d * per_rank + s, d * per_rank + s + micro_batch_size))
+            for s in range(0, per_rank, micro_batch_size)
+        ]
+        for d in range(dp_size)
+    ]
+
+
+def build_mini_batches(
+    plans: list[MiniBatchPlan],
+    dp_rank: int,
+    rows: RolloutBatch,
+    row_of: dict[int, int],
+    route_experts: Optional[int] = None,
+    route_shape: Optional[tuple[int, int]] = None,
+    multiple: int = 1,
+) -> list[MiniBatch]:
+    """This data-parallel rank's micro-batches of every planned mini-batch, from `rows`: a RolloutBatch that
+    holds (at least) the sequences the rank trains on, step index i at row `row_of[i]`. Fixed-size
+    micro-batches keep `rows`' padded width (the step's longest sequence, so it must be padded like the whole
+    step). route_experts: the model's expert count, to pack the engine's routes (R3); route_shape: their
+    (moe layers, top-k), for the filler micro-batches of a rank with fewer sequences than micro-batches."""
+    out = []
+    for plan in plans:
+        micro = []
+        for indices in plan.parts[dp_rank]:
+            part = rows.rows([row_of[plan.start + i] for i in indices])
+            if not plan.packed:
+                micro.append(_micro_batch(part, route_experts))
+                continue
+            mb = pack_sequences(part, multiple, route_experts if indices else None)
+            mb.sequences = list(indices)
+            if route_experts is not None and not indices:  # filler: dummy experts everywhere, none valid
+                if route_shape is None:
+                    _require_routes(rows)
+                    route_shape = tuple(rows.routed_experts[0].shape[1:])
+                num_layers, k = route_shape
+                mb.routed_experts = _dummy_routes(mb.tokens.shape[1], num_layers, k, route_experts).unsqueeze(0)
+                mb.route_valid = torch.zeros_like(mb.tokens, dtype=torch.bool)
+            micro.append(mb)
+        out.append(MiniBatch(plan.counts, micro))
+    return out
+
+
 def split_for_rank(
     batch: RolloutBatch,
     num_mini_batches: int,
@@ -448,61 +564,25 @@ def split_for_rank(
     max_tokens: Optional[int] = None,
     multiple: int = 1,
 ) -> list[MiniBatch]:
-    """For each mini-batch: its global counts and this DP rank's micro-batches.
+    """For each mini-batch: its global counts and this DP rank's micro-batches, from the whole step's batch.
 
     Either `micro_batch_size` (fixed-size, right-padded micro-batches: the rows of the padded batch) or
     `max_tokens` (packed micro-batches under a token budget, see `partition_by_tokens`; `multiple` is
     the layout's sequence-length multiple). The mini-batches are consecutive slices of the global batch.
-    max_len: the Dr.GRPO denominator L_max (the configured generation length keeps it constant).
-    route_experts: the model's expert count, to pack the engine's routes (rollout routing replay, R3)
-    into each micro-batch's `routed_experts` / `route_valid`.
+    max_len: the Dr.GRPO denominator L_max (the configured generation length keeps it constant; default:
+    the batch's padded width). route_experts: the model's expert count, to pack the engine's routes
+    (rollout routing replay, R3) into each micro-batch's `routed_experts` / `route_valid`.
+    The same plan and builder as the trainer's per-rank path (`plan_mini_batches`, `build_mini_batches`).
     """
-    if (micro_batch_size is None) == (max_tokens is None):
-        raise ValueError("split_for_rank: give exactly one of micro_batch_size and max_tokens")
-    per_mini, rest = divmod(batch.size, num_mini_batches)
-    if rest:
-        raise ValueError(
-            f"global batch of {batch.size} sequences does not split into {num_mini_batches} mini-batches: "
-            f"choose data.prompts_per_step x rollout.n divisible by algo.mini_batches"
-        )
-    out = []
-    for m in range(num_mini_batches):
-        mini = batch.rows(slice(m * per_mini, (m + 1) * per_mini))
-        counts = GlobalCounts.from_mask(mini.loss_mask, max_len=max_len)
-        if max_tokens is None:
-            micro = _fixed_micro_batches(mini, dp_size, dp_rank, micro_batch_size, route_experts)
-        else:
-            micro = _packed_micro_batches(mini, dp_size, dp_rank, max_tokens, multiple, route_experts)
-        out.append(MiniBatch(counts, micro))
-    return out
-
-
-def _fixed_micro_batches(mini: RolloutBatch, dp_size, dp_rank, micro_batch_size, route_experts) -> list[MicroBatch]:
-    per_rank, rest = divmod(mini.size, dp_size)
-    if rest or per_rank % micro_batch_size:
-        raise ValueError(
-            f"mini-batch of {mini.size} sequences does not split into {dp_size} data-parallel ranks x "
-            f"micro-batches of {micro_batch_size}: choose data.prompts_per_step x rollout.n divisible by "
-            f"algo.mini_batches x dp x actor.parallel.micro_batch_size"
-        )
-    mine = mini.rows(slice(dp_rank * per_rank, (dp_rank + 1) * per_rank))
-    return [
-        _micro_batch(mine.rows(slice(start, start + micro_batch_size)), route_experts)
-        for start in range(0, per_rank, micro_batch_size)
-    ]
-
-
-def _packed_micro_batches(mini: RolloutBatch, dp_size, dp_rank, max_tokens, multiple, route_experts):
-    parts = partition_by_tokens(mini.lengths, dp_size, max_tokens, multiple)[dp_rank]
-    micro = []
-    for indices in parts:
-        rows = mini.rows(indices)
-        mb = pack_sequences(rows, multiple, route_experts if indices else None)
-        mb.sequences = list(indices)
-        if route_experts is not None and not indices:  # filler: dummy experts everywhere, none valid
-            _require_routes(mini)
-            _, num_layers, k = mini.routed_experts[0].shape
-            mb.routed_experts = _dummy_routes(mb.tokens.shape[1], num_layers, k, route_experts).unsqueeze(0)
-            mb.route_valid = torch.zeros_like(mb.tokens, dtype=torch.bool)
-        micro.append(mb)
-    return micro
+    loss_tokens = [int(n) for n in batch.loss_mask.sum(-1).tolist()]
+    plans = plan_mini_batches(
+        batch.lengths,
+        loss_tokens,
+        num_mini_batches,
+        dp_size,
+        micro_batch_size,
+        max_tokens,
+        multiple,
+        batch.tokens.shape[1] if max_len is None else max_len,
+    )
+    return build_mini_batches(plans, dp_rank, batch, {i: i for i in range(batch.size)}, route_experts, None, multiple)

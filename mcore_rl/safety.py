@@ -96,10 +96,15 @@ def check_weights_finite(named: Iterable[tuple[str, torch.Tensor]], what: str, g
         )
 
 
+def reward_errors_stop(errors: int, total: int, max_rate: float) -> bool:
+    """Whether `errors` failed rewards of `total` stop the run (more than `max_rate` of them)."""
+    return errors / max(1, total) > max_rate
+
+
 def check_reward_errors(errors: int, total: int, first_error: Optional[str], max_rate: float, step: int) -> None:
     """Stop when more than `max_rate` of a batch's rewards failed (the same counts on every rank)."""
     rate = errors / max(1, total)
-    if rate > max_rate:
+    if reward_errors_stop(errors, total, max_rate):
         raise TrainingHalted(
             f"step {step}: the reward function failed on {errors} of {total} samples ({rate:.0%} > "
             f"reward.max_error_rate = {max_rate:.0%}); first error: {first_error}; fix the reward function "

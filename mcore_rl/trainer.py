@@ -65,7 +65,7 @@ class Trainer:
         from mcore_rl.data import EpochSampler, load_prompt_dataset
         from mcore_rl.megatron.actor import Actor
         from mcore_rl.metrics import MetricsLogger
-        from mcore_rl.platform import get_platform
+        from mcore_rl.platform import collectives, get_platform
         from mcore_rl.rewards import RewardScorer
         from mcore_rl.rollout import make_engine
         from mcore_rl.rollout.weight_sync import ProbeBatch
@@ -97,6 +97,10 @@ class Trainer:
         self.actor = Actor(cfg, self.platform)
         if cfg.algo.routing_replay is not None:
             self.actor.enable_routing_replay()
+        # The data-parallel rank of every rank: who trains on which samples (mcore_rl.step_data).
+        self.dp_of_rank = collectives.sum_ints(
+            [self.actor.layout.ranks.dp if r == self.rank else 0 for r in range(self.world)]
+        )
         # The KL reference is the initial policy: a second, frozen copy of the model in the same layout.
         self.ref_actor = Actor.frozen(cfg, self.platform) if cfg.algo.kl_coef > 0 else None
         # vLLM sizes its KV cache for the longest sequence it may see; the model's maximum wastes memory.
@@ -125,29 +129,29 @@ class Trainer:
             self.sync_engine(verify=True)
 
     # ---- phases ------------------------------------------------------------------------------
-    def rollout(self, examples, n: int, temperature: float, seed: int):
+    def rollout(self, examples, n: int, temperature: float, seed: int, stats=None):
+        """Generate this rank's replica share, score this rank's part of it, exchange the metadata of every
+        sample (tensors). Returns (LocalRollout, StepMeta, this rank's RewardBatch)."""
         from mcore_rl.rollout import sampling_params
-        from mcore_rl.rollout.data_parallel import generate_global
+        from mcore_rl.rollout.data_parallel import generate_local
+        from mcore_rl.step_data import exchange_meta
 
         params = sampling_params(self.cfg.rollout, stop_token_ids=self.stop_ids)
         params.temperature = temperature
-        prompts = [ex.prompt_ids for ex in examples]
-        groups = generate_global(self.engine, prompts, n, params, seed=seed)
-        samples = [s for group in groups for s in group]
+        local = generate_local(self.engine, [ex.prompt_ids for ex in examples], n, params, seed=seed)
+        # Each sample is scored once, by one rank of the replica that generated it (LocalRollout.scored).
+        samples = [local.sample(i) for i in local.scored]
+        mine = [examples[i // n] for i in local.scored]
         texts = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
-        expanded = [ex for ex in examples for _ in range(n)]
-        scored = None
-        if self.rank == 0:  # scored once (in the reward worker) and shared: every rank sees the same rewards
-            scored = self.reward_fn(
-                texts,
-                [ex.ground_truth for ex in expanded],
-                [ex.data_source for ex in expanded],
-                [ex.extra_info for ex in expanded],
-                [len(s.response_ids) for s in samples],
-            )
-        box = [scored]
-        dist.broadcast_object_list(box, src=0)
-        return samples, box[0]
+        scored = self.reward_fn(
+            texts,
+            [ex.ground_truth for ex in mine],
+            [ex.data_source for ex in mine],
+            [ex.extra_info for ex in mine],
+            [len(s.response_ids) for s in samples],
+        )
+        meta = exchange_meta(local, scored.rewards, scored.valid, stats)
+        return local, meta, scored
 
     def sync_engine(self, verify: bool) -> dict:
         """Actor weights -> rollout engine (bucketed), verified against the actor when `verify`."""
@@ -195,35 +199,51 @@ class Trainer:
 
     def train_step(self) -> dict:
         from mcore_rl.algos import group_advantages
-        from mcore_rl.batch import pack_rollouts, split_for_rank
+        from mcore_rl.batch import plan_mini_batches
         from mcore_rl.rollout.weight_sync import verify_due
-        from mcore_rl.safety import check_reward_errors
+        from mcore_rl.safety import check_reward_errors, reward_errors_stop
+        from mcore_rl.step_data import ExchangeStats, first_reward_error, local_mini_batches
 
         cfg, timer, layout = self.cfg, PhaseTimer(), self.actor.layout
         step_start = time.perf_counter()
         examples = [self.train_set[i] for i in self.sampler.next_batch()]
+        exchanged = ExchangeStats()
         with timer("rollout"):
-            samples, scored = self.rollout(
-                examples, cfg.rollout.n, cfg.rollout.temperature, seed=cfg.trainer.seed * 1_000_003 + self.step * 7919
+            local, meta, scored = self.rollout(
+                examples,
+                cfg.rollout.n,
+                cfg.rollout.temperature,
+                seed=cfg.trainer.seed * 1_000_003 + self.step * 7919,
+                stats=exchanged,
             )
         self.engine.sleep()  # free the engine's memory for the actor's passes (a no-op where unsupported)
-        rewards = torch.tensor(scored.rewards, dtype=torch.float32)
-        valid = torch.tensor(scored.valid, dtype=torch.bool)  # failed rewards: out of their group and the loss
-        check_reward_errors(scored.errors, len(valid), scored.first_error, cfg.reward.max_error_rate, self.step + 1)
-        advantages = group_advantages(rewards, cfg.rollout.n, cfg.algo.adv_estimator, valid=valid)
-        batch = pack_rollouts(
-            samples, rewards, advantages, self.tokenizer.pad_token_id, layout.seq_len_multiple, valid=valid
-        )
-        mini_batches = split_for_rank(
-            batch,
+        max_rate = cfg.reward.max_error_rate
+        stopping = reward_errors_stop(meta.errors, meta.size, max_rate)  # the same on every rank
+        first_error = first_reward_error(scored.first_error) if stopping else scored.first_error
+        check_reward_errors(meta.errors, meta.size, first_error, max_rate, self.step + 1)
+        # failed rewards (meta.valid False): out of their group and the loss
+        advantages = group_advantages(meta.rewards, cfg.rollout.n, cfg.algo.adv_estimator, valid=meta.valid)
+        plans = plan_mini_batches(
+            meta.lengths,
+            meta.loss_tokens,
             cfg.algo.mini_batches,
             layout.dp,
-            layout.ranks.dp,
             None if cfg.actor.max_tokens_per_micro_batch else cfg.actor.parallel.micro_batch_size,
+            cfg.actor.max_tokens_per_micro_batch,
+            layout.seq_len_multiple,
             max_len=cfg.rollout.max_new_tokens,
+        )
+        # Only the samples this rank's data-parallel rank trains on reach it (mcore_rl.step_data).
+        mini_batches = local_mini_batches(
+            local,
+            meta,
+            plans,
+            advantages,
+            self.dp_of_rank,
+            self.tokenizer.pad_token_id,
+            layout.seq_len_multiple,
             route_experts=self.actor.hf_config.num_experts if cfg.algo.routing_replay == "r3" else None,
-            max_tokens=cfg.actor.max_tokens_per_micro_batch,
-            multiple=layout.seq_len_multiple,
+            stats=exchanged,
         )
         micro_all = [mb for mini in mini_batches for mb in mini.micro_batches]
         on_policy = cfg.algo.old_from_update
@@ -249,17 +269,19 @@ class Trainer:
         self.step += 1
 
         self.last_applied = [bool(v) for v in update.get("update_successful", [])]
-        response_lengths = batch.response_lengths.float()
+        response_lengths = meta.response_lengths.float()
         num_tokens = int(response_lengths.sum())
         elapsed = time.perf_counter() - step_start
-        scored_rewards = rewards[valid]
+        scored_rewards = meta.rewards[meta.valid]
         metrics = {
             "reward/mean": float(scored_rewards.mean()) if len(scored_rewards) else 0.0,
             "reward/std": float(scored_rewards.std()) if len(scored_rewards) > 1 else 0.0,
-            "reward/errors": scored.errors,
+            "reward/errors": meta.errors,
             "response/length_mean": float(response_lengths.mean()),
             "response/length_max": float(response_lengths.max()),
-            "response/clip_ratio": float(np.mean([s.finish_reason == "length" for s in samples])),
+            "response/clip_ratio": float(meta.truncated.float().mean()),
+            # this rank's step-data traffic: its part of the metadata all-reduce + the samples it received
+            "perf/step_data_bytes": exchanged.meta_bytes + exchanged.received_bytes,
             "perf/tokens_per_s": num_tokens / max(elapsed, 1e-9),
             "perf/rollout_tokens_per_s": num_tokens / max(timer.seconds["rollout"], 1e-9),
             "perf/step_seconds": elapsed,
@@ -269,7 +291,7 @@ class Trainer:
             **sync_metrics,
         }
         if entropy_sum is not None:
-            metrics["train/entropy_old"] = entropy_sum / max(1, int(batch.loss_mask.sum()))
+            metrics["train/entropy_old"] = entropy_sum / max(1, sum(meta.loss_tokens))
         else:  # on-policy: the update's forward ran on the old policy's weights
             metrics["train/entropy_old"] = metrics["train/entropy"]
         return metrics
@@ -277,8 +299,8 @@ class Trainer:
     def validate(self) -> dict:
         """Mean reward of one sample per validation prompt (pass@1), greedy."""
         examples = [self.val_set[i] for i in range(min(len(self.val_set), self.cfg.trainer.val_prompts))]
-        _, scored = self.rollout(examples, n=1, temperature=0.0, seed=self.cfg.trainer.seed)
-        return {"val/reward_mean": float(np.mean(scored.rewards))}
+        _, meta, _ = self.rollout(examples, n=1, temperature=0.0, seed=self.cfg.trainer.seed)
+        return {"val/reward_mean": float(meta.rewards.double().mean())}
 
     # ---- checkpoints -------------------------------------------------------------------------
     def _stop_if_asked(self) -> None:

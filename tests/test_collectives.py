@@ -50,7 +50,8 @@ ALLOWED = {
     ("platform/shm_gather.py", "_shared_segments", "all_gather_object"): "object gather: host ids at set-up",
     ("platform/shm_gather.py", "_shared_segments", "all_gather_object#2"): "object gather: shared-memory "
     "probe votes at set-up",
-    ("rollout/data_parallel.py", "generate_global", "all_gather_object"): "object gather: rollout samples",
+    ("rollout/data_parallel.py", "generate_global", "all_gather_object"): "object gather: rollout samples "
+    "(every sample to every rank; the trainer moves step data with mcore_rl.step_data instead)",
     ("rollout/weight_sync.py", "_worst_tensors", "all_gather_object"): "object gather: names of the worst "
     "tensors for an error message",
     ("rollout/vllm_engine.py", "_gather", "all_gather_object"): "object gather: generations of the TP ranks",
@@ -69,7 +70,13 @@ ALLOWED = {
     "claim error (a message string)",
     ("safety.py", "check_weights_finite", "all_gather_object"): "object gather: names of non-finite weights "
     "(only after a rank found one)",
-    ("trainer.py", "rollout", "broadcast_object_list"): "object broadcast: the rewards rank 0 scored once",
+    ("step_data.py", "exchange_meta", "all_reduce"): "step metadata: [B, 6] int64 per-sample lengths and "
+    "flags (more than a small collective's elements for large steps), CPU on the default group",
+    ("step_data.py", "exchange_meta", "all_reduce#2"): "step metadata: [B] float32 rewards",
+    ("step_data.py", "exchange_samples", "all_to_all_single"): "step data: sample tokens / log-probs / routes "
+    "to the ranks that train on them (bytes, CPU on the default group)",
+    ("step_data.py", "first_reward_error", "all_gather_object"): "object gather: the first reward error "
+    "message (only when the error rate stops the run)",
 }
 
 

@@ -38,11 +38,17 @@ class GlobalCounts:
         """
         if mask.dim() != 2:
             raise ValueError(f"mask must be [batch, tokens], got shape {tuple(mask.shape)}")
-        lengths = mask.sum(dim=-1)
+        lengths = [int(n) for n in mask.sum(dim=-1).tolist()]
+        return cls.from_lengths(lengths, mask.shape[-1] if max_len is None else max_len)
+
+    @classmethod
+    def from_lengths(cls, loss_tokens: list[int], max_len: int) -> "GlobalCounts":
+        """Counts from the valid response tokens of each sequence of the mini-batch (the row sums of its
+        mask): what a rank that holds only its own share of the sequences computes from the step's lengths."""
         return cls(
-            num_tokens=int(lengths.sum().item()),
-            num_seqs=int((lengths > 0).sum().item()),
-            max_len=int(mask.shape[-1] if max_len is None else max_len),
+            num_tokens=int(sum(loss_tokens)),
+            num_seqs=sum(1 for n in loss_tokens if n > 0),
+            max_len=int(max_len),
         )
 
     def validate(self) -> None:

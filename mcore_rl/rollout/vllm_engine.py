@@ -65,7 +65,6 @@ import tempfile
 import time
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Union
 
@@ -76,7 +75,7 @@ from mcore_rl.megatron.layout import validate_rollout_tp
 from mcore_rl.models.hf_io import torch_dtype, write_hf_folder
 from mcore_rl.platform import free_port
 from mcore_rl.rollout.base import RolloutEngine, RolloutSample, SamplingParams, check_generate_request, check_token_ids
-from mcore_rl.rollout.data_parallel import share
+from mcore_rl.rollout.data_parallel import ReplicaLayout
 
 log = logging.getLogger(__name__)
 
@@ -86,27 +85,6 @@ _SHARD_BYTES = 2 << 30  # rebuild writes safetensors shards of at most ~2 GiB
 # block (q/k/v -> qkv_proj, all experts -> one FusedMoE), so a complete block is a safe unit to reload.
 _BLOCK = re.compile(r"^(.*?\blayers\.\d+\.[^.]+)\.")
 _RELOAD_MODES = ("auto", "in_place", "rebuild")
-
-
-@dataclass(frozen=True)
-class ReplicaLayout:
-    """Where this process sits: ``tp`` consecutive ranks form one engine replica."""
-
-    rank: int
-    world: int
-    tp: int
-
-    @property
-    def num_replicas(self) -> int:
-        return self.world // self.tp
-
-    @property
-    def replica(self) -> int:
-        return self.rank // self.tp
-
-    def share(self, count: int) -> range:
-        """The contiguous slice of ``count`` items this replica handles (the first replicas take one more)."""
-        return share(count, self.replica, self.num_replicas)
 
 
 def _ensure_launcher_env() -> None:
@@ -242,8 +220,8 @@ def _shutdown_engine_client(client) -> None:
 class VllmEngine(RolloutEngine):
     """vLLM in every trainer process (external launcher), ``tp``-way tensor parallel, ``world / tp`` replicas."""
 
-    # generate()/score() take the full prompt list and split it over replicas themselves
-    # (mcore_rl.rollout.data_parallel.generate_global reads this flag)
+    # generate()/generate_share()/score() take the full prompt list and split it over replicas themselves
+    # (mcore_rl.rollout.data_parallel.generate_local reads this flag and `layout`)
     handles_data_parallel = True
 
     def __init__(
@@ -594,6 +572,11 @@ class VllmEngine(RolloutEngine):
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[RolloutSample]]:
         """All ranks pass the same prompts; each replica generates its share; every rank returns all results."""
+        return self._gather(self.generate_share(prompts, n, params))
+
+    def generate_share(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[RolloutSample]]:
+        """Like generate(), without the gather: the results of this replica's share (`self.layout.share`)
+        only (the trainer moves each sample to the ranks that train on it: mcore_rl.step_data)."""
         self._check_awake("generate")
         self._check_sampling(prompts, n, params)
         mine = self.layout.share(len(prompts))
@@ -603,7 +586,7 @@ class VllmEngine(RolloutEngine):
             sps = [self._vllm_params(params, n, None if params.seed is None else params.seed + i * n) for i in mine]
             outputs = self.llm.generate(requests, sps, use_tqdm=False)
             local = [self._samples(prompts[i], out) for i, out in zip(mine, outputs)]
-        return self._gather(local)
+        return local
 
     def _samples(self, prompt: list[int], out) -> list[RolloutSample]:
         samples = []
