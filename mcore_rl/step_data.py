@@ -130,6 +130,16 @@ def needs_by_rank(plans: list[MiniBatchPlan], dp_of_rank: list[int]) -> list[lis
     return [by_dp[dp] for dp in dp_of_rank]
 
 
+def dp_ranks(dp_rank: int) -> list[int]:
+    """Collective: the data-parallel rank of every global rank (this rank passes its own)."""
+    from mcore_rl.platform import collectives
+
+    if not dist.is_initialized():
+        return [dp_rank]
+    rank = dist.get_rank()
+    return collectives.sum_ints([dp_rank if r == rank else 0 for r in range(dist.get_world_size())])
+
+
 # ---- metadata ------------------------------------------------------------------------------------
 
 
@@ -182,9 +192,15 @@ def exchange_meta(
     if world > 1:
         dist.all_reduce(ints)
         dist.all_reduce(floats)
-    if stats is not None:  # a ring all-reduce moves ~2 (world - 1) / world of the tensor per rank each way
-        stats.meta_bytes = 2 * (world - 1) * (ints.numel() * 8 + floats.numel() * 4) // world
+    if stats is not None:
+        stats.meta_bytes = meta_nbytes(ints.shape[0], world)
     return meta_from_tensors(ints, floats)
+
+
+def meta_nbytes(size: int, world: int) -> int:
+    """Bytes one rank receives in the metadata all-reduce of a `size`-sample step: a ring all-reduce moves
+    2 (world - 1) / world of the tensors ([B, 6] int64 + [B] float32) into each rank."""
+    return 2 * (world - 1) * size * (_META_COLUMNS * 8 + 4) // world
 
 
 def first_reward_error(local_first: Optional[str]) -> Optional[str]:

@@ -1,15 +1,20 @@
 """The RL loop. SPMD: every rank runs `run(cfg)`; torchrun (or `mcore-rl train`) starts the ranks.
 
 One step:
-  prompts -> rollout (n samples each, spread over engine replicas, gathered on every rank)
-  -> rewards -> group advantages -> pack into a global batch
+  prompts -> rollout (n samples each; each engine replica generates a contiguous share of the prompts)
+  -> rewards (each sample scored once, by one rank of the replica that generated it)
+  -> step metadata on every rank (lengths, truncated, reward, validity of every sample: tensors, all-reduced)
+  -> group advantages and the plan of mini-batches / DP ranks / micro-batches, from that metadata, on every rank
+  -> each sample's tokens (+ rollout log-probs, R3 routes) to the ranks of the DP rank that trains on it only
   -> old log-probs (a forward-only pass; skipped when the update is exactly on-policy: one mini-batch,
      one epoch, no R3, where the update's own log-probs, detached, are the old ones)
   -> mini-batch updates with the chosen loss (Megatron forward-backward, global normalisation)
   -> weight sync actor -> engine (+ verification) -> metrics, validation, checkpoint.
 
-The global batch is identical on every rank; each data-parallel rank trains on its share. Groups
-never need a cross-rank gather for advantages because every rank holds every group.
+No rank holds the whole step: a data-parallel rank (and its model-parallel peers) receives exactly the
+samples of its share, as `batch.split_for_rank` of the whole batch would cut it (mcore_rl/step_data.py;
+docs/architecture.md, "Per-rank step data"). Groups need no cross-rank gather for advantages: every rank
+has every sample's reward and validity from the metadata.
 """
 
 from __future__ import annotations
@@ -65,12 +70,13 @@ class Trainer:
         from mcore_rl.data import EpochSampler, load_prompt_dataset
         from mcore_rl.megatron.actor import Actor
         from mcore_rl.metrics import MetricsLogger
-        from mcore_rl.platform import collectives, get_platform
+        from mcore_rl.platform import get_platform
         from mcore_rl.rewards import RewardScorer
         from mcore_rl.rollout import make_engine
         from mcore_rl.rollout.weight_sync import ProbeBatch
         from mcore_rl.run_dir import CheckpointManager, claim_run_dir_collective, resolve_verified_resume
         from mcore_rl.safety import STOP_FILE, SkipCounter, StopSignals
+        from mcore_rl.step_data import dp_ranks
 
         self.cfg = cfg
         self.platform = get_platform(cfg.platform)
@@ -98,9 +104,7 @@ class Trainer:
         if cfg.algo.routing_replay is not None:
             self.actor.enable_routing_replay()
         # The data-parallel rank of every rank: who trains on which samples (mcore_rl.step_data).
-        self.dp_of_rank = collectives.sum_ints(
-            [self.actor.layout.ranks.dp if r == self.rank else 0 for r in range(self.world)]
-        )
+        self.dp_of_rank = dp_ranks(self.actor.layout.ranks.dp)
         # The KL reference is the initial policy: a second, frozen copy of the model in the same layout.
         self.ref_actor = Actor.frozen(cfg, self.platform) if cfg.algo.kl_coef > 0 else None
         # vLLM sizes its KV cache for the longest sequence it may see; the model's maximum wastes memory.

@@ -6,6 +6,8 @@ Layout: every trainer process runs one in-process vLLM engine through vLLM's ext
 replica, and the ``world / rollout.tp`` replicas generate independently (vLLM's "external data parallel").
 Every rank passes the *same* full prompt list; each replica generates its contiguous share and the results
 are gathered, so every rank returns the full result, in prompt order, like the embedded engine.
+``generate_share`` (what the trainer calls) returns the replica's share only, without the gather; the trainer
+moves each sample to the ranks that train on it (``mcore_rl.step_data``).
 
 Semantics shared with the embedded engine (``mcore_rl.rollout.embedded``):
 
