@@ -14,7 +14,9 @@ Each job also runs the packed path (token-budget micro-batches, padding removed;
 maximum length, one with a single response token) against the same padded world-1 reference: log-probs
 (<= 1e-5 abs at response tokens), loss and every update, at world 1 (in the reference job) and in each layout.
 Each layout also checks the on-policy shortcut (no old-policy pass; the update's own log-probs, detached,
-as old) against the two-pass path under R2: loss, entropy metric and update within 1e-6 relative.
+as old) against the two-pass path under R2: loss, entropy metric and update within 1e-6 relative, and
+per-rank step data (each rank receives only its DP rank's samples through the real collectives) against the
+all-gathered path: identical micro-batches, loss and update within the tolerances above.
 """
 
 import pytest
@@ -68,7 +70,8 @@ def test_loss_and_update_match_world1(reference, tiny_model_dir, tp, pp, ep, n_m
         return
     ref_dir, want = reference
     args = dict(out_dir=ref_dir, model_dir=tiny_model_dir, tp=tp, pp=pp, ep=ep, n_micro=n_micro, mode="check")
-    for r in run_worker(WORKER, 2, **args, timeout=240).results:  # one per rank: both must report
+    results = run_worker(WORKER, 2, **args, timeout=240).results
+    for r in results:  # one per rank: both must report
         for loss in LOSSES:
             got, ref = r[loss], want[loss]
             assert abs(got["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), (loss, got, ref)
@@ -77,3 +80,19 @@ def test_loss_and_update_match_world1(reference, tiny_model_dir, tp, pp, ep, n_m
             check_packed(loss, got["packed"], ref)
         check_shortcut(r["shortcut"])
         print(f"rank {r['rank']} shortcut: {r['shortcut']}")
+    check_step_data([r["step_data"] for r in results], dp=2 // (tp * pp), batch=8)
+
+
+def check_step_data(got: list[dict], dp: int, batch: int) -> None:
+    """Per-rank step data against the all-gathered path (the worker asserted identical micro-batches): the same
+    loss and update within the layout tolerances; every DP rank trained on its own share (shares of different DP
+    ranks disjoint and together the whole batch; ranks of one DP rank the same share); each rank received exactly
+    the samples of its share it did not generate."""
+    shares: dict[int, list[int]] = {}
+    for r in got:
+        assert r["rel_loss"] <= 1e-5 and r["update_diff"] <= 1e-5 * r["largest_update"], r
+        assert shares.setdefault(r["dp_rank"], r["trained"]) == r["trained"], got
+        assert r["received"] == [i for i in r["trained"] if i not in r["held"]], r
+        assert 0 < r["received_bytes"] < r["step_bytes"], r
+    assert len(shares) == dp and sorted(i for s in shares.values() for i in s) == list(range(batch)), shares
+    print("step data:", [{k: r[k] for k in ("dp_rank", "trained", "received_bytes", "seconds")} for r in got])

@@ -16,9 +16,16 @@ loss is off in both (mbridge's Qwen3-MoE config: moe_router_load_balancing_type 
 Result per rank: for each loss its value, the step's metrics and the number of parameters, after check the
 measured differences, and under "packed" the packed path's measurements; after check also "shortcut", the
 on-policy shortcut's measured differences from the two-pass path.
+
+In check mode, for gspo, also per-rank step data (mcore_rl.step_data) with the real collectives: each rank
+holds the half of the batch it "generated" (with R3 routes), the metadata is all-reduced and each rank receives
+only its DP rank's samples; its micro-batches must equal the all-gathered path's (pack_rollouts + split_for_rank
+of the whole batch) field by field, and a fresh Actor's loss and update on them must equal the packed step's
+just taken; result "step_data": those differences, the samples held / trained on / received, bytes received.
 """
 
 import os
+import time
 
 import torch
 
@@ -104,6 +111,71 @@ def packed_step(actor, algo, tokens, loss_mask, advantages, lp_full, fields, cou
         mb.ref_log_prob = pack_field(fields["ref"], mb)
     metrics = actor.train_step(mbs, make_policy_loss_fn(algo, mini.counts, layout.groups.tp))
     return metrics, lp_diff, [mb.tokens.shape[1] for mb in mbs]
+
+
+# Per-rank step data (mcore_rl.step_data) through the real collectives, against today's all-gathered path
+# (every rank packs every sample: pack_rollouts + split_for_rank): the same micro-batches, field by field,
+# only this DP rank's samples received, and the same loss and update (compare's tolerances).
+def check_per_rank_step_data(actor, algo, tokens, loss_mask, rewards, fields, before):
+    """Returns (metrics, update, measurements) of a step on the micro-batches built from per-rank step data."""
+    import dataclasses
+
+    from mcore_rl.algos import group_advantages
+    from mcore_rl.batch import pack_field, pack_rollouts, plan_mini_batches, split_for_rank
+    from mcore_rl.megatron.policy_loss import make_policy_loss_fn
+    from mcore_rl.rollout.base import RolloutSample
+    from mcore_rl.rollout.data_parallel import LocalRollout, ReplicaLayout
+    from mcore_rl.step_data import ExchangeStats, dp_ranks, exchange_meta, local_mini_batches
+
+    layout, rank, world = actor.layout, torch.distributed.get_rank(), torch.distributed.get_world_size()
+    hf = actor.hf_config
+    experts, top_k, layers = hf.num_experts, hf.num_experts_per_tok, hf.num_hidden_layers
+    g = torch.Generator().manual_seed(7)
+    samples = []
+    for i in range(B):  # the test batch as the engine returns it, with R3 routes (exchanged, not trained on)
+        p, r = int(loss_mask[i].argmax()) + 1, int(loss_mask[i].sum())
+        routes = torch.randint(0, experts, (p + r, layers, top_k), generator=g).to(torch.int16)
+        lp = fields["rollout"][i, p - 1 : p + r - 1].clone()
+        samples.append(RolloutSample(tokens[i, :p].tolist(), tokens[i, p : p + r].tolist(), lp, "stop", routes))
+    replicas = ReplicaLayout(rank, world, 1)  # the embedded engine: each rank generated B / world samples
+    local = LocalRollout(replicas, B, 1, [[samples[i]] for i in replicas.share(B)])
+    stats = ExchangeStats()
+    meta = exchange_meta(local, [float(rewards[i]) for i in local.scored], [True] * len(local.scored), stats)
+    advantages = group_advantages(meta.rewards, GROUP)
+    plans = plan_mini_batches(
+        meta.lengths, meta.loss_tokens, 1, layout.dp, max_tokens=BUDGET, multiple=layout.seq_len_multiple, max_len=S
+    )
+    multiple = layout.seq_len_multiple
+    (mini,) = local_mini_batches(local, meta, plans, advantages, dp_ranks(layout.ranks.dp), 0, multiple, experts, stats)
+    whole = pack_rollouts(samples, rewards, group_advantages(rewards, GROUP), 0, multiple)
+    (today,) = split_for_rank(
+        whole, 1, layout.dp, layout.ranks.dp, max_len=S, route_experts=experts, max_tokens=BUDGET, multiple=multiple
+    )
+    assert mini.counts == today.counts, (mini.counts, today.counts)
+    assert len(mini.micro_batches) == len(today.micro_batches)
+    for a, b in zip(mini.micro_batches, today.micro_batches):
+        for f in dataclasses.fields(a):
+            x, y = getattr(a, f.name), getattr(b, f.name)
+            same = torch.equal(x, y) if torch.is_tensor(y) else x == y
+            assert same, f"per-rank step data: micro-batch field {f.name} differs from the all-gathered path"
+    trained = sorted(i for mb in mini.micro_batches for i in mb.sequences)
+    received = [i for i in trained if i not in local.held]
+    # exactly this DP rank's samples that this rank did not generate reached it, nothing else
+    assert stats.received_bytes == sum(meta.sample_nbytes(i) for i in received), stats
+    for mb in mini.micro_batches:  # R3 is off in this test: train without routes
+        mb.routed_experts = mb.route_valid = None
+        mb.old_log_prob, mb.ref_log_prob = pack_field(fields["old"], mb), pack_field(fields["ref"], mb)
+    metrics = actor.train_step(mini.micro_batches, make_policy_loss_fn(algo, mini.counts, layout.groups.tp))
+    update = {n: (t.float() - before[n].float()).clone() for n, t in actor.export_hf_weights()}
+    measured = dict(
+        dp_rank=layout.ranks.dp,
+        held=list(local.held),
+        trained=trained,
+        received=received,
+        received_bytes=stats.received_bytes,
+        step_bytes=sum(meta.sample_nbytes(i) for i in range(B)),
+    )
+    return metrics, update, measured
 
 
 # The on-policy shortcut (AlgoConfig.old_from_update) against the two-pass path it replaces, under R2 (the
@@ -284,6 +356,15 @@ def main():
         packed = compare("packed", name, metrics, update, want, text, loss_abs_tol=1e-6)
         report[name]["packed"] = dict(packed, log_prob_diff=lp_diff, rows=lengths, params=len(update))
         del actor
+        if name == "gspo" and mode == "check":  # per-rank step data against the packed step just taken
+            start = time.perf_counter()
+            actor = Actor(cfg, platform)
+            got, got_update, measured = check_per_rank_step_data(
+                actor, algo, tokens, loss_mask, rewards, fields, before
+            )
+            same = compare("step_data", name, got, got_update, {"loss": metrics["loss"], "update": update}, "")
+            report["step_data"] = dict(same, **measured, seconds=time.perf_counter() - start)
+            del actor
     if mode == "ref" and torch.distributed.get_rank() == 0:
         torch.save(results, os.path.join(out_dir, "ref.pt"))
     torch.distributed.barrier()
