@@ -1,6 +1,7 @@
 """torchrun worker: every rank starts the vLLM engine through the external launcher (TP groups of `tp` ranks,
 world / tp replicas), generates for the same prompts and scores them; rank 0 checks the gathered results
-against a Hugging Face forward and that every rank got identical results.
+against a Hugging Face forward and that every rank got identical results; the trainer's path (generate_local:
+the replica's share, no gather) gives the same samples as the gathered one.
 
 usage: torchrun --nproc_per_node=N vllm_spmd.py --model-dir DIR --tp 2 --results DIR
 Result per rank (tests/workers/harness.py): TP, replicas and the largest sampled / scored log-prob differences.
@@ -33,7 +34,7 @@ def main() -> None:
     from mcore_rl.config import RolloutConfig
     from mcore_rl.rollout import make_engine
     from mcore_rl.rollout.base import SamplingParams
-    from mcore_rl.rollout.data_parallel import generate_global
+    from mcore_rl.rollout.data_parallel import generate_global, generate_local
 
     world = dist.get_world_size()
     engine = make_engine(RolloutConfig(engine="vllm", tp=tp), model_dir, dtype="float32", max_model_len=256)
@@ -42,10 +43,15 @@ def main() -> None:
 
     assert get_tensor_model_parallel_world_size() == tp, "vLLM did not form TP groups of rollout.tp ranks"
     assert engine.layout.num_replicas == world // tp
-    # the trainer's path: generate_global hands the full list to an engine that splits it itself
+    # generate_global hands the full list to an engine that splits it itself and gathers the results
     out = generate_global(engine, prompts, 2, SamplingParams(max_new_tokens=6), seed=7)
     assert [len(g) for g in out] == [2] * len(prompts)
     assert [g[0].prompt_ids for g in out] == prompts
+    # the trainer's path (generate_local -> engine.generate_share): this replica's share only, the same samples
+    local = generate_local(engine, prompts, 2, SamplingParams(max_new_tokens=6), seed=7)
+    assert local.replicas == engine.layout and local.prompts == engine.layout.share(len(prompts))
+    got = [[s.response_ids for s in g] for g in local.groups]
+    assert got == [[s.response_ids for s in out[i]] for i in local.prompts], "generate_share differs from generate"
     samples = [s for g in out for s in g]
     seqs = [s.prompt_ids + s.response_ids for s in samples]
     plens = [len(s.prompt_ids) for s in samples]
