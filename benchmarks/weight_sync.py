@@ -12,8 +12,10 @@ The sync runs as the trainer's does: the exporter gathers straight into the engi
 qualify (`into=engine.weight_buffer`); `--baseline` also times, in the same run, the gather-into-buffers-then-
 copy path (no `into`). Prints the sync's GB/s, memcpy GB/s and their ratio (target >= 0.5), and the gloo all_gather rate between
 the two processes (the transport the exporter's gathers use: on one CPU host it is the bottleneck) next to
-the same gather through shared memory (/dev/shm), what a same-host transport in the exporter could reach. `--check` re-exports and compares
-every engine tensor with the actor's (bit-exact expected).
+the same gather through shared memory (/dev/shm), what a same-host transport in the exporter could reach. `--check` re-exports
+through torch.distributed (whole split tensors gathered and converted by mbridge, an independent path) and compares
+every engine tensor with it (bit-exact expected); the baseline runs first, so the check sees the direct path's result.
+Also printed: how many of the direct sync's bytes went straight into the engine and how many through buffers.
 """
 
 from __future__ import annotations
@@ -131,6 +133,7 @@ def main() -> None:
     from mcore_rl.megatron.parallel import destroy_parallel, init_parallel
     from mcore_rl.models.bridge import ModelBridge
     from mcore_rl.platform import get_platform
+    from mcore_rl.platform.shm_gather import GroupGather
     from mcore_rl.rollout.embedded import EmbeddedEngine
     from mcore_rl.rollout.weight_sync import sync_weights
 
@@ -183,11 +186,16 @@ def main() -> None:
                 print(f"{label} trial {trial}: {stats.summary()}", flush=True)
         return out
 
-    results = timed_syncs(True, "into the engine")
+    # the baseline first, so that the engine holds what the direct path wrote when --check compares it
     baseline = timed_syncs(False, "baseline (gather, then copy)") if args.baseline else []
+    results = timed_syncs(True, "into the engine")
+    direct_stats = bridge.stats  # of the last sync into the engine
     dist.barrier()
     check = None
     if args.check:
+        # the reference export takes the other transport (torch.distributed: ranks claim different hosts), where
+        # every split tensor is gathered whole and converted by mbridge; it is compared with the engine's tensors
+        bridge._gather = GroupGather(host_id=lambda: f"bench-rank-{rank}")
         diffs = engine.weight_diffs(bridge.export_hf_weights(chunks)) if engine else None
         if engine is None:
             for _ in bridge.export_hf_weights(chunks):
@@ -218,6 +226,9 @@ def main() -> None:
             baseline_gb_s=round(base.gb_per_s, 3) if base else None,
             baseline_ratio=round(base.gb_per_s / memcpy, 3) if base else None,
             peak_rss_gb=rss,
+            direct_gb=round(direct_stats.direct_bytes / 1e9, 3),
+            buffered_gb=round(direct_stats.buffered_bytes / 1e9, 3),
+            buffered_examples=sorted(direct_stats.buffered, key=direct_stats.buffered.get)[-3:],
             max_abs_diff=check,
         )
         print("RESULT " + json.dumps(summary), flush=True)

@@ -65,4 +65,11 @@ def test_export_over_shared_memory_is_bit_exact(tiny_model_dir, nproc, tp, ep, e
     for r in results:
         assert (r["layout"], r["tensors"], len(r["exports"])) == ([tp, ep, etp], tensors, 7), r
         assert 0 < r["in_place"] <= tensors, r
+        # every gathered tensor went straight into the engine, none through a full-size buffer; at TP2 that
+        # includes the fused QKV (regrouped per query group) and the embedding / output layer (row plans); with
+        # ETP > 1 only the peers' expert shards are staged between the EP and the ETP gather
+        assert r["buffered"] == [] and r["direct_bytes"] > 0, r
+        if tp > 1:  # (at TP1 they are not split: the engine copies the actor's tensor once)
+            assert r["rows_moved_not_in_place"] == [], r
+        assert (r["staged_bytes"] > 0) == (ep > 1 and etp > 1), r
     print(f"into the engine: {results[0]['in_place']} of {tensors} tensors gathered in place")

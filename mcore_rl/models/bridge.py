@@ -36,6 +36,7 @@ from mcore_rl.compat import transformers as compat_transformers
 from mcore_rl.config import ModelConfig
 from mcore_rl.megatron.layout import Layout
 from mcore_rl.models.hf_io import torch_dtype
+from mcore_rl.models.row_plan import RowPlan, build_row_plan
 from mcore_rl.platform import Platform
 from mcore_rl.platform.shm_gather import Arena, GroupGather
 
@@ -108,6 +109,7 @@ _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12
 WeightBuffers = Callable[[str], Optional[torch.Tensor]]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LAYER_NUMBER = re.compile(r"layers\.\d+\.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,6 +242,8 @@ class ModelBridge:
         # params whose HF tensors cannot be gathered into the memory of the consumer `_direct_owner` (its id)
         self._not_direct: set[str] = set()
         self._direct_owner: Optional[int] = None
+        self._row_plans: dict[tuple, Optional[RowPlan]] = {}  # (parameter kind, shard shape, tp, gated) -> plan
+        self.stats = ExportStats()  # of the export in progress or the last one
 
     # ---- build -------------------------------------------------------------------------------
     def megatron_config_overrides(self, layout: Layout, model_cfg: ModelConfig) -> dict:
@@ -400,7 +404,11 @@ class ModelBridge:
         parameter). A gathered tensor whose Hugging Face tensors are plain views of one contiguous range of the
         consumer's memory (checked by pointer, shape and stride; see `_direct_destination`) is gathered straight
         into it, so each byte moves once; the pair yielded then IS the consumer's tensor (a consumer copying a
-        tensor onto itself must skip it). Anything else is gathered into reused buffers as without `into`.
+        tensor onto itself must skip it). Row-split TP parameters whose conversion moves rows (the fused QKV
+        regrouped per query group, the gated fc1, the embedding / output layer) follow a row plan when gathered
+        through shared memory: each shard's rows go straight into the consumer's q / k / v, gate / up, ...
+        tensors (row_plan.py). Anything else is gathered into reused buffers as without `into`; `self.stats`
+        says how many bytes went which way.
         """
         backend = self._require_backend()
         if gather_batch_mb <= 0:
@@ -420,6 +428,7 @@ class ModelBridge:
         owner = id(getattr(into, "__self__", into))  # a bound method's engine: its decisions are remembered
         if into is not None and owner != self._direct_owner:
             self._not_direct, self._direct_owner = set(), owner
+        self.stats = ExportStats()
         for stage, stage_meta in enumerate(per_stage):
             batch, batch_bytes = [], 0
             for k, (canonical, is_expert, pdim, shape, dtype) in enumerate(stage_meta):
@@ -446,65 +455,151 @@ class ModelBridge:
     def _export_batch(self, batch: list["_Exported"], gated: bool, receive: bool, into: Optional[WeightBuffers]):
         """Gather a batch's shards with one collective call per process group, then yield its HF tensors.
 
-        Dense TP shards are gathered straight into their merged tensor; experts first over EP (the same local
-        expert of every EP rank, each with its global id; this rank's own is used in place), then each of those
-        over ETP into its merged tensor. With receive=False this rank only contributes shards, yields nothing.
-        With `into`, a merged or peer tensor whose consumer memory qualifies is gathered there instead."""
+        Dense TP shards are gathered straight into their merged tensor, or, where a row plan exists (see
+        `_row_plan`), block by block straight into the Hugging Face tensors; experts first over EP (the same
+        local expert of every EP rank, each with its global id; this rank's own is used in place), then each of
+        those over ETP into its merged tensor. With receive=False this rank only contributes shards, yields
+        nothing. With `into`, a tensor whose consumer memory qualifies is gathered there instead of a buffer;
+        the buffers (one reused arena) are sized for exactly the rest."""
         layout = self.layout
-        tp_group, ep_group, etp_group = layout.groups.tp, layout.groups.ep, layout.groups.etp
+        # ETP gathers EP-gathered experts: with ETP > 1 a rank needs the EP step's data even if it yields nothing
+        ep_receive = receive or (layout.etp > 1 and any(x.is_expert and x.pdim >= 0 for x in batch))
+        plans = {i: plan for i, x in enumerate(batch) if (plan := self._row_plan(x, gated)) is not None}
+        sizing = _Sizing()  # a dry run with meta tensors counts the buffers the batch needs
+        self._place(batch, plans, gated, receive, ep_receive, into, sizing.empty, None)
+        placed = self._place(batch, plans, gated, receive, ep_receive, into, self._allocator(sizing.needs), self.stats)
+        self._all_gather_into(placed.tp_items, layout.groups.tp, receive)
+        self._all_gather_into(placed.ep_items, layout.groups.ep, ep_receive)
+        self._all_gather_into(placed.etp_items, layout.groups.etp, receive)
+        if not receive:
+            return
+        for converted, name, tensor in placed.outputs:  # only `placed` keeps the gathered tensors
+            if converted:
+                yield name, tensor
+            else:
+                yield from zip(*self._backend.to_hf(name, tensor))
+
+    def _place(
+        self,
+        batch: list["_Exported"],
+        plans: dict[int, RowPlan],
+        gated: bool,
+        receive: bool,
+        ep_receive: bool,
+        into: Optional[WeightBuffers],
+        buffer: Callable,
+        stats: Optional["ExportStats"],
+    ) -> "_Placement":
+        """Destinations of a batch's gathers and what to yield: consumer memory where it qualifies, else
+        `buffer(shape, dtype)`. Every rank builds gather items of the same shapes in the same order (a row plan
+        depends on names, shapes and the transport only; receive / into change destinations, never items)."""
+        layout = self.layout
         tp, ep, etp, ep_rank = layout.tp, layout.ep, layout.etp, layout.ranks.ep
         num_local = (self.transformer_config.num_moe_experts or 0) // ep
-        # ETP gathers EP-gathered experts: with ETP > 1 a rank needs the EP step's data even if it yields nothing
-        ep_receive = receive or (etp > 1 and any(x.is_expert and x.pdim >= 0 for x in batch))
-        arena = self._output_allocator(batch, receive, ep_receive, tp, ep, etp)
+        placed = _Placement()
 
         def alloc(name: str, shape, dtype, final: bool = True) -> torch.Tensor:
-            """Where the full tensor `name` is gathered: the consumer's memory when allowed, else the arena."""
+            """Where the full tensor `name` is gathered: the consumer's memory when allowed, else a buffer."""
             direct = self._direct_destination(name, shape, dtype, into) if final and receive else None
-            return direct if direct is not None else arena(shape, dtype)
+            if stats is not None and not final:
+                stats.staged_bytes += _numel(shape) * dtype.itemsize
+            elif stats is not None:
+                stats.count(name, _numel(shape) * dtype.itemsize, direct is not None)
+            return direct if direct is not None else buffer(shape, dtype)
 
-        full: dict[int, list[torch.Tensor]] = {}  # batch index -> full tensors (several for experts: one per EP rank)
-        names: dict[int, list[str]] = {}
-        tp_items, ep_items, etp_items = [], [], []
         for i, x in enumerate(batch):
-            if x.is_expert:
+            if i in plans:
+                items, outputs = self._planned(x, plans[i], receive, into, buffer, stats)
+                placed.tp_items += items
+                placed.outputs += [(True, name, t) for name, t in outputs]
+            elif x.is_expert:
                 prefix, gid = x.canonical.rsplit(".weight", 1)
-                names[i] = [f"{prefix}.weight{e * num_local + int(gid) % num_local}" for e in range(ep)]
+                names = [f"{prefix}.weight{e * num_local + int(gid) % num_local}" for e in range(ep)]
                 # own expert in place (a consumer copy costs the same as ours); with ETP the EP step gathers
                 # intermediates, merged over ETP below
                 final = receive and not (x.pdim >= 0 and etp > 1)
-                full[i] = [
+                full = [
                     x.tensor
                     if e == ep_rank or not ep_receive
-                    else alloc(names[i][e], x.tensor.shape, x.tensor.dtype, final)
+                    else alloc(names[e], x.tensor.shape, x.tensor.dtype, final)
                     for e in range(ep)
                 ]
                 if ep > 1:
-                    ep_items.append((x.tensor, full[i] if ep_receive else None))
+                    placed.ep_items.append((x.tensor, full if ep_receive else None))
+                if x.pdim >= 0 and etp > 1:
+                    merged = [
+                        alloc(name, _merged_shape(shard, etp, x.pdim), shard.dtype) if receive else None
+                        for name, shard in zip(names, full)
+                    ]
+                    for name, shard, m in zip(names, full, merged):
+                        views = _shard_views(name, m, etp, x.pdim, gated) if receive else None
+                        placed.etp_items.append((_as_shard_view(name, shard, gated), views))
+                    full = merged
+                placed.outputs += [(False, name, t) for name, t in zip(names, full)]
             elif x.pdim >= 0 and tp > 1:
                 merged = alloc(x.canonical, _merged_shape(x.tensor, tp, x.pdim), x.tensor.dtype) if receive else None
                 views = _shard_views(x.canonical, merged, tp, x.pdim, gated) if receive else None
-                tp_items.append((_as_shard_view(x.canonical, x.tensor, gated), views))
-                full[i] = [merged]
-        self._all_gather_into(tp_items, tp_group, receive)
-        self._all_gather_into(ep_items, ep_group, ep_receive)
-        for i, x in enumerate(batch):
-            if x.is_expert and x.pdim >= 0 and etp > 1:
-                merged = [
-                    alloc(name, _merged_shape(shard, etp, x.pdim), shard.dtype) if receive else None
-                    for name, shard in zip(names[i], full[i])
-                ]
-                for name, shard, m in zip(names[i], full[i], merged):
-                    views = _shard_views(name, m, etp, x.pdim, gated) if receive else None
-                    etp_items.append((_as_shard_view(name, shard, gated), views))
-                full[i] = merged
-        self._all_gather_into(etp_items, etp_group, receive)
-        del tp_items, ep_items, etp_items  # only `full` keeps the gathered tensors, and drops each once yielded
-        if not receive:
-            return
-        for i, x in enumerate(batch):
-            for name, tensor in zip(names.get(i, [x.canonical]), full.pop(i, [x.tensor])):
-                yield from zip(*self._backend.to_hf(name, tensor))
+                placed.tp_items.append((_as_shard_view(x.canonical, x.tensor, gated), views))
+                placed.outputs.append((False, x.canonical, merged))
+            else:
+                placed.outputs.append((False, x.canonical, x.tensor))
+        return placed
+
+    def _row_plan(self, x: "_Exported", gated: bool) -> Optional[RowPlan]:
+        """Where the rows of a dense row-split TP parameter's shards go in its Hugging Face tensors, when its
+        shards travel through shared memory (elsewhere the collective backend gathers the merged tensor in one
+        call, and a plan would multiply the calls); None otherwise or when the conversion is not a move of
+        whole rows. Computed once per parameter kind and shape (collective on the first call: the transport)."""
+        layout = self.layout
+        if x.is_expert or x.pdim != 0 or layout.tp == 1 or x.tensor.dim() == 0:
+            return None
+        if not self._gather.uses_shared_memory(layout.groups.tp) or not x.tensor.is_contiguous():
+            return None
+        key = (_LAYER_NUMBER.sub("layers.*.", x.canonical), tuple(x.tensor.shape), layout.tp, gated)
+        if key not in self._row_plans:
+            merged = _merged_shape(x.tensor, layout.tp, 0)
+            numbers = torch.arange(merged[0])
+            shard_rows = [v.reshape(-1) for v in _shard_views(x.canonical, numbers, layout.tp, 0, gated)]
+            backend = self._require_backend()
+            self._row_plans[key] = build_row_plan(lambda t: backend.to_hf(x.canonical, t)[1], merged, shard_rows)
+        return self._row_plans[key]
+
+    def _planned(
+        self,
+        x: "_Exported",
+        plan: RowPlan,
+        receive: bool,
+        into: Optional[WeightBuffers],
+        buffer: Callable,
+        stats: Optional["ExportStats"],
+    ) -> tuple[list, list[tuple[str, torch.Tensor]]]:
+        """Gather items of a planned parameter (one per block: this rank's rows, each rank's destination rows)
+        and its (Hugging Face name, tensor) pairs: the consumer's tensors where they qualify, else buffers.
+        Rows the conversion drops (vocabulary padding) land in a small scratch buffer."""
+        names = self._require_backend().hf_names(x.canonical)
+        if len(names) != len(plan.shapes):
+            raise RuntimeError(f"{x.canonical}: {len(names)} Hugging Face names but its row plan has {plan.shapes}")
+        dtype, row_shape = x.tensor.dtype, tuple(x.tensor.shape[1:])
+        outputs = []
+        for name, shape in zip(names, plan.shapes) if receive else ():
+            target = _consumer_tensor(into, name, shape, dtype, self.platform.device)
+            if stats is not None:
+                stats.count(name, _numel(shape) * dtype.itemsize, target is not None)
+            outputs.append(target if target is not None else buffer(shape, dtype))
+        items = []
+        for block in plan.blocks:
+            if all(d is None for d in block.dsts):
+                continue  # rows nobody keeps (the same on every rank)
+            dsts = None
+            if receive:
+                dsts = [plan.destination(outputs, block, r) for r in range(len(block.dsts))]
+                if block.dropped_anywhere:
+                    scratch = buffer((block.count, block.length, *row_shape), dtype)
+                    if stats is not None:
+                        stats.dropped_bytes += scratch.numel() * dtype.itemsize
+                    dsts = [scratch if d is None else d for d in dsts]
+            items.append((plan.source(x.tensor, block), dsts))
+        return items, list(zip(names, outputs))
 
     def _direct_destination(
         self, canonical: str, shape: tuple, dtype: torch.dtype, into: Optional[WeightBuffers]
@@ -547,27 +642,74 @@ class ModelBridge:
             return None
         return candidate
 
-    def _output_allocator(self, batch: list["_Exported"], receive: bool, ep_receive: bool, tp: int, ep: int, etp: int):
-        """`alloc(shape, dtype)` for a batch's gathered tensors: carved from one reused arena on CPU (fresh
-        buffers would pay page faults on every byte), plain torch.empty elsewhere."""
-        if self.platform.device.type != "cpu":
+    def _allocator(self, needs: list[tuple[tuple, torch.dtype]]) -> Callable:
+        """`alloc(shape, dtype)` for a batch's buffers (`needs`: their shapes and dtypes, from the dry run):
+        carved from one reused arena on CPU (fresh buffers would pay page faults on every byte), plain
+        torch.empty elsewhere."""
+        if self.platform.device.type != "cpu" or not needs:
             return lambda shape, dtype: torch.empty(shape, dtype=dtype, device=self.platform.device)
-        needs = []
-        for x in batch:
-            shape, dtype = tuple(x.tensor.shape), x.tensor.dtype
-            if x.is_expert:
-                needs += [(shape, dtype)] * ((ep - 1) if ep_receive else 0)
-                if x.pdim >= 0 and etp > 1 and receive:
-                    needs += [(_merged_shape(x.tensor, etp, x.pdim), dtype)] * ep
-            elif x.pdim >= 0 and tp > 1 and receive:
-                needs.append((_merged_shape(x.tensor, tp, x.pdim), dtype))
-        if not needs:
-            return lambda shape, dtype: torch.empty(shape, dtype=dtype)  # not reached: nothing to gather
         return self._gather.buffers.take(Arena.bytes_for(needs)).empty
 
     def _all_gather_into(self, items: list, group, receive: bool) -> None:
         if items:  # every rank of the group has the same batch structure, so all skip or none
             self._gather.all_gather_into(items, group, receive)
+
+
+@dataclasses.dataclass
+class ExportStats:
+    """Where one export's gathered tensors went, for the receiving rank (bytes of full tensors)."""
+
+    direct_bytes: int = 0  # gathered straight into the consumer's tensors (`into`)
+    buffered: dict[str, int] = dataclasses.field(default_factory=dict)  # name -> bytes gathered into buffers
+    dropped_bytes: int = 0  # rows the conversion drops (vocabulary padding), into scratch buffers
+    staged_bytes: int = 0  # ETP > 1: peers' expert shards gathered over EP, then gathered again over ETP
+
+    def count(self, name: str, nbytes: int, direct: bool) -> None:
+        if direct:
+            self.direct_bytes += nbytes
+        else:
+            self.buffered[name] = self.buffered.get(name, 0) + nbytes
+
+    @property
+    def buffered_bytes(self) -> int:
+        return sum(self.buffered.values())
+
+
+@dataclasses.dataclass
+class _Placement:
+    """A batch's gather items per process group and what it yields: (already Hugging Face?, name, tensor)."""
+
+    tp_items: list = dataclasses.field(default_factory=list)
+    ep_items: list = dataclasses.field(default_factory=list)
+    etp_items: list = dataclasses.field(default_factory=list)
+    outputs: list[tuple[bool, str, Optional[torch.Tensor]]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Sizing:
+    """A dry-run allocator: records each requested buffer and hands out a meta tensor."""
+
+    needs: list[tuple[tuple, torch.dtype]] = dataclasses.field(default_factory=list)
+
+    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        self.needs.append((tuple(shape), dtype))
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _consumer_tensor(
+    into: Optional[WeightBuffers], name: str, shape: tuple, dtype: torch.dtype, device: torch.device
+) -> Optional[torch.Tensor]:
+    """The consumer's own tensor for `name` when a row plan can write into it (shape, dtype, device, contiguous)."""
+    target = into(name) if into is not None else None
+    if (
+        target is None
+        or tuple(target.shape) != tuple(shape)
+        or target.dtype != dtype
+        or target.device != device
+        or not target.is_contiguous()
+    ):
+        return None
+    return target
 
 
 @dataclasses.dataclass

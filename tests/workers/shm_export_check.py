@@ -7,8 +7,9 @@ gather batches and rounds (many batches, tensors split over rounds), shared memo
 receives (the others must yield nothing), gathered straight into a random-weight embedded engine's own
 tensors (`into`, every rank / rank 0 only: the engine ends bit-identical to the checkpoint), and the
 torch.distributed fallback (ranks claim different hosts).
-Result per rank (tests/workers/harness.py): the layout, the number of checkpoint tensors, the exports compared
-and how many tensors were gathered in place into the engine's memory.
+Result per rank (tests/workers/harness.py): the layout, the number of checkpoint tensors, the exports compared,
+how many tensors were gathered in place into the engine's memory, which q / k / v / embedding / output-layer
+tensors were not, and the exporter's account of bytes straight into the engine / through buffers.
 """
 
 import glob
@@ -42,10 +43,12 @@ def check_export(bridge, chunks, expected: dict, what: str, receive: bool = True
         assert torch.equal(t.view(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), f"{what}: {name} differs"
 
 
-def check_into_engine(bridge, chunks, expected: dict, tiny_dir: str, what: str, receive: bool = True) -> int:
+def check_into_engine(bridge, chunks, expected: dict, tiny_dir: str, what: str, receive: bool = True) -> dict:
     """Export straight into an engine's own tensors (`into`, as the trainer syncs): a fresh engine with random
-    weights ends bit-identical to the checkpoint, and some gathered tensors were written in place (how many:
-    returned; 0 on a rank that does not receive)."""
+    weights ends bit-identical to the checkpoint. Returned (empty on a rank that does not receive): how many
+    tensors were written in place, which tensors whose conversion moves rows (q / k / v, embedding, output
+    layer) were not, and the exporter's own account (`ModelBridge.stats`: bytes straight into the engine,
+    names gathered into buffers, bytes staged between the EP and the ETP gather)."""
     from mcore_rl.rollout.embedded import EmbeddedEngine
 
     engine = EmbeddedEngine(tiny_dir, config=bridge.hf_config) if receive else None  # every weight must arrive
@@ -56,13 +59,20 @@ def check_into_engine(bridge, chunks, expected: dict, tiny_dir: str, what: str, 
             in_place.append(name)
         engine.load_weights([(name, t)])
     if engine is None:
-        return 0
+        return {}
     for name, want in expected.items():
         got = engine.weight_buffer(name)
         assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), f"{what}: {name}"
-    gathered = bridge.layout.tp > 1 or bridge.layout.ep > 1
-    assert in_place or not gathered, f"{what}: no tensor was gathered into the engine's memory"
-    return len(in_place)
+    rows_moved = [n for n in expected if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))]
+    rows_moved += [n for n in ("model.embed_tokens.weight", "lm_head.weight") if n in expected]
+    stats = bridge.stats
+    return dict(
+        in_place=len(in_place),
+        rows_moved_not_in_place=sorted(set(rows_moved) - set(in_place)),
+        direct_bytes=stats.direct_bytes,
+        buffered=sorted(stats.buffered),
+        staged_bytes=stats.staged_bytes,
+    )
 
 
 def main() -> None:
@@ -88,7 +98,7 @@ def main() -> None:
     check_export(bridge, chunks, expected, compared[2], receive=rank == 0)
     check_export(bridge, chunks, expected, compared[3])
     compared += ["shm into the engine", "shm into rank 0's engine only"]
-    in_place = check_into_engine(bridge, chunks, expected, tiny_dir, compared[4])
+    into_engine = check_into_engine(bridge, chunks, expected, tiny_dir, compared[4])
     check_into_engine(bridge, chunks, expected, tiny_dir, compared[5], receive=rank == 0)
     bridge._gather = GroupGather(host_id=lambda: f"host-of-rank-{rank}")
     compared.append("torch.distributed fallback")
@@ -96,7 +106,7 @@ def main() -> None:
     assert not bridge._gather.uses_shared_memory(None)
     dist.barrier()
     destroy_parallel()
-    write_result(args.results, layout=[tp, ep, etp], tensors=len(expected), exports=compared, in_place=in_place)
+    write_result(args.results, layout=[tp, ep, etp], tensors=len(expected), exports=compared, **into_engine)
 
 
 if __name__ == "__main__":
