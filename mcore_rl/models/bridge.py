@@ -515,15 +515,17 @@ class ModelBridge:
             elif x.is_expert:
                 prefix, gid = x.canonical.rsplit(".weight", 1)
                 names = [f"{prefix}.weight{e * num_local + int(gid) % num_local}" for e in range(ep)]
-                # own expert in place (a consumer copy costs the same as ours); with ETP the EP step gathers
-                # intermediates, merged over ETP below
+                # with ETP the EP step gathers intermediates, merged over ETP below
                 final = receive and not (x.pdim >= 0 and etp > 1)
-                full = [
-                    x.tensor
-                    if e == ep_rank or not ep_receive
-                    else alloc(names[e], x.tensor.shape, x.tensor.dtype, final)
-                    for e in range(ep)
-                ]
+                full = []
+                for e in range(ep):
+                    if e == ep_rank:  # own: into the consumer during the gather where it qualifies, else in place
+                        own = final and ep > 1
+                        full.append(self._own_expert(names[e], x.tensor, into, stats) if own else x.tensor)
+                    elif ep_receive:
+                        full.append(alloc(names[e], x.tensor.shape, x.tensor.dtype, final))
+                    else:
+                        full.append(x.tensor)
                 if ep > 1:
                     placed.ep_items.append((x.tensor, full if ep_receive else None))
                 if x.pdim >= 0 and etp > 1:
@@ -544,6 +546,19 @@ class ModelBridge:
             else:
                 placed.outputs.append((False, x.canonical, x.tensor))
         return placed
+
+    def _own_expert(
+        self, name: str, shard: torch.Tensor, into: Optional[WeightBuffers], stats: Optional["ExportStats"]
+    ) -> torch.Tensor:
+        """Where this rank's own expert goes in the EP gather: the consumer's tensor when it qualifies (the gather
+        copies it there while peers are still writing theirs, and the consumer's own copy is skipped), else the
+        parameter itself (no copy; the consumer copies it)."""
+        direct = self._direct_destination(name, tuple(shard.shape), shard.dtype, into)
+        if direct is None:
+            return shard
+        if stats is not None:
+            stats.count(name, shard.numel() * shard.element_size(), True)
+        return direct
 
     def _row_plan(self, x: "_Exported", gated: bool) -> Optional[RowPlan]:
         """Where the rows of a dense row-split TP parameter's shards go in its Hugging Face tensors, when its
