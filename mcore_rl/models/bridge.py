@@ -457,9 +457,9 @@ class ModelBridge:
 
         Dense TP shards are gathered straight into their merged tensor, or, where a row plan exists (see
         `_row_plan`), block by block straight into the Hugging Face tensors; experts first over EP (the same
-        local expert of every EP rank, each with its global id; this rank's own is used in place), then each of
-        those over ETP into its merged tensor. With receive=False this rank only contributes shards, yields
-        nothing. With `into`, a tensor whose consumer memory qualifies is gathered there instead of a buffer;
+        local expert of every EP rank, each with its global id; this rank's own is copied into the consumer
+        during the gather where it qualifies, else used in place), then each of those over ETP into its merged
+        tensor. With receive=False this rank only contributes shards, yields nothing. With `into`, a tensor whose consumer memory qualifies is gathered there instead of a buffer;
         the buffers (one reused arena) are sized for exactly the rest."""
         layout = self.layout
         # ETP gathers EP-gathered experts: with ETP > 1 a rank needs the EP step's data even if it yields nothing
@@ -473,7 +473,9 @@ class ModelBridge:
         self._all_gather_into(placed.etp_items, layout.groups.etp, receive)
         if not receive:
             return
-        for converted, name, tensor in placed.outputs:  # only `placed` keeps the gathered tensors
+        outputs, placed = placed.outputs[::-1], None  # each gathered tensor dropped here once yielded
+        while outputs:
+            converted, name, tensor = outputs.pop()
             if converted:
                 yield name, tensor
             else:
