@@ -145,7 +145,6 @@ def worker(model_dir: str, overrides: list[str], out_json: str) -> None:
     from mcore_rl.batch import MicroBatch
     from mcore_rl.config import load_config
     from mcore_rl.megatron.layout import ModelDims, validate_run
-    from mcore_rl.megatron.logprobs import vocab_parallel_log_probs
     from mcore_rl.megatron.memory_plan import plan_memory
     from mcore_rl.platform import get_platform
 
@@ -173,9 +172,9 @@ def worker(model_dir: str, overrides: list[str], out_json: str) -> None:
     ]
     tokens_total = float(n_micro * layout.dp * layout.micro_batch_size * seq)
 
-    def loss_fn(logits, mb):
-        target = torch.roll(mb.tokens, -1, dims=1).to(logits.device)
-        lp, ent = vocab_parallel_log_probs(logits, target, 1.0, layout.groups.tp, with_entropy=True)
+    def loss_fn(head, mb):  # the actor's own path (fused log-probs from the last hidden states)
+        target = torch.roll(mb.tokens, -1, dims=1).to(head.hidden.device)
+        lp, ent = head.log_probs(target, 1.0, layout.groups.tp, with_entropy=True)
         loss = -(lp * mb.loss_mask).sum() / tokens_total - 1e-3 * (ent * mb.loss_mask).sum() / tokens_total
         return loss, {}
 

@@ -39,7 +39,15 @@ def reference(request, tiny_arch_dir, tmp_path_factory):
         WORKER, 1, ref_dir=out, model_dir=model_dir, tp=1, pp=1, ep=1, etp=1, n_micro=1, mode="ref"
     ).results
     assert ref["logits_diff"] <= 1e-4 and ref["logprobs_diff"] <= 1e-4, ref
+    assert_fused_equals_logits_path(ref)  # TP1
     return arch, model_dir, out, ref
+
+
+def assert_fused_equals_logits_path(result: dict) -> None:
+    """The actor's fused log-prob path against Megatron's output layer + vocab_parallel_log_probs on the same
+    weights (tests/workers/actor_layouts.py, pipeline-parallel 1 layouts): log-probs, entropy, every gradient."""
+    assert result["fused_logprobs_diff"] <= 1e-5 and result["fused_entropy_diff"] <= 1e-5, result
+    assert result["fused_grad_rel_diff"] <= 1e-5, result
 
 
 LAYOUTS = {  # id: (nproc, tp, pp, ep, etp, n_micro)
@@ -71,3 +79,5 @@ def test_actor_layout_matches_reference(reference, layout):
         assert abs(r["grad_norm"] - want["grad_norm"]) < 1e-5 * max(1.0, want["grad_norm"]), (r, want)
         assert r["step_size"] > 1e-3 and r["weights_diff"] < 1e-5, r
         assert r["tied_copies_checked"] == (arch == "qwen2" and pp > 1), r
+        if pp == 1:
+            assert_fused_equals_logits_path(r)

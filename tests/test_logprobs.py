@@ -130,6 +130,7 @@ def test_policy_loss_fn_equals_log_softmax_path():
     from mcore_rl.algos import GlobalCounts, policy_loss
     from mcore_rl.batch import MicroBatch
     from mcore_rl.config import AlgoConfig
+    from mcore_rl.megatron.logprobs import OutputHead
     from mcore_rl.megatron.policy_loss import make_log_prob_fn, make_policy_loss_fn
 
     g = torch.Generator().manual_seed(4)
@@ -143,22 +144,26 @@ def test_policy_loss_fn_equals_log_softmax_path():
     adv = torch.randn(b, 1, generator=g).expand(b, s)
     algo = AlgoConfig(loss="grpo", temperature=0.7, entropy_coef=0.05)
     counts = GlobalCounts.from_mask(mask)
-    logits = torch.randn(b, s, v, generator=g, requires_grad=True)
+    h = 8
+    hidden = torch.randn(b, s, h, generator=g, requires_grad=True)
+    weight = (torch.randn(v, h, generator=g) * 2).requires_grad_(True)
     mb = MicroBatch(tokens, loss_mask=mask, old_log_prob=old, advantages=adv.contiguous())
-    loss, metrics = make_policy_loss_fn(algo, counts, tp_group=None)(logits, mb)
+    loss, metrics = make_policy_loss_fn(algo, counts, tp_group=None)(OutputHead(hidden, weight), mb)
     loss.backward()
 
-    ref_logits = logits.detach().clone().requires_grad_(True)
-    logp_all = torch.log_softmax(ref_logits / 0.7, -1)
+    ref_hidden = hidden.detach().clone().requires_grad_(True)
+    ref_weight = weight.detach().clone().requires_grad_(True)
+    logp_all = torch.log_softmax(ref_hidden @ ref_weight.t() / 0.7, -1)
     next_tok = torch.roll(tokens, -1, 1)  # position t scores tokens[t + 1]; the wrapped last column is masked
     lp = logp_all.gather(-1, next_tok.unsqueeze(-1)).squeeze(-1)
     ent = -(logp_all.exp() * logp_all).sum(-1)
     want, want_metrics = policy_loss(lp, old, adv, mask, algo, counts, entropy=ent)
     want.backward()
     torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(logits.grad, ref_logits.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(hidden.grad, ref_hidden.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(weight.grad, ref_weight.grad, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(metrics["entropy"], want_metrics["entropy"], rtol=1e-5, atol=1e-6)
-    post = make_log_prob_fn(0.7, None)(logits.detach(), mb)
+    post = make_log_prob_fn(0.7, None)(OutputHead(hidden.detach(), weight.detach()), mb)
     torch.testing.assert_close(post * mask, lp.detach() * mask, rtol=1e-5, atol=1e-5)
 
 

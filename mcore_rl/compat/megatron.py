@@ -13,6 +13,18 @@ API differences (chosen by the installed version):
     `chained_<i>.`; that still matches across layouts because every layout chains the same two optimizers
     (dense + expert: models/bridge.py marks experts in every layout).
 
+The output layer (`output_hidden_states`, `output_weight`): the actor computes log-probs from the last hidden
+states and the output weight (mcore_rl.megatron.logprobs.fused_output_log_probs), so the last stage's
+`GPTModel.forward` must stop before the output projection. 0.12.1 and 0.16.1 both call
+`self.output_layer(hidden_states, weight=output_weight, runtime_gather_output=...)` (a ColumnParallelLinear)
+with `output_weight` the shared embedding's weight for tied models (else None: the layer's own), then, without
+labels, return `output.transpose(0, 1).contiguous()`. `output_hidden_states` makes that one call return the
+layer's input, with the tensor-parallel region op the layer itself applies to it (sequence parallel: all-gather
+of the sequence in forward, reduce-scatter of the gradient in backward; else identity forward, all-reduce
+backward), so the model returns [b, s, h] instead of [b, s, V/tp]. `output_weight` is the tensor the layer
+would multiply by; its gradient reaches the same parameter (and DDP's buffer, and for tied weights the
+embedding all-reduce between the first and last stage) as the layer's own backward would give it.
+
 Upstream defects worked around (`apply_shims`, called once per process before Megatron is used):
   * `_write_item` (megatron-core < 0.13 with torch >= 2.7): torch added a required `serialization_format`
     argument to `torch.distributed.checkpoint.filesystem._write_item`; megatron-core 0.12's
@@ -38,6 +50,7 @@ Defect rejected instead (`layout_problem`, run by the layout pre-flight):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -112,6 +125,67 @@ def layout_problem(
             f"unset actor.parallel.virtual_pp or upgrade megatron-core"
         )
     return None
+
+
+# ---- the output layer -----------------------------------------------------------------------------
+
+
+def _gpt_model(model):
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def output_weight(model):
+    """The weight the last stage's output layer multiplies by: this rank's [V/tp, h] vocabulary shard (the
+    shared embedding's weight for tied models). None on other pipeline stages."""
+    gpt = _gpt_model(model)
+    if not getattr(gpt, "post_process", False):
+        return None
+    if gpt.share_embeddings_and_output_weights:
+        return gpt.shared_embedding_or_output_weight()
+    return gpt.output_layer.weight
+
+
+def _hidden_instead_of_logits(layer):
+    """A forward for the output layer `layer` that returns its input as the projection would see it."""
+    from megatron.core.tensor_parallel import mappings
+
+    if getattr(layer, "gather_output", False):
+        raise ValueError(
+            "the output layer gathers its output over TP (parallel_output=False): build the model "
+            "with parallel_output=True (the actor computes vocabulary-parallel log-probs)"
+        )
+    group = getattr(layer, "tp_group", None)  # 0.16 keeps its group; 0.12 uses the global TP group
+    extra = {} if group is None else {"group": group}
+
+    def forward(input_, weight=None, runtime_gather_output=None):
+        if layer.sequence_parallel:
+            return mappings.gather_from_sequence_parallel_region(
+                input_, tensor_parallel_output_grad=True, **extra
+            ), None
+        return mappings.copy_to_tensor_model_parallel_region(input_, **extra), None
+
+    return forward
+
+
+@contextlib.contextmanager
+def output_hidden_states(model):
+    """While active, `model(...)` (a GPTModel, possibly wrapped) returns on the last pipeline stage the last
+    hidden states [b, s, h] (after the final norm, gathered over sequence parallel) instead of the logits;
+    yields `output_weight(model)` (None on other stages, where nothing changes). See the module docstring."""
+    gpt = _gpt_model(model)
+    weight = output_weight(gpt)
+    if weight is None:
+        yield None
+        return
+    layer = gpt.output_layer
+    layer.forward = _hidden_instead_of_logits(layer)  # instance attribute: shadows the class's forward
+    try:
+        yield weight
+    finally:
+        del layer.forward
 
 
 # ---- optimizer checkpoint ------------------------------------------------------------------------

@@ -16,8 +16,11 @@ All of them are collective over the ranks of the job. The generic entry points u
   train_step(micro_batches, loss_fn)   -> dict[str, float] reduced metrics
 
 Conventions the caller relies on:
-  * post_fn / loss_fn receive the last stage's logits [b, s, V/tp] in fp32, vocabulary-parallel over
-    TP (use the helpers in mcore_rl.megatron.logprobs / policy_loss).
+  * post_fn / loss_fn receive, on the last stage, an `OutputHead`: the last hidden states [b, s, h] and
+    this rank's output-weight shard [V/tp, h] (vocabulary-parallel over TP), not logits: the model stops
+    before its output projection (mcore_rl.compat.megatron.output_hidden_states) and the log-probs come
+    from `OutputHead.log_probs` (fused_output_log_probs), so no [tokens, V/tp] logits tensor exists in
+    forward or backward. Use the helpers in mcore_rl.megatron.policy_loss.
   * loss_fn returns (loss, metrics) where `loss` is already divided by GLOBAL counts, so the sum of
     loss_fn outputs over all micro-batches of all data-parallel ranks IS the global loss. We undo
     Megatron's division by the micro-batch count and DDP's average over DP x CP, so gradients equal
@@ -30,7 +33,6 @@ Conventions the caller relies on:
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from typing import Callable, Optional
@@ -48,6 +50,7 @@ from mcore_rl.batch import (
 )
 from mcore_rl.config import AlgoConfig, Config, OptimConfig
 from mcore_rl.megatron.layout import Layout
+from mcore_rl.megatron.logprobs import OutputHead
 from mcore_rl.megatron.parallel import init_parallel
 from mcore_rl.megatron.policy_loss import make_log_prob_fn, make_policy_loss_fn
 from mcore_rl.models.bridge import ModelBridge
@@ -55,8 +58,8 @@ from mcore_rl.platform import Platform, collectives, get_platform
 
 logger = logging.getLogger(__name__)
 
-PostFn = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
-LossFn = Callable[[torch.Tensor, MicroBatch], "tuple[torch.Tensor, dict]"]
+PostFn = Callable[[OutputHead, MicroBatch], torch.Tensor]
+LossFn = Callable[[OutputHead, MicroBatch], "tuple[torch.Tensor, dict]"]
 
 
 def _build_optimizer(chunks, optim: OptimConfig, dtype: torch.dtype, total_steps: int):
@@ -210,6 +213,7 @@ class Actor:
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.utils import get_model_config
 
+        from mcore_rl.compat.megatron import output_hidden_states
         from mcore_rl.megatron.packing import model_inputs
 
         seq_len = self._check(micro_batches)
@@ -223,8 +227,10 @@ class Actor:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             attention_mask, extra = model_inputs(mb, mode)
-            output = model(mb.tokens, mb.position_ids, attention_mask, **extra)
-            return output, functools.partial(loss_func_for, mb)  # the schedule calls loss_func(output)
+            with output_hidden_states(model) as weight:  # last stage: [b, s, h], not logits
+                output = model(mb.tokens, mb.position_ids, attention_mask, **extra)
+            # the schedule calls loss_func(output) on the last stage
+            return output, lambda hidden: loss_func_for(mb, OutputHead(hidden, weight))
 
         return get_forward_backward_func()(
             forward_step_func=forward_step,
@@ -249,7 +255,7 @@ class Actor:
     # ---- forward only ------------------------------------------------------------------------
     @torch.no_grad()
     def forward_only(self, micro_batches: list[MicroBatch], post_fn: PostFn) -> list[torch.Tensor]:
-        """post_fn(logits [b, s, V/tp] fp32, micro_batch) on the last stage, one result per micro-batch.
+        """post_fn(OutputHead, micro_batch) on the last stage, one result per micro-batch.
 
         Results are detached and broadcast from the last pipeline stage, so EVERY rank returns the
         same list (tensors on the platform device); TP/CP ranks of the last stage compute them
@@ -258,9 +264,9 @@ class Actor:
         for m in self.model:
             m.eval()
 
-        def collect(mb, output):
-            result = post_fn(output.float(), mb).detach()
-            return torch.zeros((), device=output.device), {"result": result}
+        def collect(mb, head):
+            result = post_fn(head, mb).detach()
+            return torch.zeros((), device=head.hidden.device), {"result": result}
 
         stored = self._run_schedule(micro_batches, collect, forward_only=True)
         results = [d["result"].cpu() for d in stored] if self.layout.is_last_stage else None
@@ -359,8 +365,8 @@ class Actor:
         # DDP averages gradients over dp x cp: scaling by n_micro * dp makes the result a plain sum.
         scale = len(micro_batches) * self.layout.dp
 
-        def loss_and_metrics(mb, output):
-            loss, metrics = loss_fn(output.float(), mb)
+        def loss_and_metrics(mb, head):
+            loss, metrics = loss_fn(head, mb)
             record = {"loss": loss.detach().clone().float()}
             record.update({k: torch.as_tensor(v, dtype=torch.float32).detach().clone() for k, v in metrics.items()})
             return loss * scale, record

@@ -272,3 +272,31 @@ def fused_output_log_probs(
         opts.with_entropy,
     )
     return log_prob.view(lead), (entropy.view(lead) if opts.with_entropy else None)
+
+
+@dataclass(frozen=True)
+class OutputHead:
+    """What the actor's post_fn / loss_fn receive from the last pipeline stage instead of logits: the last
+    hidden states and this rank's output-layer weight shard (mcore_rl.compat.megatron.output_hidden_states).
+
+    hidden: [b, s, h] after the final norm, the whole sequence on every TP rank (gathered under sequence
+    parallelism), with the tensor-parallel region op that sums d hidden over TP already applied (any float
+    dtype: the projection runs in the weight's dtype, as the output layer's does);
+    weight: [V/tp, h] the parameter itself (tied models: the shared embedding), so its gradient reaches the
+    parameter's DDP buffer as the output layer's would.
+    """
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+
+    def log_probs(
+        self, target: torch.Tensor, temperature: float, group=None, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`fused_output_log_probs` of `target` [b, s]: no [tokens, V/tp] logits in forward or backward."""
+        hidden = self.hidden.to(self.weight.dtype)  # the projection's input dtype (a no-op when equal)
+        return fused_output_log_probs(hidden, self.weight, target, LogProbOptions(temperature, group, with_entropy))
+
+    def logits(self) -> torch.Tensor:
+        """This rank's logits [b, s, V/tp] in fp32, MATERIALISED: for tests and inspection only (the actor's
+        passes never call it)."""
+        return (self.hidden.to(self.weight.dtype) @ self.weight.t()).float()

@@ -1,11 +1,12 @@
 """The actor's training loss: vocab-parallel log-probs of the sampled tokens, then `policy_loss`.
 
-`make_policy_loss_fn` builds the `loss_fn(logits_shard, micro_batch) -> (loss, metrics)` that
+`make_policy_loss_fn` builds the `loss_fn(head, micro_batch) -> (loss, metrics)` that
 `Actor.train_step` calls on the last pipeline stage; `make_log_prob_fn` builds the `post_fn` for
-`Actor.forward_only` (old / reference log-probs). Both take the tensor-parallel process group
-explicitly (`Layout.groups.tp`).
+`Actor.forward_only` (old / reference log-probs). `head` is an `OutputHead` (last hidden states + this
+rank's output-weight shard): the log-probs come from `fused_output_log_probs`, so no [tokens, V/tp]
+logits tensor exists. Both take the tensor-parallel process group explicitly (`Layout.groups.tp`).
 
-Per-token tensors are the typed fields of `mcore_rl.batch.MicroBatch`, aligned with the logits by
+Per-token tensors are the typed fields of `mcore_rl.batch.MicroBatch`, aligned with the hidden states by
 Megatron's label convention (position t holds quantities of token t + 1). The loss and the metrics are
 this micro-batch's partial sums over GLOBAL counts (see `mcore_rl.algos.aggregation`):
 Actor.train_step sums them over micro-batches and data-parallel ranks. The algorithm settings are
@@ -21,7 +22,7 @@ import torch
 from mcore_rl.algos import GlobalCounts, policy_loss
 from mcore_rl.batch import MicroBatch, segment_rows
 from mcore_rl.config import AlgoConfig
-from mcore_rl.megatron.logprobs import vocab_parallel_log_probs
+from mcore_rl.megatron.logprobs import OutputHead
 
 
 def next_token_targets(tokens: torch.Tensor) -> torch.Tensor:
@@ -30,26 +31,24 @@ def next_token_targets(tokens: torch.Tensor) -> torch.Tensor:
 
 
 def next_token_log_probs(
-    logits_shard: torch.Tensor, tokens: torch.Tensor, temperature: float, tp_group, with_entropy: bool = False
+    head: OutputHead, tokens: torch.Tensor, temperature: float, tp_group, with_entropy: bool = False
 ):
-    """Log-probs (and entropy) of each next token from vocab-parallel logits [b, s, V/tp] -> [b, s]."""
-    return vocab_parallel_log_probs(
-        logits_shard, next_token_targets(tokens), temperature, group=tp_group, with_entropy=with_entropy
-    )
+    """Log-probs (and entropy) of each next token [b, s], from the last hidden states and the output weight."""
+    return head.log_probs(next_token_targets(tokens), temperature, tp_group, with_entropy)
 
 
 def make_log_prob_fn(temperature: float, tp_group, with_entropy: bool = False) -> Callable:
-    """post_fn(logits_shard, micro_batch) -> next-token log-probs [b, s] (or [2, b, s] with entropy)."""
+    """post_fn(head, micro_batch) -> next-token log-probs [b, s] (or [2, b, s] with entropy)."""
 
-    def post_fn(logits_shard, mb: MicroBatch):
-        log_prob, entropy = next_token_log_probs(logits_shard, mb.tokens, temperature, tp_group, with_entropy)
+    def post_fn(head: OutputHead, mb: MicroBatch):
+        log_prob, entropy = next_token_log_probs(head, mb.tokens, temperature, tp_group, with_entropy)
         return torch.stack([log_prob, entropy]) if with_entropy else log_prob
 
     return post_fn
 
 
 def make_policy_loss_fn(algo: AlgoConfig, counts: GlobalCounts, tp_group, on_policy: bool = False) -> Callable:
-    """loss_fn(logits_shard, micro_batch) -> (loss, metrics) for Actor.train_step.
+    """loss_fn(head, micro_batch) -> (loss, metrics) for Actor.train_step (`head`: an OutputHead).
 
     `counts` must come from the full global mini-batch mask (GlobalCounts.from_mask) before it is
     split over data-parallel ranks and micro-batches. Micro-batches need loss_mask, old_log_prob and
@@ -61,8 +60,8 @@ def make_policy_loss_fn(algo: AlgoConfig, counts: GlobalCounts, tp_group, on_pol
     counts.validate()
     with_entropy = algo.entropy_coef > 0 or on_policy
 
-    def loss_fn(logits_shard, mb: MicroBatch):
-        log_prob, entropy = next_token_log_probs(logits_shard, mb.tokens, algo.temperature, tp_group, with_entropy)
+    def loss_fn(head: OutputHead, mb: MicroBatch):
+        log_prob, entropy = next_token_log_probs(head, mb.tokens, algo.temperature, tp_group, with_entropy)
         if entropy is not None and algo.entropy_coef == 0:
             entropy = entropy.detach()  # a metric only: no backward through it
         old = log_prob.detach() if on_policy else mb.old_log_prob.float()

@@ -180,7 +180,8 @@ def stage_parity(ctx) -> str:
     for dtype, mean_tol, max_tol in (("float32", 1e-4, 1e-3), ("bfloat16", 0.05, 0.5)):
         actor = _actor(ctx, dtype)
         (logits,) = actor.forward_only(
-            [MicroBatch(tokens)], lambda lg, mb: tensor_parallel.gather_from_tensor_model_parallel_region(lg)
+            [MicroBatch(tokens)],
+            lambda head, mb: tensor_parallel.gather_from_tensor_model_parallel_region(head.logits()),
         )
         diff = (torch.log_softmax(logits.float(), -1) - want).abs()
         mean, worst = float(diff.mean()), float(diff.max())
@@ -194,7 +195,7 @@ def stage_parity(ctx) -> str:
 
 def stage_train(ctx) -> str:
     import torch
-    from megatron.core import tensor_parallel
+    from megatron.core import parallel_state as mpu
 
     from mcore_rl.batch import MicroBatch
 
@@ -202,12 +203,10 @@ def stage_train(ctx) -> str:
     tokens = _batch()
     before = [p.detach().clone() for p in actor.model[0].parameters()]
 
-    def loss_fn(logits, mb):
+    def loss_fn(head, mb):
         labels = torch.roll(mb.tokens, -1, dims=1)
-        nll = tensor_parallel.vocab_parallel_cross_entropy(
-            logits.clone().transpose(0, 1).contiguous(), labels.t().contiguous()
-        )
-        return nll.mean(), {}
+        lp, _ = head.log_probs(labels, 1.0, mpu.get_tensor_model_parallel_group())
+        return -lp.mean(), {}
 
     metrics = actor.train_step([MicroBatch(tokens)], loss_fn)
     moved = sum(not torch.equal(a, b) for a, b in zip(before, actor.model[0].parameters()))

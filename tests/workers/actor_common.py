@@ -29,10 +29,10 @@ def nll_loss(global_tokens):
     """loss_fn: masked next-token NLL summed, divided by the GLOBAL token count."""
     from megatron.core import tensor_parallel
 
-    def loss_fn(logits, mb):
+    def loss_fn(head, mb):
         labels = torch.roll(mb.tokens, -1, dims=1)
         nll = tensor_parallel.vocab_parallel_cross_entropy(
-            logits.clone().transpose(0, 1).contiguous(), labels.t().contiguous()
+            head.logits().transpose(0, 1).contiguous(), labels.t().contiguous()
         ).t()
         mask = mb.loss_mask
         return (nll * mask).sum() / global_tokens, {"tokens": mask.sum()}
@@ -40,7 +40,8 @@ def nll_loss(global_tokens):
     return loss_fn
 
 
-def full_logits(logits, mb):
+def full_logits(head, mb):
+    """post_fn: the full-vocabulary logits, materialised from the actor's OutputHead and gathered over TP."""
     from megatron.core import tensor_parallel
 
-    return tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+    return tensor_parallel.gather_from_tensor_model_parallel_region(head.logits())

@@ -50,7 +50,6 @@ def main():
     from mcore_rl.megatron.actor import Actor
 
     platform = cpu_megatron()
-    from megatron.core import tensor_parallel
 
     cfg = Config(platform="cpu", model=ModelConfig(path=model_dir))
     cfg.actor.parallel = ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp, sequence_parallel=tp > 1)
@@ -63,18 +62,13 @@ def main():
     tokens, hf_logits, loss_mask = ref["tokens"], ref["logits"], ref["loss_mask"]
 
     # -- forward_only: full logits (gathered over TP) and vocab-parallel log-probs of the next token
-    def next_token_logprobs(logits, mb):
-        labels = torch.roll(mb.tokens, -1, dims=1)
-        return -tensor_parallel.vocab_parallel_cross_entropy(
-            logits.clone().transpose(0, 1).contiguous(), labels.t().contiguous()
-        ).t()
-
     mbs = [MicroBatch(tokens[i : i + 2]) for i in range(0, tokens.shape[0], 2)]
     got = torch.cat(actor.forward_only(mbs, full_logits))
     diff = (got - hf_logits).abs().max().item()
     assert diff <= 1e-4, f"logits differ from HF by {diff}"
-    lp = torch.cat(actor.forward_only(mbs, next_token_logprobs))
-    ref_lp = torch.log_softmax(hf_logits, -1).gather(-1, torch.roll(tokens, -1, 1).unsqueeze(-1)).squeeze(-1)
+    # the actor's own path (hidden states + output weight, fused log-probs); the last column has no next token
+    lp = torch.cat(actor.log_probs(mbs, temperature=1.0))[:, :-1]
+    ref_lp = torch.log_softmax(hf_logits, -1)[:, :-1].gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
     lp_diff = (lp - ref_lp).abs().max().item()
     assert lp_diff <= 1e-4, f"log-probs differ from HF by {lp_diff}"
 
@@ -96,13 +90,15 @@ def main():
     for name, t in ckpt.items():
         assert exported[name].shape == t.shape and torch.equal(exported[name], t), f"export of {name} differs"
 
+    fused = check_fused_equals_logits_path(actor, tokens, loss_mask) if pp == 1 else {}
+
     # -- train_step: this DP rank's share of the global batch, split into n_micro micro-batches
     metrics = actor.train_step(my_micro_batches(tokens, loss_mask, n_micro), nll_loss(loss_mask.sum()))
     after = {name: t.clone() for name, t in actor.export_hf_weights()}
     tied_checked = check_tied_copies_in_step(actor)
     result = {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "tokens": metrics["tokens"], "weights": after}
     report = {k: v for k, v in result.items() if k != "weights"}
-    report.update(logits_diff=diff, logprobs_diff=lp_diff, tied_copies_checked=tied_checked)
+    report.update(logits_diff=diff, logprobs_diff=lp_diff, tied_copies_checked=tied_checked, **fused)
     if mode == "ref":
         if rank == 0:
             torch.save(result, os.path.join(ref_dir, "train_ref.pt"))
@@ -121,12 +117,70 @@ def main():
         assert worst < 1e-5, f"updated weights differ from the world-1 reference by {worst} (step size {moved})"
         report.update(weights_diff=worst, step_size=moved)
     if mode == "check":
-        check_frozen_reference(cfg, platform, actor, mbs, next_token_logprobs, ref_lp)
+        check_frozen_reference(cfg, platform, actor, mbs, ref_lp)
     torch.distributed.barrier()
     write_result(args.results, **report)
 
 
-def check_frozen_reference(cfg, platform, actor, mbs, next_token_logprobs, ref_lp):
+def check_fused_equals_logits_path(actor, tokens, loss_mask) -> dict:
+    """The actor's path - the model stopped at the last hidden states, log-probs and entropy from them and the
+    output weight (fused_output_log_probs), through the actor's schedule - against today's logits path on the
+    same weights: Megatron's own output layer (its sequence-parallel gather, its backward) producing
+    [b, s, V/tp] logits, then vocab_parallel_log_probs. Log-probs, entropy and every parameter's gradient in
+    DDP's buffer (after finalize_model_grads: DP and sequence-parallel reductions, tied-embedding all-reduce)
+    agree to 1e-5 (gradients relative to the largest). Temperature 0.7, a loss on both log-probs and entropy."""
+    from megatron.core.distributed import finalize_model_grads
+
+    from mcore_rl.batch import MicroBatch
+    from mcore_rl.megatron.logprobs import vocab_parallel_log_probs
+    from mcore_rl.megatron.policy_loss import next_token_log_probs, next_token_targets
+
+    temperature, tp_group = 0.7, actor.layout.groups.tp
+    g = torch.Generator().manual_seed(3)
+    w_lp, w_h = (torch.randn(tokens.shape, generator=g) * loss_mask for _ in range(2))
+
+    def loss_of(lp, ent):
+        return (lp * w_lp).sum() + (ent * w_h).sum()
+
+    def grads():
+        return {n: p.main_grad.detach().clone() for m in actor.model for n, p in m.named_parameters()}
+
+    for m in actor.model:
+        m.train()
+        m.zero_grad_buffer()
+
+    def fused_loss(mb, head):
+        lp, ent = next_token_log_probs(head, mb.tokens, temperature, tp_group, with_entropy=True)
+        return loss_of(lp, ent), {"lp": lp.detach(), "ent": ent.detach()}
+
+    (stored,) = actor._run_schedule([MicroBatch(tokens)], fused_loss, forward_only=False)
+    fused = (stored["lp"], stored["ent"], grads())
+
+    for m in actor.model:
+        m.zero_grad_buffer()
+    mb = MicroBatch(tokens).to(actor.platform.device)
+    logits = actor.model[0](mb.tokens, mb.position_ids, mb.attention_mask)  # Megatron's output layer
+    lp, ent = vocab_parallel_log_probs(logits.float(), next_token_targets(mb.tokens), temperature, tp_group, True)
+    loss_of(lp, ent).backward()
+    finalize_model_grads(actor.model)
+    today = (lp.detach(), ent.detach(), grads())
+
+    for name, a, b in (("log-probs", fused[0], today[0]), ("entropy", fused[1], today[1])):
+        err = (a - b).abs().max().item()
+        assert err <= 1e-5, f"fused {name} differ from the logits path by {err}"
+    scale = max(t.abs().max().item() for t in today[2].values())
+    worst, name = max(((fused[2][n] - today[2][n]).abs().max().item(), n) for n in today[2])
+    assert scale > 0 and worst <= 1e-5 * scale, f"fused gradient of {name} differs by {worst} (largest {scale})"
+    for m in actor.model:
+        m.zero_grad_buffer()
+    return {
+        "fused_logprobs_diff": (fused[0] - today[0]).abs().max().item(),
+        "fused_entropy_diff": (fused[1] - today[1]).abs().max().item(),
+        "fused_grad_rel_diff": worst / scale,
+    }
+
+
+def check_frozen_reference(cfg, platform, actor, mbs, ref_lp):
     """Actor.frozen: no DDP wrapper, no gradient buffer, nothing requires grad, and the same log-probs as HF.
 
     The trained actor in the same process is the contrast: its parameters carry DDP's `main_grad`
@@ -152,7 +206,7 @@ def check_frozen_reference(cfg, platform, actor, mbs, next_token_logprobs, ref_l
     )
     storages = {p.untyped_storage().data_ptr() for p in params}
     assert len(storages) == len(params), "reference parameters share one flat buffer (a DDP param/grad buffer)"
-    lp = torch.cat(ref.forward_only(mbs, next_token_logprobs))
+    lp = torch.cat(ref.log_probs(mbs, temperature=1.0))[:, :-1]
     assert not lp.requires_grad
     ref_diff = (lp - ref_lp).abs().max().item()
     assert ref_diff <= 1e-4, f"reference log-probs differ from HF by {ref_diff}"
