@@ -11,10 +11,15 @@ What each phase holds (see docs/memory.md for the derivations):
              device, or weights + kv_cache_gb); the actor's state stays resident (parameters, gradient
              buffers, optimizer state after the first step); the reference model's parameters (KL).
   log-probs  the old-log-prob / reference pass: resident state + one layer's forward working set + the
-             output layer's logits [tokens, V/tp] and the log-prob chunk (the engine is asleep).
+             log-prob head (the last hidden states and the fused log-prob chunk: no [tokens, V/tp] logits,
+             see mcore_rl.megatron.logprobs.fused_output_log_probs) (the engine is asleep).
   update     resident state + the activations kept for backward (all layers, or one layer's input each
-             under full recompute plus one recomputed layer) + the logits, their fp32 copy and gradient
-             + the largest parameter's gradient before DDP accumulates it; the optimizer step itself.
+             under full recompute plus one recomputed layer) + the log-prob head with its backward (d hidden,
+             the output weight's fp32 gradient accumulator) + the largest parameter's gradient before DDP
+             accumulates it; the optimizer step itself.
+A micro-batch is micro_batch_size right-padded sequences of max_prompt_len + max_new_tokens, or with a token
+budget (actor.max_tokens_per_micro_batch; the forward-only passes: actor.max_tokens_per_forward_micro_batch)
+one packed row of that many tokens.
   save       resident state after the step (the checkpoint writer stages tensors on the host).
 
 Resident actor state per rank (P_dense parameters replicated over DP x CP, P_expert over expert DP):
@@ -47,8 +52,10 @@ RUNTIME_RESERVE = 0.08
 # vLLM's own non-KV, non-weight memory beyond the weights (activations of its profile run, graphs),
 # when kv_cache_gb is given instead of gpu_memory_utilization.
 ENGINE_OVERHEAD_GIB = 2.0
-LOGPROB_CHUNK_ELEMENTS = 1 << 25  # mcore_rl.megatron.logprobs.CHUNK_ELEMENTS (no torch import here)
-LOGPROB_CHUNK_TEMPS = 3  # fp32 [chunk, V/tp] temporaries alive at once in its forward/backward
+LOGPROB_CHUNK_ELEMENTS = 1 << 24  # mcore_rl.megatron.logprobs.FUSED_CHUNK_ELEMENTS (no torch import here)
+# fp32 [chunk, V/tp] temporaries alive at once in fused_output_log_probs' forward (z, shifted, exp) and backward
+# (log p, g, g's fp32 copy for the weight gradient), plus one in the model dtype (the projection's output / g's cast)
+LOGPROB_CHUNK_TEMPS = 3
 
 
 @dataclass(frozen=True)
@@ -186,18 +193,31 @@ def state_bytes(cfg: Config, layout: Layout, sp: StageParams) -> StateBytes:
 class Tokens:
     """Token counts of one micro-batch on one rank."""
 
-    seq: int  # padded sequence length (prompt + response)
-    attn: int  # tokens of this CP rank: mbs * seq / cp
+    seq: int  # row length: a padded sequence (prompt + response), or a packed row (the token budget)
+    attn: int  # tokens of this CP rank: rows * seq / cp
     local: int  # tokens in sequence-parallel regions: attn / tp under sequence parallelism
+    rows: int = 1  # rows of the micro-batch: micro_batch_size padded sequences, or one packed row
 
 
-def micro_batch_tokens(cfg: Config, layout: Layout) -> Tokens:
-    """Today's batches are padded to max_prompt_len + max_new_tokens; one micro-batch holds
-    micro_batch_size of them (the worst case a step can reach)."""
-    seq = layout.pad_length(cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
-    attn = layout.micro_batch_size * seq // layout.cp
+def token_budget(cfg: Config, forward: bool = False) -> Optional[int]:
+    """The micro-batch token budget (None: fixed-size micro-batches); `forward`: the forward-only passes'."""
+    budget = cfg.actor.max_tokens_per_micro_batch
+    if forward and budget is not None:
+        return cfg.actor.max_tokens_per_forward_micro_batch or budget
+    return budget
+
+
+def micro_batch_tokens(cfg: Config, layout: Layout, forward: bool = False) -> Tokens:
+    """The largest micro-batch a step can reach: micro_batch_size sequences right-padded to max_prompt_len +
+    max_new_tokens, or with a token budget one packed row of budget tokens (padded for TP + SP)."""
+    budget = token_budget(cfg, forward)
+    if budget is None:
+        rows, seq = layout.micro_batch_size, layout.pad_length(cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
+    else:
+        rows, seq = 1, layout.pad_length(budget)
+    attn = rows * seq // layout.cp
     local = attn // layout.tp if layout.sequence_parallel else attn
-    return Tokens(seq, attn, local)
+    return Tokens(seq, attn, local, rows)
 
 
 def layer_activation_bytes(dims: ModelDims, layout: Layout, tok: Tokens, b: int) -> int:
@@ -221,7 +241,7 @@ def layer_activation_bytes(dims: ModelDims, layout: Layout, tok: Tokens, b: int)
     attn += (FP32 + half) * T * (q + kv) // tp + 4 * b * T * q // tp
     heads = dims.num_attention_heads // tp
     seq_cp = tok.seq // layout.cp
-    attn += (FP32 + half) * layout.micro_batch_size * heads * seq_cp * seq_cp
+    attn += (FP32 + half) * tok.rows * heads * seq_cp * seq_cp
     if dims.num_experts:
         f = dims.moe_ffn_hidden_size // layout.etp
         rows = t * dims.moe_top_k
@@ -233,15 +253,19 @@ def layer_activation_bytes(dims: ModelDims, layout: Layout, tok: Tokens, b: int)
     return attn + mlp
 
 
-def logits_bytes(dims: ModelDims, layout: Layout, tok: Tokens, b: int, backward: bool) -> int:
-    """The output layer's logits [T, V/tp] (model dtype), their fp32 copy for the loss (b < 4), the
-    log-prob chunk's fp32 temporaries and, in backward, the fp32 gradient and its cast."""
-    v = dims.vocab_size // layout.tp
-    n = tok.attn * v
-    chunk = min(tok.attn, max(1, LOGPROB_CHUNK_ELEMENTS // v)) * v * FP32 * LOGPROB_CHUNK_TEMPS
-    out = n * b + (n * FP32 if b != FP32 else 0) + chunk
+def head_bytes(dims: ModelDims, layout: Layout, tok: Tokens, b: int, backward: bool) -> int:
+    """The log-prob head on the last stage (the actor's path: the model stops at the last hidden states and
+    fused_output_log_probs projects one chunk of tokens at a time; no [T, V/tp] logits exist):
+    the hidden states [T, h] as the loss holds them (fp32 from Float16Module, b < 4, and the cast back to the
+    model dtype for the projection), the chunk's temporaries (LOGPROB_CHUNK_TEMPS fp32 [chunk, V/tp] + one in
+    the model dtype); in backward also d hidden [T, h] and the fp32 accumulator of the output weight's
+    gradient [V/tp, h] (its cast to the model dtype is the "largest parameter's gradient" item)."""
+    v, h = dims.vocab_size // layout.tp, dims.hidden
+    half = b if b != FP32 else 0
+    chunk = min(tok.attn, max(1, LOGPROB_CHUNK_ELEMENTS // v)) * v * (FP32 * LOGPROB_CHUNK_TEMPS + half)
+    out = tok.attn * h * (FP32 + half) + chunk
     if backward:
-        out += n * FP32 + (n * b if b != FP32 else 0)
+        out += tok.attn * h * b + v * h * FP32
     return out
 
 
@@ -332,6 +356,7 @@ def _phases(cfg: Config, dims: ModelDims, layout: Layout, sp: StageParams, devic
     b = DTYPE_BYTES[cfg.model.dtype]
     st = state_bytes(cfg, layout, sp)
     tok = micro_batch_tokens(cfg, layout)
+    tok_fwd = micro_batch_tokens(cfg, layout, forward=True)
     layers = layout.layers_per_stage[sp.stage]
     act = layer_activation_bytes(dims, layout, tok, b)
     ref = sp.total * b if cfg.algo.kl_coef > 0 else 0
@@ -357,9 +382,11 @@ def _phases(cfg: Config, dims: ModelDims, layout: Layout, sp: StageParams, devic
             Item("engine runtime", overhead),
         ]
     rollout = Phase("rollout", tuple(engine_items + resident))
-    logits_fwd = logits_bytes(dims, layout, tok, b, backward=False) if sp.last else 0
+    head_fwd = head_bytes(dims, layout, tok_fwd, b, backward=False) if sp.last else 0
+    act_fwd = layer_activation_bytes(dims, layout, tok_fwd, b)
     logprob = Phase(
-        "log-probs", tuple(resident + [Item("one layer's forward", act), Item("logits + log-prob chunk", logits_fwd)])
+        "log-probs",
+        tuple(resident + [Item("one layer's forward", act_fwd), Item("hidden states + log-prob chunk", head_fwd)]),
     )
     # 1F1B keeps up to pp - stage micro-batches in flight on stage `stage`.
     in_flight = min(layout.pp - sp.stage, _micro_batches(cfg, layout))
@@ -369,14 +396,14 @@ def _phases(cfg: Config, dims: ModelDims, layout: Layout, sp: StageParams, devic
     else:
         kept = in_flight * layers * act
         act_name = "activations"
-    logits_bwd = logits_bytes(dims, layout, tok, b, backward=True) if sp.last else 0
+    head_bwd = head_bytes(dims, layout, tok, b, backward=True) if sp.last else 0
     update = Phase(
         "update",
         tuple(
             resident
             + [
                 Item(act_name, kept),
-                Item("logits, fp32 copy, gradient", logits_bwd),
+                Item("hidden states, log-prob chunk, gradients", head_bwd),
                 Item("largest parameter's gradient", sp.largest * b),
             ]
         ),
@@ -404,8 +431,13 @@ def _save_items(cfg: Config, layout: Layout, sp: StageParams) -> list[Item]:
 
 
 def _micro_batches(cfg: Config, layout: Layout) -> int:
-    samples = cfg.data.prompts_per_step * cfg.rollout.n
-    return max(1, samples // (layout.dp * cfg.algo.mini_batches * layout.micro_batch_size))
+    """Micro-batches of one mini-batch on one rank (with a token budget: when every sequence is the longest)."""
+    samples = cfg.data.prompts_per_step * cfg.rollout.n // (layout.dp * cfg.algo.mini_batches)
+    budget = token_budget(cfg)
+    per_micro = (
+        layout.micro_batch_size if budget is None else budget // (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
+    )
+    return max(1, samples // max(1, per_micro))
 
 
 def plan_memory(
@@ -461,7 +493,17 @@ def levers(cfg: Config, layout: Layout, dims: ModelDims, plan: MemoryPlan) -> li
                 )
     if cfg.rollout.max_new_tokens > 1024:
         half = cfg.rollout.max_new_tokens // 2
-        candidates.append((f"rollout.max_new_tokens={half} (token budget)", _with(cfg, "rollout.max_new_tokens", half)))
+        shorter = _with(cfg, "rollout.max_new_tokens", half)
+        label = f"rollout.max_new_tokens={half}"
+        if token_budget(cfg) is not None:  # the budget holds the longest sequence: it shrinks with it
+            budget = cfg.data.max_prompt_len + half
+            shorter = _with(
+                _with(shorter, "actor.max_tokens_per_micro_batch", budget),
+                "actor.max_tokens_per_forward_micro_batch",
+                None,
+            )
+            label += f" + actor.max_tokens_per_micro_batch={budget}"
+        candidates.append((f"{label} (token budget)", shorter))
     for label, c in candidates:
         p = plan_memory(c, layout, dims, plan.device_bytes / GIB, with_levers=False)
         if p.fits:
