@@ -118,7 +118,15 @@ def test_dense_presets_rejected_where_their_layout_cannot_form():
     )
     assert "tp = 4 must divide the model's 2 query groups (KV heads): use tp in [1, 2]" in msg
     msg = one_line_error(
-        cli("check", q3 / "npu8_gspo.yaml", "--nproc-per-node", 6, "--model-config", q3 / "config.json")
+        cli(
+            "check",
+            q3 / "npu8_gspo.yaml",
+            "actor.max_tokens_per_micro_batch=null",  # fixed-size micro-batches: samples split over DP too
+            "--nproc-per-node",
+            6,
+            "--model-config",
+            q3 / "config.json",
+        )
     )
     assert "8192 samples" in msg and "make prompts_per_step * n a multiple of 12" in msg
     msg = one_line_error(

@@ -16,6 +16,8 @@ from mcore_rl.megatron.memory_plan import plan_memory, stage_params, state_bytes
 from tests.test_cli import QWEN_JSON, cli
 
 PRESETS = sorted(QWEN_JSON.parent.glob("*.yaml"))
+# every preset written for devices: its model's config.json lies next to it (Qwen3-30B-A3B, Qwen3-8B, Qwen2.5-3B)
+DEVICE_PRESETS = sorted(p for p in QWEN_JSON.parents[1].glob("*/*.yaml") if (p.parent / "config.json").is_file())
 
 
 def test_total_params_equal_the_hf_models(tiny_model_dir):
@@ -77,7 +79,9 @@ def test_recompute_and_budget_lower_the_update_peak():
     lay = validate_run(cfg, 8, dims)
     full = plan_memory(cfg, lay, dims).phase("update").total
     recompute = plan_memory(load_config(QWEN_JSON.parent / "gpu8_tp2_ep8.yaml"), lay, dims).phase("update").total
-    shorter = load_config(QWEN_JSON.parent / "gpu8_tp2_ep8.yaml", ["rollout.max_new_tokens=1024"])
+    shorter = load_config(
+        QWEN_JSON.parent / "gpu8_tp2_ep8.yaml", ["rollout.max_new_tokens=1024", "actor.max_tokens_per_micro_batch=2048"]
+    )
     budget = plan_memory(shorter, validate_run(shorter, 8, dims), dims).phase("update").total
     assert full > recompute > budget
 
@@ -117,14 +121,26 @@ def _named_devices(preset: Path) -> list[float]:
     raise AssertionError(f"{preset.name} has no '# devices: ...' line naming the devices it is sized for")
 
 
-@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("preset", DEVICE_PRESETS, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_every_preset_fits_the_devices_it_names(preset):
     cfg = load_config(preset)
-    dims = ModelDims.from_hf(QWEN_JSON)
+    dims = ModelDims.from_hf(preset.parent / "config.json")
     lay = validate_run(cfg, cfg.trainer.nnodes * cfg.trainer.nproc, dims)
     for gib in _named_devices(preset):
         plan = plan_memory(cfg, lay, dims, device_gib=gib)
         assert plan.fits, f"{preset.name} does not fit {gib} GiB:\n{plan.table()}"
+
+
+@pytest.mark.parametrize("preset", DEVICE_PRESETS, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_device_presets_size_micro_batches_by_tokens(preset):
+    """Packed micro-batches of max_prompt_len + max_new_tokens tokens, as the reference runs size them (max
+    tokens per device = prompt + response length), not micro_batch_size padded sequences."""
+    cfg = load_config(preset)
+    assert cfg.actor.max_tokens_per_micro_batch == cfg.data.max_prompt_len + cfg.rollout.max_new_tokens, preset.name
+    assert "micro_batch_size" not in preset.read_text(), (
+        f"{preset.name}: micro_batch_size is unused with a token budget"
+    )
+    assert len(DEVICE_PRESETS) >= 6  # the four Qwen3-30B-A3B presets and the two dense ones
 
 
 def test_plan_cli_prints_phases_and_verdict(tmp_path):
