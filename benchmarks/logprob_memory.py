@@ -22,7 +22,9 @@ resident-set high-water mark (VmHWM in /proc/self/status, reset by writing 5 to
 mark minus the resident size just before the pass (inputs already allocated), so it includes the
 [tokens, vocab] gradient that every path must produce.
 
-Run: OMP_NUM_THREADS=1 python benchmarks/logprob_memory.py [--tokens 4096 --vocab 151936]
+Run: OMP_NUM_THREADS=1 python benchmarks/logprob_memory.py [--with-projection] [--tokens 4096 --vocab 151936 --hidden 2048]
+(the defaults are the specified size: Qwen3's vocabulary, 4,096 tokens, hidden 2,048 - ~15 GiB of RAM for the
+straightforward path with --with-projection; the fused path is the one the actor runs)
 """
 
 from __future__ import annotations

@@ -1,4 +1,11 @@
-"""Log-probabilities of target tokens and the entropy, from vocabulary-sharded logits.
+"""Log-probabilities of target tokens and the entropy over a vocabulary sharded by tensor parallelism.
+
+The actor's path is `OutputHead.log_probs` -> `fused_output_log_probs` (bottom of this file): from the last
+hidden states and this rank's output-weight shard, projecting one chunk of tokens at a time, so no
+[tokens, V/tp] logits tensor exists. `vocab_parallel_log_probs` computes the same from logits that already
+exist; nothing in the package calls it any more: it stays as the materialised-logits path that the
+equivalence tests (tests/workers/actor_layouts.py: the actor against Megatron's output layer + this) and
+benchmarks/logprob_memory.py compare the fused path with, and it shares its per-chunk statistics with it.
 
 Tensor parallelism shards the output layer over the vocabulary: each rank holds logits [.., V/tp]
 for its contiguous vocabulary slice (rank r owns ids [r * V/tp, (r+1) * V/tp)). We never gather the
