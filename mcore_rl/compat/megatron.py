@@ -148,8 +148,9 @@ def output_weight(model):
     return gpt.output_layer.weight
 
 
-def _hidden_instead_of_logits(layer):
-    """A forward for the output layer `layer` that returns its input as the projection would see it."""
+def _hidden_instead_of_logits(layer, expected_weight):
+    """A forward for the output layer `layer` that returns its input as the projection would see it (and
+    checks that the weight the model passes is `expected_weight`, the one the loss will use)."""
     from megatron.core.tensor_parallel import mappings
 
     if getattr(layer, "gather_output", False):
@@ -161,6 +162,8 @@ def _hidden_instead_of_logits(layer):
     extra = {} if group is None else {"group": group}
 
     def forward(input_, weight=None, runtime_gather_output=None):
+        if (layer.weight if weight is None else weight) is not expected_weight:
+            raise RuntimeError("the output layer was called with another weight than output_weight() found")
         if layer.sequence_parallel:
             return mappings.gather_from_sequence_parallel_region(
                 input_, tensor_parallel_output_grad=True, **extra
@@ -180,8 +183,10 @@ def output_hidden_states(model):
     if weight is None:
         yield None
         return
+    if getattr(gpt.config, "mtp_num_layers", None):
+        raise ValueError("multi-token prediction layers call the output layer too: build the model without them")
     layer = gpt.output_layer
-    layer.forward = _hidden_instead_of_logits(layer)  # instance attribute: shadows the class's forward
+    layer.forward = _hidden_instead_of_logits(layer, weight)  # instance attribute: shadows the class's forward
     try:
         yield weight
     finally:

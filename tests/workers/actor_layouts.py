@@ -129,12 +129,15 @@ def check_fused_equals_logits_path(actor, tokens, loss_mask) -> dict:
     [b, s, V/tp] logits, then vocab_parallel_log_probs. Log-probs, entropy and every parameter's gradient in
     DDP's buffer (after finalize_model_grads: DP and sequence-parallel reductions, tied-embedding all-reduce)
     agree to 1e-5 (gradients relative to the largest). Temperature 0.7, a loss on both log-probs and entropy."""
+    import time
+
     from megatron.core.distributed import finalize_model_grads
 
     from mcore_rl.batch import MicroBatch
     from mcore_rl.megatron.logprobs import vocab_parallel_log_probs
     from mcore_rl.megatron.policy_loss import next_token_log_probs, next_token_targets
 
+    start = time.perf_counter()
     temperature, tp_group = 0.7, actor.layout.groups.tp
     g = torch.Generator().manual_seed(3)
     w_lp, w_h = (torch.randn(tokens.shape, generator=g) * loss_mask for _ in range(2))
@@ -177,6 +180,7 @@ def check_fused_equals_logits_path(actor, tokens, loss_mask) -> dict:
         "fused_logprobs_diff": (fused[0] - today[0]).abs().max().item(),
         "fused_entropy_diff": (fused[1] - today[1]).abs().max().item(),
         "fused_grad_rel_diff": worst / scale,
+        "fused_check_seconds": time.perf_counter() - start,
     }
 
 
