@@ -2,7 +2,9 @@
 
 Arguments: --ref-dir --model-dir --tp --pp --ep --etp --n-micro --mode (ref = write the train-step reference;
 check = compare), --results (tests/workers/harness.py).
-Checks: forward_only logits == HF logits and per-token log-probs == HF log_softmax (<= 1e-4);
+Checks: forward_only logits == HF logits and the actor's log-probs == HF log_softmax (<= 1e-4); at PP1, the
+actor's fused path (hidden states + output weight) == Megatron's output-layer logits path: log-probs, entropy
+and every parameter's DDP gradient (<= 1e-5; reported as fused_*);
 export == checkpoint bit-identical (same names: a tied model exports `model.embed_tokens.weight` once, no
 `lm_head`); train_step loss / grad norm / updated weights == the world-1 reference; with tied embeddings over
 PP the last stage's output-layer copy equals the first stage's embedding after the step.
