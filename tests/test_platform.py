@@ -112,3 +112,36 @@ def test_layer_spec_choice():
     assert Platform("npu").uses_transformer_engine and not Platform("cpu").uses_transformer_engine
     assert Platform("cuda").uses_transformer_engine == has_te
     assert not has_te  # this suite's venv has no Transformer Engine: CUDA here would use the local spec
+
+
+def test_device_modules_are_used_only_in_the_platform_package():
+    """`torch.cuda` / `torch.npu` (and torch_npu) appear in mcore_rl/platform/ only: device specifics have one home."""
+    import ast
+
+    found = []
+    for path in sorted((REPO / "mcore_rl").rglob("*.py")):
+        if path.relative_to(REPO / "mcore_rl").parts[0] == "platform":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in ("cuda", "npu")
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "torch"
+            ):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno} torch.{node.attr}")
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) else [])
+                found += [
+                    f"{path.relative_to(REPO)}:{node.lineno} {n}" for n in names if n and n.startswith("torch_npu")
+                ]
+    assert not found, f"device modules outside mcore_rl/platform/: {found}"
+
+
+def test_memory_helpers_are_no_ops_or_plain_memory_on_cpu():
+    p = get_platform("cpu")
+    buf = p.host_buffer(16)
+    assert buf.dtype == torch.uint8 and buf.numel() == 16 and not buf.is_pinned()
+    p.synchronize()
+    p.empty_cache()
+    p.reset_peak_memory_stats()

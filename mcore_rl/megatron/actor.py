@@ -10,6 +10,7 @@ TP/PP/EP/CP/DP layout, plus the passes the RL loop needs:
   export_hf_weights() / save_hf(dir)   full Hugging Face tensors (collective) / an HF folder
   save_checkpoint(dir) / load_checkpoint(dir)
   Actor.frozen(cfg)                    the reference model: no DDP wrapper, no gradients, no optimizer
+  offload() / reload() / resident()    state to host memory and back (actor.offload; mcore_rl.megatron.offload)
 
 All of them are collective over the ranks of the job. The generic entry points under them:
   forward_only(micro_batches, post_fn) -> list[Tensor]   per-micro-batch results of post_fn
@@ -33,9 +34,10 @@ Conventions the caller relies on:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -165,6 +167,10 @@ class Actor:
         self.tf_config = self.bridge.transformer_config
         self.optimizer = self.scheduler = None
         self.replay = None  # RoutingReplay, when cfg.algo.routing_replay is set (enable_routing_replay)
+        from mcore_rl.megatron.offload import HostOffload
+
+        # the reference model never changes: its host copy is made once (HostOffload.read_only)
+        self._host = HostOffload(self.platform, read_only=frozen)
         if frozen:
             self.model = _freeze(chunks, self.tf_config, self.dtype)
             return
@@ -180,6 +186,40 @@ class Actor:
     def frozen(cls, cfg: Config, platform: Optional[Platform] = None) -> "Actor":
         """The KL reference: the initial policy in the same layout, forward only (no DDP, no gradients)."""
         return cls(cfg, platform, with_optimizer=False, frozen=True)
+
+    # ---- host memory (actor.offload) ---------------------------------------------------------
+    def offload(self) -> int:
+        """Parameters, DDP's parameter / gradient buffers, module buffers and optimizer state (main parameters,
+        Adam moments) to host memory; their device storages are released (resized to 0 bytes). Gradients are
+        released without a copy (they are zeroed before the next use). Returns the bytes released; collective
+        only in that every rank should do it at the same point. Idempotent."""
+        from mcore_rl.compat.megatron_state import actor_state
+
+        state = actor_state(self.model, self.optimizer)
+        return self._host.offload(state.kept, state.gradients)
+
+    def reload(self) -> int:
+        """Undo `offload`: the same storages get their bytes back, bit for bit (gradients: zeros)."""
+        return self._host.reload()
+
+    @property
+    def offloaded(self) -> bool:
+        return self._host.offloaded
+
+    @contextlib.contextmanager
+    def resident(self) -> Iterator["Actor"]:
+        """On the device inside the block; back to where it was (host or device) after it."""
+        was_offloaded = self.offloaded
+        self.reload()
+        try:
+            yield self
+        finally:
+            if was_offloaded:
+                self.offload()
+
+    def _require_resident(self, what: str) -> None:
+        if self.offloaded:
+            raise RuntimeError(f"{what}: the actor's state is in host memory (offloaded); call reload() first")
 
     # ---- helpers -----------------------------------------------------------------------------
     @property
@@ -216,6 +256,7 @@ class Actor:
         from mcore_rl.compat.megatron import output_hidden_states
         from mcore_rl.megatron.packing import model_inputs
 
+        self._require_resident("a forward / backward pass")
         seq_len = self._check(micro_batches)
         # pipeline stages exchange activation shapes first when micro-batches differ in length
         # (packed micro-batches); the schedule reads this flag from the model's config at each p2p call
@@ -340,6 +381,7 @@ class Actor:
         (`what` starts the message), so nothing non-finite reaches the engine, a checkpoint or an export."""
         from mcore_rl.safety import check_weights_finite
 
+        self._require_resident("check_weights_finite")
         named = ((name, p.data) for chunk in self.model for name, p in chunk.named_parameters())
         check_weights_finite(named, what)
 
@@ -463,6 +505,7 @@ class Actor:
     def export_hf_weights(self, receive: bool = True, into=None):
         """See ModelBridge.export_hf_weights: collective, every rank gets every full tensor; `into` (e.g. a
         rollout engine's `weight_buffer`) lets the gathers write straight into the consumer's memory."""
+        self._require_resident("export_hf_weights")
         return self.bridge.export_hf_weights(self.model, receive=receive, into=into)
 
     def save_hf(self, out_dir: str, source_dir: Optional[str] = None, max_shard_bytes: int = 4 << 30) -> None:
@@ -482,10 +525,12 @@ class Actor:
         """Model + optimizer + scheduler as a Megatron dist checkpoint, loadable into any layout (collective)."""
         from mcore_rl.megatron.checkpoint import save_checkpoint
 
+        self._require_resident("save_checkpoint")
         save_checkpoint(self, directory, extra)
 
     def load_checkpoint(self, directory: str, load_optimizer: bool = True) -> dict:
         """Load a checkpoint written by `save_checkpoint` (any layout); returns its `extra` (collective)."""
         from mcore_rl.megatron.checkpoint import load_checkpoint
 
+        self._require_resident("load_checkpoint")
         return load_checkpoint(self, directory, load_optimizer=load_optimizer)

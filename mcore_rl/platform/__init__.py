@@ -126,6 +126,35 @@ class Platform:
         elif self.name == "npu":
             torch.npu.set_device(self.local_rank)
 
+    # ---- device memory (actor offload around rollout; mcore_rl/megatron/offload.py) ----
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """An uninitialised uint8 host tensor of `nbytes` for a device storage's copy: page-locked on an
+        accelerator (asynchronous copies, no staging buffer), plain memory on cpu (there the host copy is a
+        separate tensor, so releasing the original storage is still observable)."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.name != "cpu")
+
+    def synchronize(self) -> None:
+        """Wait for this process's queued device work (the copies of an offload / reload); cpu: nothing."""
+        if self.name == "cuda":
+            torch.cuda.synchronize()
+        elif self.name == "npu":
+            torch.npu.synchronize()
+
+    def empty_cache(self) -> None:
+        """Return the caching allocator's free blocks to the device, so memory that tensors released is free
+        for another allocator in the process (vLLM's sleep-mode pool); cpu: nothing."""
+        if self.name == "cuda":
+            torch.cuda.empty_cache()
+        elif self.name == "npu":
+            torch.npu.empty_cache()
+
+    def reset_peak_memory_stats(self) -> None:
+        """Restart the allocator's peak statistics from what is allocated now; cpu: nothing."""
+        if self.name == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        elif self.name == "npu":
+            torch.npu.reset_peak_memory_stats()
+
     def init_distributed(self, timeout_minutes: float = 30.0) -> DistInfo:
         """Start torch.distributed from torchrun's env vars; a plain `python` run becomes world 1."""
         rank = int(os.environ.get("RANK", "0"))
