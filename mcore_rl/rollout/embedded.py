@@ -290,7 +290,7 @@ class EmbeddedEngine(RolloutEngine):
     def sleep(self) -> None:
         self._log_noop("sleep")
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags=None) -> None:
         self._log_noop("wake_up")
 
     def _log_noop(self, what: str) -> None:

@@ -68,7 +68,7 @@ import time
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -76,7 +76,15 @@ from mcore_rl.config import RolloutConfig
 from mcore_rl.megatron.layout import validate_rollout_tp
 from mcore_rl.models.hf_io import torch_dtype, write_hf_folder
 from mcore_rl.platform import free_port
-from mcore_rl.rollout.base import RolloutEngine, RolloutSample, SamplingParams, check_generate_request, check_token_ids
+from mcore_rl.rollout.base import (
+    MEMORY_TAGS,
+    WEIGHTS,
+    RolloutEngine,
+    RolloutSample,
+    SamplingParams,
+    check_generate_request,
+    check_token_ids,
+)
 from mcore_rl.rollout.data_parallel import ReplicaLayout
 
 log = logging.getLogger(__name__)
@@ -266,7 +274,7 @@ class VllmEngine(RolloutEngine):
         )
         self.sleep_level = sleep_level
         self._want_routes = return_routed_experts
-        self._asleep = False
+        self._sleeping: set[str] = set()  # MEMORY_TAGS released by sleep() and not woken since
         self._logged: set[str] = set()
         self._rebuild_dir: Optional[str] = None  # the folder of the last rebuild (deleted at the next / close)
         self._rebuild_base = getattr(cfg, "rebuild_dir", None) or tempfile.gettempdir()
@@ -410,9 +418,10 @@ class VllmEngine(RolloutEngine):
     def weight_names(self) -> set[str]:
         return set(self._names)
 
-    def _check_awake(self, what: str) -> None:
-        if self._asleep:
-            raise RuntimeError(f"vLLM engine is asleep; call wake_up() before {what}")
+    def _check_awake(self, what: str, needs: Sequence[str] = MEMORY_TAGS) -> None:
+        asleep = sorted(self._sleeping.intersection(needs))
+        if asleep:
+            raise RuntimeError(f"vLLM engine's {', '.join(asleep)} are asleep; call wake_up() before {what}")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Apply streamed weights; each call may carry one bucket (reload mode: module docstring).
@@ -426,7 +435,7 @@ class VllmEngine(RolloutEngine):
         arrived, then the engine is rebuilt from them once - on every rank in the same call, since all ranks
         stream the same weights (the rebuild is collective).
         """
-        self._check_awake("load_weights")
+        self._check_awake("load_weights", needs=(WEIGHTS,))
         ready: list[tuple[str, torch.Tensor]] = []
         for name, tensor in weights:
             unit = self._unit_of.get(name)
@@ -535,15 +544,23 @@ class VllmEngine(RolloutEngine):
         if current_platform.is_cpu() or not current_platform.is_sleep_mode_available():
             self._log_once("sleep", "vLLM engine: sleep/wake_up are no-ops on this platform; memory stays allocated")
             return
-        if not self._asleep:
+        if not self._sleeping:
             self.llm.sleep(level=self.sleep_level)
-            self._asleep = True
+            self._sleeping = set(MEMORY_TAGS)
 
-    def wake_up(self) -> None:
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
-        else:
+    def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Re-allocate `tags` (MEMORY_TAGS: "weights", "kv_cache"; None: all) after sleep(). The trainer wakes the
+        weights, syncs, moves the actor off the device, then wakes the KV cache (two-phase wake)."""
+        from mcore_rl.compat.vllm import wake_up
+
+        wanted = list(MEMORY_TAGS if tags is None else tags)
+        unknown = sorted(set(wanted) - set(MEMORY_TAGS))
+        if unknown:
+            raise ValueError(f"wake_up tags {unknown} unknown; use a subset of {list(MEMORY_TAGS)}")
+        waking = [t for t in MEMORY_TAGS if t in wanted and t in self._sleeping]
+        if waking:
+            self._sleeping.difference_update(wake_up(self.llm, waking, MEMORY_TAGS))
+        elif not self._sleep_mode:
             self._log_once("sleep", "vLLM engine: sleep/wake_up are no-ops on this platform; memory stays allocated")
 
     # ----- generate / score -----
