@@ -101,6 +101,11 @@ class ActorConfig:
     # this larger budget (no activations are kept for backward). None: the training budget. Not with R2
     # (its routes are recorded per training micro-batch).
     max_tokens_per_forward_micro_batch: Optional[int] = None
+    # Around rollout the actor's parameters, gradient buffers and optimizer state live in host memory (back on
+    # the device before the old-log-prob pass), and the reference model (algo.kl_coef > 0) lives there except
+    # during its own pass; a colocated vLLM engine wakes its weights, takes the sync, then its KV cache
+    # (docs/memory.md, "Offload around rollout").
+    offload: bool = False
 
 
 @dataclass
@@ -662,6 +667,11 @@ def _check_combinations(cfg: Config) -> list[str]:
             o.use_distributed_optimizer,
             "actor.optim.optimizer_offload_fraction > 0 runs Megatron's HybridDeviceOptimizer on the distributed "
             "optimizer's shards: set actor.optim.use_distributed_optimizer=true",
+        )
+    if cfg.actor.offload and cfg.platform == "cpu":
+        warnings.append(
+            "actor.offload on platform=cpu copies the actor's state between two places in the same memory: it "
+            "saves nothing there (it is for devices whose memory the rollout engine needs)"
         )
     _require(
         re.fullmatch(r"task|math|[\w.]+:\w+", cfg.reward.fn) is not None,

@@ -15,6 +15,13 @@ No rank holds the whole step: a data-parallel rank (and its model-parallel peers
 samples of its share, as `batch.split_for_rank` of the whole batch would cut it (mcore_rl/step_data.py;
 docs/architecture.md, "Per-rank step data"). Groups need no cross-rank gather for advantages: every rank
 has every sample's reward and validity from the metadata.
+
+Device memory with actor.offload (docs/memory.md, "Offload around rollout"): the actor's state is on the host
+while the engine generates and the engine sleeps while the actor computes. The sync is the hand-over: wake
+the engine's weights, sync them from the actor, take the actor's reference log-probs for the verification,
+move the actor's state to the host, then wake the engine's KV cache. The reference model is on the host
+except during its own pass. A checkpoint or export after the sync puts the engine to sleep and the actor
+back; the next rollout then syncs again first.
 """
 
 from __future__ import annotations
@@ -107,6 +114,10 @@ class Trainer:
         self.dp_of_rank = dp_ranks(self.actor.layout.ranks.dp)
         # The KL reference is the initial policy: a second, frozen copy of the model in the same layout.
         self.ref_actor = Actor.frozen(cfg, self.platform) if cfg.algo.kl_coef > 0 else None
+        self.offload = cfg.actor.offload
+        self.rollout_logged = False
+        if self.offload and self.ref_actor is not None:
+            self.ref_actor.offload()  # on the host except during its own pass
         # vLLM sizes its KV cache for the longest sequence it may see; the model's maximum wastes memory.
         engine_args = (
             {"max_model_len": cfg.data.max_prompt_len + cfg.rollout.max_new_tokens}
@@ -115,7 +126,15 @@ class Trainer:
         )
         # Only rollout routing replay reads the engine's experts; recording them costs a forward (embedded).
         engine_args["return_routed_experts"] = cfg.algo.routing_replay == "r3"
+        if self.offload:
+            # vLLM sizes its KV cache once, at start-up, from what the process holds then (vLLM-Ascend: from the
+            # allocator's peak after its own reset, which counts every live tensor): the actor is not there.
+            self.actor.offload()
+            self.platform.reset_peak_memory_stats()
         self.engine = make_engine(cfg.rollout, cfg.model.path, self.platform, dtype=cfg.model.dtype, **engine_args)
+        # Ready to generate: the engine awake with the actor's weights (it starts from the same HF files as the
+        # actor; a resumed actor differs from it) and, with offload, the actor's state on the host.
+        self.rollout_ready = resume is None
         self.stop_ids = [self.tokenizer.eos_token_id]
         # T = 1: the check is about weights, and engines score T = 1 cheapest (vLLM: no full-vocab fetch).
         self.probe = ProbeBatch.random(self.actor.hf_config.vocab_size, seed=cfg.trainer.seed)
@@ -128,7 +147,6 @@ class Trainer:
         if resume is not None:
             self._load(resume.path)
         self.metrics = MetricsLogger(cfg.trainer.run_dir, cfg, rank=self.rank, start_step=self.step)
-        # The engine starts from the same HF files as the actor: only a resumed actor differs from it.
         if resume is not None:
             self.sync_engine(verify=True)
 
@@ -157,25 +175,67 @@ class Trainer:
         meta = exchange_meta(local, scored.rewards, scored.valid, stats)
         return local, meta, scored
 
+    # ---- device memory: who holds the device (actor.offload) --------------------------------------
+    def to_training(self) -> None:
+        """The engine sleeps (its memory is the actor's now); with offload the actor's state comes back to the
+        device, bit for bit. The engine then needs a sync before it generates again."""
+        self.engine.sleep()  # a no-op where the engine cannot sleep
+        if self.offload:
+            self.actor.reload()
+        self.rollout_ready = False
+
+    def to_rollout(self) -> None:
+        """Ready to generate: after a checkpoint, an export or a resume, the sync (and hand-over) runs first."""
+        if not self.rollout_ready:
+            self.sync_engine(verify=False)
+
+    def _export_on_device(self):
+        """A fresh export for the verification's rebuild fallback; with offload the actor comes back for it."""
+        with self.actor.resident():
+            yield from self.actor.export_hf_weights()
+
     def sync_engine(self, verify: bool) -> dict:
-        """Actor weights -> rollout engine (bucketed), verified against the actor when `verify`."""
+        """Actor weights -> rollout engine (bucketed), verified against the actor when `verify`.
+
+        With offload the two-phase wake: the engine's weights, the sync, the actor's reference log-probs for the
+        verification, the actor's state to the host, then the engine's KV cache."""
+        from mcore_rl.rollout.base import KV_CACHE, WEIGHTS
         from mcore_rl.rollout.weight_sync import default_tolerance, sync_weights, verify_sync
 
-        self.engine.wake_up()  # colocated engines released their memory during the update
+        if self.offload:
+            self.to_training()  # the engine asleep, the actor on the device (already so after an update)
+        self.engine.wake_up([WEIGHTS] if self.offload else None)  # colocated engines slept during the update
         # gathers write straight into the engine's tensors where it exposes them (each byte moves once)
         export = self.actor.export_hf_weights(into=self.engine.weight_buffer)
         stats = sync_weights(export, self.engine, self.cfg.rollout.sync_bucket_mb)
         out = {"sync/seconds": stats.seconds, "sync/gb_per_s": stats.gb_per_s}
+        reference, export_fn = self.actor.probe_log_probs, self.actor.export_hf_weights
+        if self.offload:
+            if verify:
+                probe = self.probe
+                probe_lp = self.actor.probe_log_probs(probe.sequences, probe.prompt_lens, probe.temperature)
+                reference, export_fn = (lambda *_: probe_lp), self._export_on_device
+            released = self.actor.offload()
+            if not self.rollout_logged:
+                log.info(
+                    "actor.offload: %.1f MiB of the actor's device state released for rollout (%.1f MiB copied to "
+                    "the host; gradients are not copied)",
+                    released / 2**20,
+                    self.actor.host_bytes / 2**20,
+                )
+                self.rollout_logged = True
+            self.engine.wake_up([KV_CACHE])
+        self.rollout_ready = True
         if verify:
             report = verify_sync(
                 self.engine,
-                self.actor.probe_log_probs,
+                reference,
                 self.probe,
                 default_tolerance(
                     self.cfg.model.dtype, self.cfg.rollout.verify_tolerance, self.cfg.rollout.verify_high_tolerance
                 ),
                 fallback=self.cfg.rollout.verify_fallback,
-                export_fn=self.actor.export_hf_weights,
+                export_fn=export_fn,
                 fingerprints=stats.fingerprints,
             )
             if self.rank == 0 and (report.rebuilt or self.step <= self.cfg.rollout.verify_every):
@@ -212,6 +272,7 @@ class Trainer:
         step_start = time.perf_counter()
         examples = [self.train_set[i] for i in self.sampler.next_batch()]
         exchanged = ExchangeStats()
+        self.to_rollout()
         with timer("rollout"):
             local, meta, scored = self.rollout(
                 examples,
@@ -220,7 +281,8 @@ class Trainer:
                 seed=cfg.trainer.seed * 1_000_003 + self.step * 7919,
                 stats=exchanged,
             )
-        self.engine.sleep()  # free the engine's memory for the actor's passes (a no-op where unsupported)
+        with timer("to_training"):
+            self.to_training()  # the engine's memory to the actor's passes (offload: the actor's state back)
         max_rate = cfg.reward.max_error_rate
         stopping = reward_errors_stop(meta.errors, meta.size, max_rate)  # the same on every rank
         first_error = first_reward_error(scored.first_error) if stopping else scored.first_error
@@ -256,7 +318,7 @@ class Trainer:
             with timer("old_logprob"):
                 entropy_sum = self.old_policy_pass(micro_all)
         if self.ref_actor is not None:
-            with timer("ref_logprob"):
+            with timer("ref_logprob"), self.ref_actor.resident():  # offload: on the device for this pass only
                 for mb, lp in zip(micro_all, self.ref_actor.log_probs(micro_all)):
                     mb.ref_log_prob = lp
         update: dict[str, list[float]] = {}
@@ -303,6 +365,7 @@ class Trainer:
     def validate(self) -> dict:
         """Mean reward of one sample per validation prompt (pass@1), greedy."""
         examples = [self.val_set[i] for i in range(min(len(self.val_set), self.cfg.trainer.val_prompts))]
+        self.to_rollout()
         _, meta, _ = self.rollout(examples, n=1, temperature=0.0, seed=self.cfg.trainer.seed)
         return {"val/reward_mean": float(meta.rewards.double().mean())}
 
@@ -323,6 +386,8 @@ class Trainer:
             )
 
     def save(self) -> None:
+        if self.offload:
+            self.to_training()  # the actor's state on the device for the writer
         self.actor.check_weights_finite(f"not writing checkpoint step {self.step}")
 
         def write(tmp_dir: Path) -> None:
@@ -342,6 +407,8 @@ class Trainer:
     def _load(self, path: Path) -> None:
         from mcore_rl.run_dir import Checkpoint
 
+        if self.offload:
+            self.to_training()  # loaded into the actor on the device; sync_engine hands over afterwards
         saved_world = Checkpoint(self.step, Path(path)).meta.get("world_size")
         state_file = Path(path) / f"trainer_state_rank{self.rank}.pt"
         if saved_world is not None and saved_world != self.world:
@@ -368,6 +435,8 @@ class Trainer:
 
     def export_hf(self, out_dir: Path) -> None:
         """Write the actor as a Hugging Face folder (collective)."""
+        if self.offload:
+            self.to_training()
         self.actor.check_weights_finite(f"not writing the Hugging Face export {out_dir}")
         self.actor.save_hf(str(out_dir), source_dir=self.cfg.model.path)
         if self.rank == 0:

@@ -209,3 +209,17 @@ def test_check_paths(tmp_path, tiny_model_dir):
     with pytest.raises(ConfigError, match="trainer.val_every = 5 needs data.val_path"):
         check_paths(cfg)
     check_paths(load_config(None, [f"model.path={tiny_model_dir}", f"data.train_path={tmp_path}/train.jsonl"]))
+
+
+def test_actor_offload_is_a_checked_bool_and_warns_on_cpu():
+    from mcore_rl.config import ConfigError, validate_config
+
+    assert load_config(None, ["actor.offload=true"]).actor.offload is True
+    with pytest.raises(ConfigError, match="actor.offload"):
+        load_config(None, ["actor.offload=sometimes"])
+    warned = validate_config(load_config(None, ["platform=cpu", "actor.offload=true"], validate=False))
+    assert any("actor.offload on platform=cpu" in w for w in warned)
+    assert not any(
+        "actor.offload" in w
+        for w in validate_config(load_config(None, ["platform=cuda", "actor.offload=true"], validate=False))
+    )

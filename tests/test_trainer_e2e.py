@@ -97,7 +97,8 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     "preset, arch, extra",
     [
         ("gspo_cpu.yaml", "qwen3-moe", {"algo.routing_replay": "r3"}),
-        # old_log_prob_pass=always: R2 records routes in a separate old-policy pass and the update replays them
+        # old_log_prob_pass=always: R2 records routes in a separate old-policy pass and the update replays them;
+        # actor.offload: the actor's state on the host around rollout, the reference model outside its pass
         (
             "sapo_cpu.yaml",
             "qwen3-moe",
@@ -106,6 +107,7 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
                 "algo.entropy_coef": 0.001,
                 "algo.routing_replay": "r2",
                 "algo.old_log_prob_pass": "always",
+                "actor.offload": "true",
             },
         ),
         ("sapo_dense_cpu.yaml", "qwen3", {"algo.entropy_coef": 0.001}),
@@ -118,6 +120,9 @@ def test_short_run(tiny_arch_dir, task, tmp_path, preset, arch, extra):
     tiny_model_dir = tiny_arch_dir(arch)
     out = run_train(preset, overrides(tiny_model_dir, task, run_dir, **extra))
     assert "step 4/4 reward " in out and "tok/s" in out  # the progress line a person watches
+    assert ("actor.offload: " in out and "MiB of the actor's device state released" in out) == (
+        "actor.offload" in extra
+    )
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     clip_keys = (
@@ -208,15 +213,19 @@ def _wait_for_checkpoint_write(proc: subprocess.Popen, run_dir: Path, step: int,
 
 
 def test_kill_during_checkpoint_write_then_exact_resume(tiny_model_dir, task, tmp_path):
-    """4 steps straight == the same run SIGKILLed while writing its step-4 checkpoint, then resumed."""
+    """4 steps straight == the same run SIGKILLed while writing its step-4 checkpoint, then resumed.
+
+    The interrupted and resumed run moves the actor's state to the host around every rollout (actor.offload)
+    and the straight one does not: the weights and every metric must still be identical, bit for bit."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    offload = {"actor.offload": "true"}
     run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, straight))
     # exactly on-policy (one mini-batch, one epoch, no R3): no old-policy pass, entropy still reported
     rows = read_metrics(straight)
     assert all("time/old_logprob" not in r and r["train/entropy_old"] > 0 for r in rows), rows[0]
 
     proc = subprocess.Popen(
-        train_cmd("gspo_cpu.yaml", overrides(tiny_model_dir, task, resumed)),
+        train_cmd("gspo_cpu.yaml", overrides(tiny_model_dir, task, resumed, **offload)),
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -233,8 +242,9 @@ def test_kill_during_checkpoint_write_then_exact_resume(tiny_model_dir, task, tm
     assert CheckpointManager(resumed).latest().step == 2  # the previous checkpoint is still the newest complete
     assert not (resumed / "hf").exists()  # it really died before the end
 
-    out = run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, resumed))
+    out = run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, resumed, **offload))
     assert "resumed from" in out and "step_00000002" in out, out[-3000:]
+    assert "MiB of the actor's device state released for rollout" in out, out[-3000:]
 
     a, b = load_hf(straight), load_hf(resumed)
     assert a.keys() == b.keys()

@@ -40,12 +40,21 @@ def _optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
+def ddp_buffers(chunk) -> list:
+    """DDP's `_ParamAndGradBuffer`s of a model chunk (dense + expert); none for a chunk without DDP (whose
+    `buffers` is nn.Module's method)."""
+    found = []
+    for name in ("buffers", "expert_parallel_buffers"):
+        value = getattr(chunk, name, None)
+        if isinstance(value, (list, tuple)):
+            found.extend(value)
+    return found
+
+
 def model_state(chunks, into: DeviceState) -> DeviceState:
     """Parameters, module buffers and DDP's flat parameter / gradient buffers of `chunks` (DDP-wrapped or not)."""
     for chunk in chunks:
-        for buffer in list(getattr(chunk, "buffers", None) or []) + list(
-            getattr(chunk, "expert_parallel_buffers", None) or []
-        ):
+        for buffer in ddp_buffers(chunk):
             if getattr(buffer, "param_data", None) is not None:
                 into.kept.append(buffer.param_data)
             if getattr(buffer, "grad_data", None) is not None:

@@ -206,6 +206,11 @@ class Actor:
     def offloaded(self) -> bool:
         return self._host.offloaded
 
+    @property
+    def host_bytes(self) -> int:
+        """Host memory holding this actor's offloaded state now."""
+        return self._host.host_bytes
+
     @contextlib.contextmanager
     def resident(self) -> Iterator["Actor"]:
         """On the device inside the block; back to where it was (host or device) after it."""
