@@ -6,6 +6,7 @@ The plan's agreement with measured peaks is benchmarks/memory_plan.py (README: "
 """
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -182,3 +183,28 @@ def test_qwen_config_is_what_the_plan_reads():
     raw = json.loads(QWEN_JSON.read_text())
     dims = ModelDims.from_hf(QWEN_JSON)
     assert (dims.head_dim, dims.ffn_hidden_size, dims.tie_embeddings) == (128, raw["intermediate_size"], False)
+
+
+def test_actor_offload_takes_the_actor_and_reference_off_the_rollout_phase():
+    """actor.offload (mcore_rl/megatron/offload.py): during rollout neither the actor's state nor the reference
+    model is on the device; the reference is there for its own pass (log-probs) only; the engine is unchanged."""
+    dims = ModelDims.from_hf(QWEN_JSON)
+    preset = QWEN_JSON.parent / "gpu8_tp2_ep8.yaml"
+    on, off = (load_config(preset, [f"actor.offload={v}", "algo.kl_coef=0.01"]) for v in ("true", "false"))
+    lay = validate_run(on, 8, dims)
+    p_on, p_off = (plan_memory(c, lay, dims, device_gib=80) for c in (on, off))
+    items = lambda plan, phase: {i.name: i.bytes for i in plan.phase(phase).items}
+    st = p_off.state
+    ref = stage_params(dims, lay)[0].total * 2  # bf16 reference parameters
+    assert p_off.phase("rollout").total - p_on.phase("rollout").total == st.params + st.grads + st.optimizer + ref
+    assert not any(name.startswith(("actor", "optimizer", "reference")) for name in items(p_on, "rollout"))
+    assert items(p_on, "log-probs")["reference parameters"] == ref == items(p_off, "log-probs")["reference parameters"]
+    assert items(p_on, "update")["reference parameters"] == 0 < items(p_off, "update")["reference parameters"]
+    engine = lambda plan: sum(b for n, b in items(plan, "rollout").items() if n.startswith("engine"))
+    assert engine(p_on) == engine(p_off)
+    assert any(n.startswith("actor.offload: host memory per rank") for n in p_on.notes)
+    # a misfit names the offload as a lever when it alone makes the plan fit (the preset on a 64 GB device)
+    tight = load_config(preset)
+    plan = plan_memory(tight, lay, dims, device_gib=64)
+    assert plan.fits is False and any(lever.startswith("actor.offload=true -> peak") for lever in plan.levers)
+    assert plan_memory(replace(tight, actor=replace(tight.actor, offload=True)), lay, dims, device_gib=64).fits

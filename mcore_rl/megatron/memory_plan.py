@@ -9,10 +9,12 @@ What each phase holds (see docs/memory.md for the derivations):
 
   rollout    the engine: weights at rollout.tp + its KV cache (vLLM reserves gpu_memory_utilization x
              device, or weights + kv_cache_gb); the actor's state stays resident (parameters, gradient
-             buffers, optimizer state after the first step); the reference model's parameters (KL).
+             buffers, optimizer state after the first step) and the reference model's parameters (KL),
+             unless actor.offload moves them to the host (mcore_rl.megatron.offload: then none of them).
   log-probs  the old-log-prob / reference pass: resident state + one layer's forward working set + the
              log-prob head (the last hidden states and the fused log-prob chunk: no [tokens, V/tp] logits,
-             see mcore_rl.megatron.logprobs.fused_output_log_probs) (the engine is asleep).
+             see mcore_rl.megatron.logprobs.fused_output_log_probs) (the engine is asleep); with actor.offload
+             the reference model is on the device in this phase only.
   update     resident state + the activations kept for backward (all layers, or one layer's input each
              under full recompute plus one recomputed layer) + the log-prob head with its backward (d hidden,
              the output weight's fp32 gradient accumulator) + the largest parameter's gradient before DDP
@@ -361,12 +363,14 @@ def _phases(cfg: Config, dims: ModelDims, layout: Layout, sp: StageParams, devic
     act = layer_activation_bytes(dims, layout, tok, b)
     ref = sp.total * b if cfg.algo.kl_coef > 0 else 0
     eng = engine_bytes(cfg, dims, layout, device_bytes)
-    resident = [
+    actor = [
         Item("actor parameters", st.params),
         Item("actor gradient buffer", st.grads),
         Item("optimizer shard (after step 1)", st.optimizer),
-        Item("reference parameters", ref),
     ]
+    # actor.offload: the reference model is on the device during its own pass (the log-probs phase) only
+    resident = actor + [Item("reference parameters", 0 if cfg.actor.offload else ref)]
+    with_ref = actor + [Item("reference parameters", ref)]
     if cfg.rollout.engine == "vllm" and cfg.rollout.kv_cache_gb is None and device_bytes is not None:
         engine_items = [
             Item(
@@ -381,12 +385,12 @@ def _phases(cfg: Config, dims: ModelDims, layout: Layout, sp: StageParams, devic
             Item("engine KV cache", eng.kv_cache),
             Item("engine runtime", overhead),
         ]
-    rollout = Phase("rollout", tuple(engine_items + resident))
+    rollout = Phase("rollout", tuple(engine_items + ([] if cfg.actor.offload else resident)))
     head_fwd = head_bytes(dims, layout, tok_fwd, b, backward=False) if sp.last else 0
     act_fwd = layer_activation_bytes(dims, layout, tok_fwd, b)
     logprob = Phase(
         "log-probs",
-        tuple(resident + [Item("one layer's forward", act_fwd), Item("hidden states + log-prob chunk", head_fwd)]),
+        tuple(with_ref + [Item("one layer's forward", act_fwd), Item("hidden states + log-prob chunk", head_fwd)]),
     )
     # 1F1B keeps up to pp - stage micro-batches in flight on stage `stage`.
     in_flight = min(layout.pp - sp.stage, _micro_batches(cfg, layout))
@@ -455,6 +459,13 @@ def plan_memory(
             best = (peak, sp, phases, st, eng)
     _, sp, phases, st, eng = best
     notes = []
+    if cfg.actor.offload:
+        ref = sp.total * DTYPE_BYTES[cfg.model.dtype] if cfg.algo.kl_coef > 0 else 0
+        notes.append(
+            f"actor.offload: host memory per rank {_gib(st.params + st.optimizer + ref)} GiB (actor parameters and "
+            f"optimizer state during rollout, reference parameters outside their pass; gradients are released, "
+            f"not copied)"
+        )
     if cfg.rollout.engine == "vllm":
         notes.append(
             f"vLLM KV cache holds ~{eng.kv_tokens:,} tokens per replica; all its samples at once need {eng.needed_tokens:,}"
@@ -468,7 +479,6 @@ def plan_memory(
 def levers(cfg: Config, layout: Layout, dims: ModelDims, plan: MemoryPlan) -> list[str]:
     """Each change that alone brings the peak under the usable device memory, with its new peak."""
     out = []
-    usable = plan.usable_bytes
     candidates = []
     o = cfg.actor.optim
     if not o.use_distributed_optimizer:
@@ -481,6 +491,8 @@ def levers(cfg: Config, layout: Layout, dims: ModelDims, plan: MemoryPlan) -> li
         )
     if not cfg.model.recompute:
         candidates.append(("model.recompute=true", _with(cfg, "model.recompute", True)))
+    if not cfg.actor.offload:
+        candidates.append(("actor.offload=true", _with(cfg, "actor.offload", True)))
     if o.optimizer_offload_fraction < 1.0 and cfg.platform != "cpu":
         candidates.append(
             ("actor.optim.optimizer_offload_fraction=1.0", _with(cfg, "actor.optim.optimizer_offload_fraction", 1.0))
@@ -508,11 +520,6 @@ def levers(cfg: Config, layout: Layout, dims: ModelDims, plan: MemoryPlan) -> li
         p = plan_memory(c, layout, dims, plan.device_bytes / GIB, with_levers=False)
         if p.fits:
             out.append(f"{label} -> peak {_gib(p.peak.total)} GiB ({p.peak.name})")
-    if cfg.rollout.engine == "vllm" and plan.phase("rollout").total > usable:
-        resident = plan.state.params + plan.state.grads + plan.state.optimizer
-        out.append(
-            f"offloading the actor around rollout (not built yet) would take {_gib(resident)} GiB off the rollout phase"
-        )
     out += layout_levers(cfg, layout, dims, plan)
     if not out:
         out.append("no single change suffices: combine the levers above, or a layout with more ranks (dp / ep / pp)")
