@@ -668,6 +668,11 @@ def _check_combinations(cfg: Config) -> list[str]:
             "actor.optim.optimizer_offload_fraction > 0 runs Megatron's HybridDeviceOptimizer on the distributed "
             "optimizer's shards: set actor.optim.use_distributed_optimizer=true",
         )
+    if r.engine == "vllm" and r.kv_cache_gb is not None and cfg.platform == "npu":
+        warnings.append(
+            "rollout.kv_cache_gb is ignored by vLLM-Ascend (0.10 - 0.12 size the KV cache from "
+            "gpu_memory_utilization and the process's peak; docs/memory.md): set rollout.gpu_memory_utilization"
+        )
     if cfg.actor.offload and cfg.platform == "cpu":
         warnings.append(
             "actor.offload on platform=cpu copies the actor's state between two places in the same memory: it "

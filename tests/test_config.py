@@ -223,3 +223,14 @@ def test_actor_offload_is_a_checked_bool_and_warns_on_cpu():
         "actor.offload" in w
         for w in validate_config(load_config(None, ["platform=cuda", "actor.offload=true"], validate=False))
     )
+
+
+def test_kv_cache_gb_on_npu_warns_that_vllm_ascend_ignores_it():
+    from mcore_rl.config import validate_config
+
+    args = ["rollout.engine=vllm", "rollout.kv_cache_gb=8"]
+    npu = validate_config(load_config(None, ["platform=npu", *args], validate=False))
+    assert any("rollout.kv_cache_gb is ignored by vLLM-Ascend" in w for w in npu)
+    assert not any(
+        "kv_cache_gb" in w for w in validate_config(load_config(None, ["platform=cuda", *args], validate=False))
+    )
