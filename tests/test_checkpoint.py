@@ -20,7 +20,9 @@ def saved_tp2(tiny_arch_dir, tmp_path_factory):
             saved[arch, dist_opt] = tmp_path_factory.mktemp(f"ckpt_{arch}_dist{dist_opt}")
             work = saved[arch, dist_opt]
             args = dict(work_dir=work, model_dir=tiny_arch_dir(arch), tp=2, ep=1, etp=2, n_micro=2, dist_opt=dist_opt)
-            run_worker(WORKER, 2, **args, mode="save")
+            for r in run_worker(WORKER, 2, **args, mode="save").results:  # actor.offload round trip + twin, per rank
+                pairs = [r["offload"]] + ([r["offload"]["bf16"]] if dist_opt else [])
+                assert all(c["parameters"] > 0 and c["compared"] > 0 and c["twin_tensors"] > 0 for c in pairs), r
         return saved[arch, dist_opt]
 
     return get

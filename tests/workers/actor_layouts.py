@@ -19,6 +19,7 @@ import torch
 
 from tests.workers.actor_common import full_logits, my_micro_batches, nll_loss
 from tests.workers.harness import cpu_megatron, worker_args, write_result
+from tests.workers.offload_checks import check_released
 
 
 def check_tied_copies_in_step(actor) -> bool:
@@ -119,7 +120,7 @@ def main():
         assert worst < 1e-5, f"updated weights differ from the world-1 reference by {worst} (step size {moved})"
         report.update(weights_diff=worst, step_size=moved)
     if mode == "check":
-        check_frozen_reference(cfg, platform, actor, mbs, ref_lp)
+        report.update(reference=check_frozen_reference(cfg, platform, actor, mbs, ref_lp))
     torch.distributed.barrier()
     write_result(args.results, **report)
 
@@ -220,6 +221,15 @@ def check_frozen_reference(cfg, platform, actor, mbs, ref_lp):
         mb = mbs[0].to(platform.device)
         out = ref.chunks[0](mb.tokens, mb.position_ids, mb.attention_mask) if ref.layout.pp == 1 else None
     assert out is None or not out.requires_grad, "the reference forward recorded an autograd graph"
+    # actor.offload: the reference lives on the host except during its own pass (parameters and buffers at 0 bytes)
+    ref.offload()
+    released = check_released(ref)
+    with ref.resident():
+        again = torch.cat(ref.log_probs(mbs, temperature=1.0))[:, :-1]
+    assert torch.equal(again, lp), "the reference's log-probs changed after a trip to the host"
+    check_released(ref)
+    assert ref.offloaded and ref.host_bytes == param_bytes + buffer_bytes, (ref.host_bytes, param_bytes, buffer_bytes)
+    return {"offloaded_parameters": released["parameters"], "host_bytes": ref.host_bytes}
 
 
 if __name__ == "__main__":

@@ -4,14 +4,35 @@ Arguments: --work-dir --model-dir --tp --ep --etp --n-micro --dist-opt (0/1) --m
   --mode save: load HF, train step 1, save checkpoint, record logits, train step 2, record weights.
   --mode load: build without HF weights, load the checkpoint, compare logits, train step 2, compare weights.
 Result per rank: the step's loss and lr; after load also the differences from the uninterrupted run.
+actor.offload (save mode): after step 1 the saved actor's state goes to the host and back (a walk of model and
+optimizer finds every parameter / gradient / optimizer storage at 0 bytes, then every byte restored), so the
+checkpoint and step 2 come from a reloaded actor; a twin that never offloads takes the same steps and must end
+bit-identical. With the distributed optimizer a bf16 pair (fp32 main parameters of their own) does the same.
+Save mode's result: what the walk found (`offload`), how many tensors the twin comparison covered.
 """
 
+import dataclasses
 import os
 
 import torch
 
 from tests.workers.actor_common import full_logits, global_batch, my_micro_batches, nll_loss
 from tests.workers.harness import worker_args, write_result
+from tests.workers.offload_checks import offload_round_trip, same_weights
+
+
+def check_offload_pair(cfg, platform, batch, loss_fn) -> dict:
+    """Two actors from `cfg`, the same two steps; one goes to the host and back between them."""
+    from mcore_rl.megatron.actor import Actor
+
+    moved, twin = Actor(cfg, platform), Actor(cfg, platform)
+    for a in (moved, twin):
+        a.train_step(batch, loss_fn)
+    counts = offload_round_trip(moved)
+    for a in (moved, twin):
+        a.train_step(batch, loss_fn)
+    counts["twin_tensors"] = same_weights(moved, twin)
+    return counts
 
 
 def main():
@@ -36,13 +57,19 @@ def main():
         decay_steps=4,
         use_distributed_optimizer=bool(dist_opt),
     )
-    actor = Actor(cfg, get_platform("cpu"), load_weights=(mode == "save"))
+    platform = get_platform("cpu")
+    actor = Actor(cfg, platform, load_weights=(mode == "save"))
     rank = torch.distributed.get_rank()
     tokens, mask = global_batch()
     loss_fn = nll_loss(mask.sum())
     ckpt = os.path.join(work, "ckpt")
+    twin = None
     if mode == "save":
-        actor.train_step(my_micro_batches(tokens, mask, n_micro), loss_fn)
+        twin = Actor(cfg, platform)  # never offloaded: the same training without actor.offload
+        batch = my_micro_batches(tokens, mask, n_micro)
+        for a in (actor, twin):
+            a.train_step(batch, loss_fn)
+        counts = offload_round_trip(actor)
         actor.save_checkpoint(ckpt, extra={"step": 1, "note": "after one step"})
     else:
         extra = actor.load_checkpoint(ckpt)
@@ -51,6 +78,13 @@ def main():
     metrics = actor.train_step(my_micro_batches(tokens, mask, n_micro), loss_fn)
     weights = {n: t.clone() for n, t in actor.export_hf_weights()}
     report = {"loss": metrics["loss"], "lr": metrics["lr"]}
+    if twin is not None:
+        twin.train_step(my_micro_batches(tokens, mask, n_micro), loss_fn)
+        counts["twin_tensors"] = same_weights(actor, twin)
+        if dist_opt:
+            bf16 = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="bfloat16"))
+            counts["bf16"] = check_offload_pair(bf16, platform, my_micro_batches(tokens, mask, n_micro), loss_fn)
+        report["offload"] = counts
     if mode == "save":
         if rank == 0:
             torch.save(
