@@ -4,7 +4,7 @@ Metric names are flat strings, "section/name"; the plot groups them by name. The
   reward/{mean,std,errors}, val/reward_mean, response/{length_mean,length_max,clip_ratio},
   train/{loss,pg_loss,kl_ref,approx_kl_old,entropy_old,clipfrac_upper,clipfrac_lower,dual_clipfrac,grad_norm,skipped_steps,update_successful,
   lr,rollout_mismatch_k3,is_weight_mean}, routing/{token_mismatch,expert_mismatch}, perf/{tokens_per_s,
-  rollout_tokens_per_s,step_seconds}, time/{rollout,old_logprob,ref_logprob,update,sync}, sync/{seconds,gb_per_s,
+  rollout_tokens_per_s,step_seconds}, time/{rollout,to_training,old_logprob,ref_logprob,update,sync}, sync/{seconds,gb_per_s,
   verify_max_diff,verify_mean_diff,rebuilt}. Any other numeric key is logged and plotted as well.
 
 JSONL lines are appended and flushed one step at a time, so a crash loses at most the step being written;
