@@ -176,7 +176,9 @@ def vocab_parallel_log_probs(
 # From the last hidden states: the output projection fused into the chunks (no [tokens, V/tp] logits)
 # ---------------------------------------------------------------------------------------------------------
 
-FUSED_CHUNK_ELEMENTS = 1 << 24  # fused path: ~16M fp32 values (64 MiB) per [chunk, V/tp] temporary
+# fused path: ~64M fp32 values (256 MiB) per [chunk, V/tp] temporary; smaller chunks make thin matrix
+# products and re-read the whole fp32 weight-gradient accumulator once per chunk
+FUSED_CHUNK_ELEMENTS = 1 << 26
 
 
 def _project(hidden_chunk: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:

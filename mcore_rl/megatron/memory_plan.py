@@ -54,7 +54,7 @@ RUNTIME_RESERVE = 0.08
 # vLLM's own non-KV, non-weight memory beyond the weights (activations of its profile run, graphs),
 # when kv_cache_gb is given instead of gpu_memory_utilization.
 ENGINE_OVERHEAD_GIB = 2.0
-LOGPROB_CHUNK_ELEMENTS = 1 << 24  # mcore_rl.megatron.logprobs.FUSED_CHUNK_ELEMENTS (no torch import here)
+LOGPROB_CHUNK_ELEMENTS = 1 << 26  # mcore_rl.megatron.logprobs.FUSED_CHUNK_ELEMENTS (no torch import here)
 # fp32 [chunk, V/tp] temporaries alive at once in fused_output_log_probs' forward (z, shifted, exp) and backward
 # (log p, g, g's fp32 copy for the weight gradient), plus one in the model dtype (the projection's output / g's cast)
 LOGPROB_CHUNK_TEMPS = 3
