@@ -137,6 +137,13 @@ def _gpt_model(model):
     return model
 
 
+def drop_received_activations(chunks) -> None:
+    """Forget the activation the pipeline schedule last handed each chunk's decoder (`set_input_tensor`, kept
+    after the schedule returns on every stage but the first). Same call on 0.12.1 and 0.16.1."""
+    for chunk in chunks:
+        _gpt_model(chunk).set_input_tensor(None)
+
+
 def output_weight(model):
     """The weight the last stage's output layer multiplies by: this rank's [V/tp, h] vocabulary shard (the
     shared embedding's weight for tied models). None on other pipeline stages."""

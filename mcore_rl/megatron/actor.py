@@ -258,7 +258,7 @@ class Actor:
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.utils import get_model_config
 
-        from mcore_rl.compat.megatron import output_hidden_states
+        from mcore_rl.compat.megatron import drop_received_activations, output_hidden_states
         from mcore_rl.megatron.packing import model_inputs
 
         self._require_resident("a forward / backward pass")
@@ -278,7 +278,7 @@ class Actor:
             # the schedule calls loss_func(output) on the last stage
             return output, lambda hidden: loss_func_for(mb, OutputHead(hidden, weight))
 
-        return get_forward_backward_func()(
+        outputs = get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=batches,
             model=self.model,
@@ -287,6 +287,10 @@ class Actor:
             micro_batch_size=micro_batches[0].tokens.shape[0],
             forward_only=forward_only,
         )
+        # the schedule leaves the last received activation [s, b, h] on each later stage's decoder: drop it, so that
+        # nothing of the pass stays on the device (while offloaded, during rollout)
+        drop_received_activations(self.model)
+        return outputs
 
     def _from_last_stage(self, obj):
         """Broadcast a Python object from the last pipeline stage to every stage."""

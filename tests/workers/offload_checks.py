@@ -67,10 +67,12 @@ def check_released(actor) -> dict:
         assert all(kinds[k] for k in needed), f"the walk found no {[k for k in needed if not kinds[k]]}: it is blind"
     held = [(p, t.untyped_storage().nbytes()) for p, t in state if t.untyped_storage().nbytes() > 0]
     assert not held, f"{len(held)} parameter / gradient / optimizer storages still on the device: {held[:5]}"
-    left = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for _, t in found}
+    left = {t.untyped_storage().data_ptr(): (p, t.untyped_storage().nbytes()) for p, t in found}
     released = sum(t.numel() * t.element_size() for _, t in state if isinstance(t, torch.nn.Parameter))
-    assert sum(left.values()) < 0.02 * released, f"{sum(left.values())} bytes left beside {released} of parameters"
-    return {**kinds, "left_bytes": sum(left.values())}
+    left_bytes = sum(n for _, n in left.values())
+    biggest = sorted(left.values(), key=lambda pn: -pn[1])[:5]
+    assert left_bytes < 0.02 * released, f"{left_bytes} bytes left beside {released} of parameters: {biggest}"
+    return {**kinds, "left_bytes": left_bytes}
 
 
 def snapshot(actor) -> dict[int, torch.Tensor]:
