@@ -19,9 +19,8 @@ max_response / 5 (a long tail: most responses far shorter than the longest), plu
 at max_response (truncated generations), clipped to [1, max_response]. Seeded.
 
 Model: a random Qwen3-MoE (hidden 512, 2 layers, 8 heads x 64, 8 experts top-2 of FFN 1024, the tiny
-128-token vocabulary), so the linear and MoE layers dominate the compute. On CPU the packed path uses a
-block-diagonal attention mask: attention scores are still computed over each whole packed row, so the
-attention part of the packed path does not shrink with the padding (on devices the THD path skips them).
+128-token vocabulary), so the linear and MoE layers dominate the compute. On CPU the packed path attends
+within each segment (`SegmentDotProductAttention`), as the THD path does on devices.
 """
 
 from __future__ import annotations

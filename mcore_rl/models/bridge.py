@@ -82,25 +82,26 @@ class RMSNorm(torch.nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def _replace_torch_norm(spec, norm_cls) -> None:
-    """Swap Megatron's torch norm wrapper for `norm_cls` everywhere in a (nested) layer spec."""
+def _replace_module(spec, old: type, new: type) -> None:
+    """Swap module class `old` for `new` everywhere in a (nested) layer spec."""
     from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     if isinstance(spec, (list, tuple)):
         for s in spec:
-            _replace_torch_norm(s, norm_cls)
+            _replace_module(s, old, new)
         return
     if isinstance(spec, ModuleSpec):
-        _replace_torch_norm(spec.submodules, norm_cls)
+        if spec.module is old:
+            spec.module = new
+        _replace_module(spec.submodules, old, new)
         return
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
         for f in dataclasses.fields(spec):
             value = getattr(spec, f.name)
-            if value is WrappedTorchNorm:
-                setattr(spec, f.name, norm_cls)
+            if value is old:
+                setattr(spec, f.name, new)
             else:
-                _replace_torch_norm(value, norm_cls)
+                _replace_module(value, old, new)
 
 
 _OUTPUT_LAYER = "output_layer.weight"
@@ -155,8 +156,15 @@ class _MbridgeBackend:
         self.impl.has_vp_stage = compat_megatron.builds_with_vp_stage()
         if self.impl.has_vp_stage:
             kwargs["vp_stage"] = vp_stage
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        from mcore_rl.megatron.segment_attention import SegmentDotProductAttention
+
         spec = get_gpt_decoder_block_spec(self.impl.config, use_transformer_engine=False, **kwargs)
-        _replace_torch_norm(spec, RMSNorm)
+        _replace_module(spec, WrappedTorchNorm, RMSNorm)
+        # packed rows attend per segment (Platform.packed_attention "segments"), not through a [T, T] mask
+        _replace_module(spec, DotProductAttention, SegmentDotProductAttention)
         spec.layer_norm = RMSNorm
         return spec
 

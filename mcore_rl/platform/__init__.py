@@ -105,9 +105,9 @@ class Platform:
     @property
     def packed_attention(self) -> str:
         """How attention is confined to each sequence of a packed micro-batch: "thd" (Megatron's
-        PackedSeqParams with cu_seqlens, for Transformer Engine / MindSpeed flash attention) or "mask"
-        (a block-diagonal causal mask that Megatron's local DotProductAttention applies; CPU)."""
-        return "mask" if self.name == "cpu" else "thd"
+        PackedSeqParams with cu_seqlens, for Transformer Engine / MindSpeed flash attention) or "segments"
+        (the segment bounds, which the local layer spec's SegmentDotProductAttention attends within; CPU)."""
+        return "segments" if self.name == "cpu" else "thd"
 
     @property
     def local_rank(self) -> int:

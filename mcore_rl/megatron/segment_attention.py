@@ -1,0 +1,85 @@
+"""Attention of a packed row one segment at a time, for the local (non-Transformer-Engine) layer spec (CPU).
+
+A packed micro-batch is one row of T tokens holding several sequences (segments). Transformer Engine and
+MindSpeed attend within each segment with variable-length flash attention ("thd", `mcore_rl/megatron/packing.py`);
+Megatron's local `DotProductAttention` has no such path, and a block-diagonal [T, T] mask scores every pair of
+the row and throws most of them away: with 64 sequences of ~40 tokens in a 2,500-token row that is ~60x the
+work, and the reason larger token budgets ran slower on CPU than small ones.
+
+`SegmentDotProductAttention` is Megatron's `DotProductAttention` plus one case: when `attention_mask` is the
+row's segment bounds (int32 [n + 1], `packing.cu_seqlens`) instead of a boolean mask, it gathers the segments
+into a right-padded [n, L] batch, runs causal attention on it and scatters the real positions back. Causality
+alone keeps the padding out: a segment's pads sit after all its real tokens, so no real query reaches them,
+and the pads' own outputs are dropped. RoPE has already been applied along the row (positions 0..T-1); it is
+relative, so a segment's scores equal those at positions 0..len-1 up to rounding. Any other mask (padded
+micro-batches, None) goes to Megatron's own forward unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+
+def is_segment_bounds(attention_mask) -> bool:
+    """True when `attention_mask` carries a packed row's segment bounds rather than a mask."""
+    return (
+        isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.int32 and attention_mask.dim() == 1
+    )
+
+
+def segment_index(bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index [n, L] into the row, valid [n, L] bool) for segments [bounds[i], bounds[i+1]); L = longest."""
+    starts = bounds[:-1].long()
+    lengths = bounds[1:].long() - starts
+    offsets = torch.arange(int(lengths.max()), device=bounds.device)
+    valid = offsets[None, :] < lengths[:, None]
+    index = torch.where(valid, starts[:, None] + offsets[None, :], 0)
+    return index, valid
+
+
+def segment_causal_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor, scale: float, dropout: float
+) -> torch.Tensor:
+    """Causal attention within each segment of one packed row.
+
+    query [T, 1, heads, d], key / value [T, 1, groups, d] (Megatron's [s, b, np, hn]); returns [T, 1, heads * d]."""
+    tokens, batch, heads, dim = query.shape
+    if batch != 1:
+        raise ValueError(
+            f"a packed micro-batch is one row, got a batch of {batch}: pack with split_for_rank(max_tokens=...)"
+        )
+    if int(bounds[-1]) != tokens:
+        raise ValueError(f"segment bounds end at {int(bounds[-1])} but the row has {tokens} tokens")
+    index, valid = segment_index(bounds)
+    groups = key.shape[2]
+
+    def segments(x: torch.Tensor, repeat: int) -> torch.Tensor:  # [T, 1, g, d] -> [n, heads, L, d]
+        x = x[:, 0][index].transpose(1, 2)
+        return x.repeat_interleave(repeat, dim=1) if repeat > 1 else x
+
+    q = segments(query, 1)
+    k = segments(key, heads // groups)
+    v = segments(value, heads // groups)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scale)
+    return out.transpose(1, 2)[valid].reshape(tokens, 1, heads * dim)
+
+
+class SegmentDotProductAttention(DotProductAttention):
+    """Megatron's local attention, plus packed rows described by their segment bounds (module docstring)."""
+
+    def forward(self, query, key, value, attention_mask, *args, **kwargs):
+        if not is_segment_bounds(attention_mask):
+            return super().forward(query, key, value, attention_mask, *args, **kwargs)
+        if getattr(self.config, "window_size", None) is not None:
+            raise ValueError(
+                "packed micro-batches on the local attention do not support sliding windows: unset window_size"
+            )
+        if getattr(self.config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError(
+                f"packed micro-batches on the local attention need softmax_type 'vanilla', not {self.config.softmax_type!r}"
+            )
+        # under query-key layer scaling Megatron divides the scale by the layer number and its softmax multiplies it back
+        scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)
+        dropout = self.attention_dropout.p if self.training else 0.0
+        return segment_causal_attention(query, key, value, attention_mask, scale, dropout)
