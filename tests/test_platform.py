@@ -6,7 +6,17 @@ import torch
 from mcore_rl.platform import Platform, get_platform
 from tests.torchrun_util import REPO, run_worker
 
-SITES = ["idempotent", "factories", "seeding", "rotary", "streams", "clip_grads", "router_gemm", "split_sizes"]
+SITES = [
+    "idempotent",
+    "factories",
+    "seeding",
+    "rotary",
+    "streams",
+    "clip_grads",
+    "router_gemm",
+    "split_sizes",
+    "eager_fusions",
+]
 
 
 def test_auto_picks_cpu_here():

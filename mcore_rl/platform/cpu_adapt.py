@@ -26,6 +26,11 @@ Patches and why (megatron-core 0.12-0.19; docs/megatron-on-cpu.md lists the call
     router gating (NameError): define it as None so the plain torch matmul path runs.
  8. The alltoall dispatcher converts split sizes to numpy only for CUDA tensors; on CPU they stay
     tensors and all_to_all_single rejects them: convert CPU tensors too when numpy is asked for.
+ 9. Megatron decorates its fusion kernels with `torch.compile` (megatron.core.jit.jit_fuser) as its modules
+    are imported; each decoration imports TorchDynamo and Inductor, about 1.2 s of every process's start-up
+    (3.5 s on a loaded 2-core machine), for kernels that the CPU path never calls. While megatron.core is
+    first imported, torch.compile is the identity, and jit_fuser stays the identity for modules imported
+    later: such a function, if ever called, runs eagerly with the same arithmetic.
 """
 
 from __future__ import annotations
@@ -188,7 +193,35 @@ def _with_cuda_type_names(fn):
     return wrapper
 
 
+def _identity_compile(model=None, **unused):
+    """torch.compile's two call forms (decorator with or without arguments) without compiling."""
+    return model if model is not None else (lambda fn: fn)
+
+
+@contextlib.contextmanager
+def _eager_jit_fuser():
+    """torch.compile as the identity for the duration (patch 9)."""
+    compile_fn = torch.compile
+    torch.compile = _identity_compile
+    try:
+        yield
+    finally:
+        torch.compile = compile_fn
+
+
+def _import_megatron_eager() -> None:
+    import sys
+
+    if "megatron.core" not in sys.modules:
+        with _eager_jit_fuser():
+            import megatron.core  # noqa: F401
+    from megatron.core import jit
+
+    jit.jit_fuser = _identity_compile
+
+
 def _patch_megatron() -> None:
+    _import_megatron_eager()
     from megatron.core.optimizer import clip_grads, distrib_optimizer
     from megatron.core.optimizer import optimizer as mc_optimizer
     from megatron.core.tensor_parallel import random as mc_random

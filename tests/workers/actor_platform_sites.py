@@ -21,10 +21,15 @@ def check(outcome: dict, name, fn):
 def main():
     args = worker_args(__doc__)
     outcome = {}
+    import sys
+
     from mcore_rl.platform import cpu_adapt, get_platform
 
+    compile_fn = torch.compile
     platform = get_platform("cpu")
     platform.adapt_megatron()
+    # patch 9: Megatron imported without TorchDynamo, torch.compile itself restored afterwards
+    dynamo_after_import = "torch._dynamo" in sys.modules
     snapshot = {n: getattr(torch, n) for n in cpu_adapt._FACTORIES}
     snapshot.update(current_device=torch.cuda.current_device, tensor_cuda=torch.Tensor.cuda)
     platform.adapt_megatron()  # twice: must change nothing
@@ -89,6 +94,18 @@ def main():
         out = moe_utils.router_gating_linear(inp, w, None, torch.float32)
         assert torch.allclose(out, inp @ w.t(), atol=1e-6)
 
+    def eager_fusions():
+        from megatron.core import jit
+        from megatron.core.fusions import fused_bias_swiglu
+
+        assert torch.compile is compile_fn, "torch.compile was not restored after Megatron's import"
+        assert not dynamo_after_import, "importing Megatron still imported TorchDynamo"
+        assert jit.jit_fuser(check) is check, "jit_fuser still compiles modules imported later"
+        x = torch.randn(4, 6)
+        gate, up = x.chunk(2, dim=-1)
+        got = fused_bias_swiglu.swiglu(x)  # decorated by jit_fuser at import: now the plain function
+        assert torch.allclose(got, torch.nn.functional.silu(gate) * up, atol=1e-6)
+
     def split_sizes_to_numpy():
         from megatron.core.transformer.moe import moe_utils
 
@@ -103,6 +120,7 @@ def main():
         ("clip_grads", clip_grads),
         ("router_gemm", router_gemm),
         ("split_sizes", split_sizes_to_numpy),
+        ("eager_fusions", eager_fusions),
     ]:
         check(outcome, name, fn)
     write_result(args.results, **outcome)
