@@ -56,7 +56,12 @@ def preflight(
 
 def describe(cfg: Config, layout: Layout, nnodes: int, nproc: int) -> str:
     samples = cfg.data.prompts_per_step * cfg.rollout.n
-    per_rank = samples // (layout.dp * cfg.algo.mini_batches)
+    per_rank = samples / (layout.dp * cfg.algo.mini_batches)
+    budget = cfg.actor.max_tokens_per_micro_batch
+    if budget is None:
+        split = f"{per_rank:g} sequences per DP rank each, micro-batches of {layout.micro_batch_size} sequences"
+    else:  # DP shares are balanced by tokens, so a rank's sequence count varies around the mean
+        split = f"~{per_rank:g} sequences per DP rank each, packed into micro-batches of <= {budget} tokens"
     lines = [
         f"world {layout.world_size} ({nnodes} node(s) x {nproc} processes)",
         f"actor: tp{layout.tp} pp{layout.pp} cp{layout.cp} dp{layout.dp} | ep{layout.ep} etp{layout.etp} edp{layout.edp}"
@@ -64,7 +69,7 @@ def describe(cfg: Config, layout: Layout, nnodes: int, nproc: int) -> str:
         + (f" x vpp{layout.vpp}" if layout.vpp else "")
         + f" | vocab {layout.padded_vocab_size}",
         f"batch: {cfg.data.prompts_per_step} prompts x n {cfg.rollout.n} = {samples} samples/step -> {cfg.algo.mini_batches} "
-        f"mini-batch(es) of {per_rank} per DP rank, micro-batch {layout.micro_batch_size}",
+        f"mini-batch(es), {split}",
         f"rollout: {cfg.rollout.engine}"
         + (
             f" tp{cfg.rollout.tp} x {layout.world_size // cfg.rollout.tp} replicas"

@@ -105,6 +105,12 @@ def test_check_every_preset_at_its_world_size(preset, tiny_arch_dir):
     proc = cli("check", preset, "--model-config", preset_model_config(preset, tiny_arch_dir))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"OK: {preset}") and "actor: tp" in proc.stdout
+    import yaml
+
+    budget = yaml.safe_load(preset.read_text())["actor"].get("max_tokens_per_micro_batch")
+    # the batch line names what a micro-batch is: a token budget when sequences are packed
+    split = f"packed into micro-batches of <= {budget} tokens" if budget else "micro-batches of "
+    assert split in proc.stdout, proc.stdout
 
 
 def test_dense_presets_rejected_where_their_layout_cannot_form():
