@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from mcore_rl.platform.shared_memory import SharedTensors
 
 # What a colocated engine's memory holds, by vLLM's sleep-mode tags: wake the weights first (to take a sync),
 # the KV cache last (after the actor's state has left the device).
@@ -88,6 +91,12 @@ class RolloutEngine(abc.ABC):
         for an exporter that writes new weights straight into it; None where the engine's memory is not
         reachable that way (then `load_weights` copies). An engine that returns tensors here must skip, in
         `load_weights`, a given tensor that already IS its own."""
+        return None
+
+    def shared_weights(self) -> Optional["SharedTensors"]:
+        """The engine's weights in a shared-memory region other processes of its host can map and write
+        (mcore_rl/platform/shared_memory.py), named as `weight_buffer` names them; None where they are not
+        (then only this process writes into them, through `weight_buffer` or `load_weights`)."""
         return None
 
     def weight_diffs(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Optional[dict[str, float]]:

@@ -17,7 +17,10 @@ Sampling is our own loop over a KV cache on left-padded batches (each prompt rep
 - weights: ``load_weights`` copies (Hugging Face checkpoint name, tensor) pairs into the live parameters in
   place; ``weight_buffer(name)`` hands out those parameters (or slices) so an exporter can gather into them
   directly, and a pair that already is the engine's own tensor is then skipped. transformers >= 5 stores the experts of a layer fused as 3-D ``gate_up_proj`` / ``down_proj``; the
-  checkpoint's per-expert names are mapped onto slices of those (see ``_weight_targets``).
+  checkpoint's per-expert names are mapped onto slices of those (see ``_weight_targets``). On the CPU the
+  parameters live in one shared-memory region (mcore_rl/platform/shared_memory.py) whose table of weight names
+  ``shared_weights()`` hands out: the exporter's other ranks on the same host map it and write their shards
+  straight into the engine (ModelBridge.export_hf_weights `shared`); ``share_weights=False`` keeps plain memory.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 
 from mcore_rl.compat import transformers as compat_transformers
 from mcore_rl.models.hf_io import torch_dtype
+from mcore_rl.platform.shared_memory import SharedRegion, SharedTensors, share_parameters
 from mcore_rl.rollout.base import RolloutEngine, RolloutSample, SamplingParams, check_generate_request, check_token_ids
 
 log = logging.getLogger(__name__)
@@ -152,6 +156,7 @@ class EmbeddedEngine(RolloutEngine):
         max_batch_tokens: int = 65536,
         config=None,
         return_routed_experts: bool = True,
+        share_weights: Optional[bool] = None,
     ):
         """Load the HF checkpoint folder `model_path` (config, safetensors, tokenizer).
 
@@ -160,6 +165,9 @@ class EmbeddedEngine(RolloutEngine):
 
         With `config` (a transformers config), the model is built from it with random weights instead and
         `model_path` only supplies the tokenizer: for engines whose weights all come by sync (benchmarks).
+
+        `share_weights` (default: on the CPU): parameters in a shared-memory region that the exporter's ranks on
+        this host write into (see module doc); where the host refuses one, plain memory (logged).
         """
         from transformers import AutoTokenizer
 
@@ -168,6 +176,8 @@ class EmbeddedEngine(RolloutEngine):
         self.device = torch.device(device)
         self.max_batch_tokens = max_batch_tokens  # bounds the sequences run in one batch (memory)
         self.return_routed_experts = return_routed_experts
+        self.share_weights = self.device.type == "cpu" if share_weights is None else share_weights
+        self._shared: Optional[SharedTensors] = None
         self.config = config if config is not None else compat_transformers.load_config(self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.eos_token_id = self.tokenizer.eos_token_id
@@ -220,7 +230,11 @@ class EmbeddedEngine(RolloutEngine):
     def _set_model(self, model: torch.nn.Module) -> None:
         self.model = model.to(self.device).eval()
         self.model.requires_grad_(False)
+        region = self._share(self.model)
         self._targets = _weight_targets(self.model)
+        self._shared = None
+        if region is not None:
+            self._shared = SharedTensors.describe(region, {n: t.detach() for n, t in self._targets.items()})
         self._names = _checkpoint_names(self.model)
         self.top_k_experts = getattr(self.config, "num_experts_per_tok", 0)
         self.num_moe_layers = len(_moe_routers(self.model))
@@ -228,7 +242,23 @@ class EmbeddedEngine(RolloutEngine):
         params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
+    def _share(self, model: torch.nn.Module) -> Optional[SharedRegion]:
+        if not self.share_weights:
+            return None
+        try:
+            return share_parameters(model)
+        except (OSError, ValueError) as e:  # e.g. no memfd on this host: the exporter copies instead
+            log.warning("embedded engine: parameters stay in private memory (%s)", e)
+            return None
+
     # ----- weights -----
+
+    def shared_weights(self) -> Optional[SharedTensors]:
+        return self._shared
+
+    def close(self) -> None:
+        if self._shared is not None:
+            self._shared.region.close()
 
     def weight_names(self) -> set[str]:
         return set(self._names)
