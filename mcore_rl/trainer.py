@@ -205,8 +205,9 @@ class Trainer:
         if self.offload:
             self.to_training()  # the engine asleep, the actor on the device (already so after an update)
         self.engine.wake_up([WEIGHTS] if self.offload else None)  # colocated engines slept during the update
-        # gathers write straight into the engine's tensors where it exposes them (each byte moves once)
-        export = self.actor.export_hf_weights(into=self.engine.weight_buffer)
+        # gathers write straight into the engine's tensors where it exposes them, and on one host the other ranks
+        # write their shards into a shared-memory engine themselves (each byte moves once)
+        export = self.actor.export_hf_weights(into=self.engine.weight_buffer, shared=self.engine.shared_weights())
         stats = sync_weights(export, self.engine, self.cfg.rollout.sync_bucket_mb)
         out = {"sync/seconds": stats.seconds, "sync/gb_per_s": stats.gb_per_s}
         reference, export_fn = self.actor.probe_log_probs, self.actor.export_hf_weights

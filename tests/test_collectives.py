@@ -63,6 +63,8 @@ ALLOWED = {
     ("megatron/checkpoint.py", "save_checkpoint", "barrier#2"): "checkpoint fence, no tensor",
     ("models/bridge.py", "export_hf_weights", "all_gather_object"): "object gather: per-stage tensor metadata",
     ("models/bridge.py", "export_hf_weights", "broadcast"): "pipeline broadcast of exported weights",
+    ("models/bridge.py", "_group_sinks", "all_gather_object"): "object gather: the receiving engines' "
+    "shared-memory region handles, once per export and gather group",
     ("trainer.py", "run", "barrier"): "end-of-run fence, no tensor",
     ("convert.py", "convert", "barrier"): "end-of-conversion fence, no tensor",
     ("run_dir.py", "gather", "all_gather_object"): "object gather: each rank's checkpoint verification outcome",

@@ -60,10 +60,10 @@ def test_export_over_shared_memory_is_bit_exact(tiny_model_dir, nproc, tp, ep, e
     results = run_worker(worker, nproc, tiny_dir=tiny_model_dir, tp=tp, ep=ep, etp=etp, timeout=240).results
     with safe_open(os.path.join(tiny_model_dir, "model.safetensors"), "pt") as f:
         tensors = len(list(f.keys()))
-    # one per rank (run_worker fails unless all nproc ranks reported), each compared 7 exports of every tensor
+    # one per rank (run_worker fails unless all nproc ranks reported), each compared 9 exports of every tensor
     # and gathered some tensors straight into the engine's memory (every layout here splits some tensor)
     for r in results:
-        assert (r["layout"], r["tensors"], len(r["exports"])) == ([tp, ep, etp], tensors, 7), r
+        assert (r["layout"], r["tensors"], len(r["exports"])) == ([tp, ep, etp], tensors, 9), r
         assert 0 < r["in_place"] <= tensors, r
         # every gathered tensor went straight into the engine, none through a full-size buffer; at TP2 that
         # includes the fused QKV (regrouped per query group) and the embedding / output layer (row plans); with
@@ -72,4 +72,10 @@ def test_export_over_shared_memory_is_bit_exact(tiny_model_dir, nproc, tp, ep, e
         if tp > 1:  # (at TP1 they are not split: the engine copies the actor's tensor once)
             assert r["rows_moved_not_in_place"] == [], r
         assert (r["staged_bytes"] > 0) == (ep > 1 and etp > 1), r
+        # engines in shared memory: every rank wrote its shards straight into them, nothing through a buffer or
+        # a gather segment, except the experts' EP-then-ETP gather (its intermediate step stays a gather)
+        staged = ep > 1 and etp > 1
+        assert r["shared_buffered"] == [] and r["shared_direct_bytes"] == r["direct_bytes"], r
+        assert (r["shared_segment_bytes"] > 0) == staged, r
+    assert (results[0]["rank0_only_shared_segment_bytes"] > 0) == staged, results[0]
     print(f"into the engine: {results[0]['in_place']} of {tensors} tensors gathered in place")

@@ -511,11 +511,12 @@ class Actor:
         return RecordedRoutes([mb.replay_routes for mb in micro_batches])
 
     # ---- weights -----------------------------------------------------------------------------
-    def export_hf_weights(self, receive: bool = True, into=None):
+    def export_hf_weights(self, receive: bool = True, into=None, shared=None):
         """See ModelBridge.export_hf_weights: collective, every rank gets every full tensor; `into` (e.g. a
-        rollout engine's `weight_buffer`) lets the gathers write straight into the consumer's memory."""
+        rollout engine's `weight_buffer`) lets the gathers write straight into the consumer's memory, `shared`
+        (its `shared_weights()`) lets the other ranks of the host write their shards there too."""
         self._require_resident("export_hf_weights")
-        return self.bridge.export_hf_weights(self.model, receive=receive, into=into)
+        return self.bridge.export_hf_weights(self.model, receive=receive, into=into, shared=shared)
 
     def save_hf(self, out_dir: str, source_dir: Optional[str] = None, max_shard_bytes: int = 4 << 30) -> None:
         """Write the model as a Hugging Face folder (rank 0 writes; every rank takes part in the gathers).

@@ -26,7 +26,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from typing import Callable, Iterator, Optional
+import weakref
+import zlib
+from typing import Callable, Hashable, Iterator, Optional
 
 import torch
 
@@ -37,7 +39,8 @@ from mcore_rl.config import ModelConfig
 from mcore_rl.megatron.layout import Layout
 from mcore_rl.models.hf_io import torch_dtype
 from mcore_rl.models.row_plan import RowPlan, build_row_plan
-from mcore_rl.platform import Platform
+from mcore_rl.platform import Platform, collectives
+from mcore_rl.platform.shared_memory import SharedRegion, SharedTensors
 from mcore_rl.platform.shm_gather import Arena, GroupGather
 
 logger = logging.getLogger(__name__)
@@ -105,6 +108,7 @@ def _replace_module(spec, old: type, new: type) -> None:
 
 
 _OUTPUT_LAYER = "output_layer.weight"
+DIRECT_BATCH_FACTOR = 8  # gather batches hold this many times more bytes written straight into the engines
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 # A consumer's own tensor for a Hugging Face weight name, or None (see ModelBridge.export_hf_weights `into`).
 WeightBuffers = Callable[[str], Optional[torch.Tensor]]
@@ -128,6 +132,7 @@ class _MbridgeBackend:
 
     def __init__(self, hf_config, dtype: torch.dtype, extra_config: dict, use_te: bool):
         self.use_te = use_te
+        self._hf_names: dict[str, list[str]] = {}
         self.impl = compat_mbridge.bridge_from_config(hf_config, dtype, extra_config)
         self._own_direct_mapping(bool(getattr(hf_config, "tie_word_embeddings", False)))
         if not use_te:
@@ -172,7 +177,9 @@ class _MbridgeBackend:
         return self.impl._model_provider([])
 
     def hf_names(self, canonical: str) -> list[str]:
-        return self.impl._weight_name_mapping_mcore_to_hf(canonical)
+        if canonical not in self._hf_names:  # a pure function of the name, asked for every parameter each export
+            self._hf_names[canonical] = list(self.impl._weight_name_mapping_mcore_to_hf(canonical))
+        return self._hf_names[canonical]
 
     def to_mcore(self, canonical: str, hf_tensors: list[torch.Tensor]) -> torch.Tensor:
         return self.impl._weight_to_mcore_format(canonical, hf_tensors)
@@ -247,11 +254,13 @@ class ModelBridge:
         self._backend: Optional[_MbridgeBackend] = None
         self._layout: Optional[Layout] = None
         self._gather = GroupGather()  # export's all-gathers: shared memory between ranks of one host (gloo)
-        # params whose HF tensors cannot be gathered into the memory of the consumer `_direct_owner` (its id)
-        self._not_direct: set[str] = set()
-        self._direct_owner: Optional[int] = None
+        # per consumer (`_consumer_key`): (canonical, shape, dtype) -> its direct destination, None if it has none
+        self._direct_memo: dict[Hashable, dict[tuple, Optional[torch.Tensor]]] = {}
+        # per gather group ("tp" / "ep"): the receiving engines' region tokens and their tensors mapped here
+        self._sinks: dict[str, tuple[tuple[str, ...], Optional[dict[int, SharedTensors]]]] = {}
         self._row_plans: dict[tuple, Optional[RowPlan]] = {}  # (parameter kind, shard shape, tp, gated) -> plan
         self.stats = ExportStats()  # of the export in progress or the last one
+        self._infos: dict[int, tuple[weakref.ref, dict[str, _ParamInfo]]] = {}  # id(chunk) -> (chunk, its infos)
 
     # ---- build -------------------------------------------------------------------------------
     def megatron_config_overrides(self, layout: Layout, model_cfg: ModelConfig) -> dict:
@@ -318,7 +327,16 @@ class ModelBridge:
 
     # ---- names -------------------------------------------------------------------------------
     def _param_infos(self, chunk: torch.nn.Module) -> dict[str, _ParamInfo]:
-        """Local parameter name -> where it sits in the full model (global layer, global expert)."""
+        """Local parameter name -> where it sits in the full model (global layer, global expert); computed once
+        per chunk (a model's structure and names do not change)."""
+        cached = self._infos.get(id(chunk))
+        if cached is None or cached[0]() is not chunk:
+            cached = (weakref.ref(chunk), self._compute_param_infos(chunk))
+            self._infos = {k: v for k, v in self._infos.items() if v[0]() is not None}
+            self._infos[id(chunk)] = cached
+        return cached[1]
+
+    def _compute_param_infos(self, chunk: torch.nn.Module) -> dict[str, _ParamInfo]:
         model = _unwrap(chunk)
         layer_map = (
             {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
@@ -397,6 +415,7 @@ class ModelBridge:
         gather_batch_mb: float = 64.0,
         receive: bool = True,
         into: Optional[WeightBuffers] = None,
+        shared: Optional[SharedTensors] = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (hf_name, full tensor) for the whole model, one parameter at a time.
 
@@ -417,6 +436,13 @@ class ModelBridge:
         through shared memory: each shard's rows go straight into the consumer's q / k / v, gate / up, ...
         tensors (row_plan.py). Anything else is gathered into reused buffers as without `into`; `self.stats`
         says how many bytes went which way.
+        `shared`: the consumer's weights in a shared-memory region (`RolloutEngine.shared_weights()`, the CPU
+        embedded engine's), given by a receiving rank. Where every receiving rank of a TP / EP group gives one and
+        every rank of the group can map them (one host), each rank writes its own shards straight into every
+        receiving engine, at the places `into` would give (the same placement code, run on the receiver's table):
+        nothing is staged and each byte moves once, and one small collective per gather batch and group confirms
+        that the writes are done and that all ranks wrote the same tensors. Tensors whose destination is not
+        entirely in the engine's memory (buffers, dropped padding rows, ETP-split experts) take the gathers above.
         """
         backend = self._require_backend()
         if gather_batch_mb <= 0:
@@ -433,9 +459,12 @@ class ModelBridge:
         my_stage = self.layout.ranks.pp
         gated = backend.gated()
         limit = int(gather_batch_mb * (1 << 20))
-        owner = id(getattr(into, "__self__", into))  # a bound method's engine: its decisions are remembered
-        if into is not None and owner != self._direct_owner:
-            self._not_direct, self._direct_owner = set(), owner
+        sinks = self._direct_sinks(receive, shared)
+        # direct tensors need no buffer: a batch holds DIRECT_BATCH_FACTOR x more of them (fewer confirmations),
+        # where every rank of the job has the same groups' sinks (batches must end in step across groups)
+        lighter = set(sinks) if collectives.all_agree([_kinds_mask(sinks)]) else set()
+        current = {_consumer_key(into)} | {t.token for s in sinks.values() for t in s.receivers.values()}
+        self._direct_memo = {k: v for k, v in self._direct_memo.items() if k in current}  # drop stale consumers
         self.stats = ExportStats()
         for stage, stage_meta in enumerate(per_stage):
             batch, batch_bytes = [], 0
@@ -446,12 +475,14 @@ class ModelBridge:
                     tensor = torch.empty(shape, dtype=dtype, device=self.platform.device)
                 if len(pp_ranks) > 1:
                     torch.distributed.broadcast(tensor, src=pp_ranks[stage], group=pp_group)
-                batch.append(_Exported(canonical, is_expert, pdim, tensor))
-                batch_bytes += tensor.numel() * tensor.element_size() * self._gather_factor(is_expert, pdim)
+                x = _Exported(canonical, is_expert, pdim, tensor)
+                batch.append(x)
+                weight = DIRECT_BATCH_FACTOR if self._gather_kind(x) in lighter else 1
+                batch_bytes += tensor.numel() * tensor.element_size() * self._gather_factor(is_expert, pdim) // weight
                 if batch_bytes >= limit:
-                    yield from self._export_batch(batch, gated, receive, into)
+                    yield from self._export_batch(batch, gated, receive, into, sinks)
                     batch, batch_bytes = [], 0
-            yield from self._export_batch(batch, gated, receive, into)
+            yield from self._export_batch(batch, gated, receive, into, sinks)
 
     def _gather_factor(self, is_expert: bool, pdim: int) -> int:
         """How many times a shard's bytes its gathered full tensor(s) hold."""
@@ -460,7 +491,14 @@ class ModelBridge:
             return layout.ep * (layout.etp if pdim >= 0 else 1)
         return layout.tp if pdim >= 0 else 1
 
-    def _export_batch(self, batch: list["_Exported"], gated: bool, receive: bool, into: Optional[WeightBuffers]):
+    def _export_batch(
+        self,
+        batch: list["_Exported"],
+        gated: bool,
+        receive: bool,
+        into: Optional[WeightBuffers],
+        sinks: dict[str, "_Sinks"],
+    ):
         """Gather a batch's shards with one collective call per process group, then yield its HF tensors.
 
         Dense TP shards are gathered straight into their merged tensor, or, where a row plan exists (see
@@ -468,22 +506,33 @@ class ModelBridge:
         local expert of every EP rank, each with its global id; this rank's own is copied into the consumer
         during the gather where it qualifies, else used in place), then each of those over ETP into its merged
         tensor. With receive=False this rank only contributes shards, yields nothing. With `into`, a tensor whose consumer memory qualifies is gathered there instead of a buffer;
-        the buffers (one reused arena) are sized for exactly the rest."""
+        the buffers (one reused arena) are sized for exactly the rest. With `sinks` (see export_hf_weights'
+        `shared`), the tensors whose every destination lies in the receiving engines' shared memory are written
+        there by their owners instead of gathered."""
         layout = self.layout
-        # ETP gathers EP-gathered experts: with ETP > 1 a rank needs the EP step's data even if it yields nothing
-        ep_receive = receive or (layout.etp > 1 and any(x.is_expert and x.pdim >= 0 for x in batch))
         plans = {i: plan for i, x in enumerate(batch) if (plan := self._row_plan(x, gated)) is not None}
+        direct = self._direct_placements(batch, plans, gated, sinks) if sinks else {}
+        rest = [i for i in range(len(batch)) if i not in direct]
+        # ETP gathers EP-gathered experts: with ETP > 1 a rank needs the EP step's data even if it yields nothing
+        ep_receive = receive or (layout.etp > 1 and any(batch[i].is_expert and batch[i].pdim >= 0 for i in rest))
         sizing = _Sizing()  # a dry run with meta tensors counts the buffers the batch needs
-        self._place(batch, plans, gated, receive, ep_receive, into, sizing.empty, None)
-        placed = self._place(batch, plans, gated, receive, ep_receive, into, self._allocator(sizing.needs), self.stats)
+        self._place(batch, rest, plans, gated, receive, ep_receive, into, sizing.empty, None)
+        placed = self._place(
+            batch, rest, plans, gated, receive, ep_receive, into, self._allocator(sizing.needs), self.stats
+        )
+        self._write_direct(direct, sinks)
+        self._confirm_direct(direct, sinks)
         self._all_gather_into(placed.tp_items, layout.groups.tp, receive)
         self._all_gather_into(placed.ep_items, layout.groups.ep, ep_receive)
         self._all_gather_into(placed.etp_items, layout.groups.etp, receive)
         if not receive:
             return
-        outputs, placed = placed.outputs[::-1], None  # each gathered tensor dropped here once yielded
-        while outputs:
-            converted, name, tensor = outputs.pop()
+        outputs = placed.outputs
+        for kind, per_receiver in direct.values():  # ours: where our engine's tensors are
+            outputs = outputs + per_receiver[sinks[kind].rank].outputs
+        outputs, placed, direct = sorted(outputs, key=lambda o: o[0], reverse=True), None, None
+        while outputs:  # each gathered tensor dropped here once yielded
+            _, converted, name, tensor = outputs.pop()
             if converted:
                 yield name, tensor
             else:
@@ -492,6 +541,7 @@ class ModelBridge:
     def _place(
         self,
         batch: list["_Exported"],
+        indices: list[int],
         plans: dict[int, RowPlan],
         gated: bool,
         receive: bool,
@@ -500,13 +550,32 @@ class ModelBridge:
         buffer: Callable,
         stats: Optional["ExportStats"],
     ) -> "_Placement":
-        """Destinations of a batch's gathers and what to yield: consumer memory where it qualifies, else
-        `buffer(shape, dtype)`. Every rank builds gather items of the same shapes in the same order (a row plan
-        depends on names, shapes and the transport only; receive / into change destinations, never items)."""
+        """Destinations of the gathers of `batch[i]` for i in `indices` and what to yield: consumer memory where
+        it qualifies, else `buffer(shape, dtype)`. Every rank builds gather items of the same shapes in the same
+        order (a row plan depends on names, shapes and the transport only; receive / into change destinations,
+        never items)."""
+        placed = _Placement()
+        for i in indices:
+            self._place_item(placed, i, batch[i], plans.get(i), gated, receive, ep_receive, into, buffer, stats)
+        return placed
+
+    def _place_item(
+        self,
+        placed: "_Placement",
+        i: int,
+        x: "_Exported",
+        plan: Optional[RowPlan],
+        gated: bool,
+        receive: bool,
+        ep_receive: bool,
+        into: Optional[WeightBuffers],
+        buffer: Callable,
+        stats: Optional["ExportStats"],
+    ) -> None:
+        """`_place` for one parameter (batch position `i`), appended to `placed`."""
         layout = self.layout
         tp, ep, etp, ep_rank = layout.tp, layout.ep, layout.etp, layout.ranks.ep
         num_local = (self.transformer_config.num_moe_experts or 0) // ep
-        placed = _Placement()
 
         def alloc(name: str, shape, dtype, final: bool = True) -> torch.Tensor:
             """Where the full tensor `name` is gathered: the consumer's memory when allowed, else a buffer."""
@@ -517,45 +586,140 @@ class ModelBridge:
                 stats.count(name, _numel(shape) * dtype.itemsize, direct is not None)
             return direct if direct is not None else buffer(shape, dtype)
 
+        if plan is not None:
+            items, outputs = self._planned(x, plan, receive, into, buffer, stats)
+            placed.tp_items += items
+            placed.outputs += [(i, True, name, t) for name, t in outputs]
+        elif x.is_expert:
+            prefix, gid = x.canonical.rsplit(".weight", 1)
+            names = [f"{prefix}.weight{e * num_local + int(gid) % num_local}" for e in range(ep)]
+            # with ETP the EP step gathers intermediates, merged over ETP below
+            final = receive and not (x.pdim >= 0 and etp > 1)
+            full = []
+            for e in range(ep):
+                if e == ep_rank:  # own: into the consumer during the gather where it qualifies, else in place
+                    own = final and ep > 1
+                    full.append(self._own_expert(names[e], x.tensor, into, stats) if own else x.tensor)
+                elif ep_receive:
+                    full.append(alloc(names[e], x.tensor.shape, x.tensor.dtype, final))
+                else:
+                    full.append(x.tensor)
+            if ep > 1:
+                placed.ep_items.append((x.tensor, full if ep_receive else None))
+            if x.pdim >= 0 and etp > 1:
+                merged = [
+                    alloc(name, _merged_shape(shard, etp, x.pdim), shard.dtype) if receive else None
+                    for name, shard in zip(names, full)
+                ]
+                for name, shard, m in zip(names, full, merged):
+                    views = _shard_views(name, m, etp, x.pdim, gated) if receive else None
+                    placed.etp_items.append((_as_shard_view(name, shard, gated), views))
+                full = merged
+            placed.outputs += [(i, False, name, t) for name, t in zip(names, full)]
+        elif x.pdim >= 0 and tp > 1:
+            merged = alloc(x.canonical, _merged_shape(x.tensor, tp, x.pdim), x.tensor.dtype) if receive else None
+            views = _shard_views(x.canonical, merged, tp, x.pdim, gated) if receive else None
+            placed.tp_items.append((_as_shard_view(x.canonical, x.tensor, gated), views))
+            placed.outputs.append((i, False, x.canonical, merged))
+        else:
+            placed.outputs.append((i, False, x.canonical, x.tensor))
+
+    # ---- straight into the receiving engines' shared memory ------------------------------------------------
+    def _direct_sinks(self, receive: bool, shared: Optional[SharedTensors]) -> dict[str, "_Sinks"]:
+        """Per gather group ("tp", "ep") whose ranks write straight into the receiving engines (see
+        export_hf_weights' `shared`). Collective over each gather group of more than one rank on the CPU whose
+        gathers go through shared memory: one object gather of the ranks' region handles; the first time a set
+        of regions is seen, every rank maps the others' and all agree that they could."""
+        layout = self.layout
+        out = {}
+        if self.platform.device.type != "cpu":
+            return out
+        for kind, size in (("tp", layout.tp), ("ep", layout.ep), ("etp", layout.etp)):
+            group = self._group(kind)
+            if size > 1 and self._gather.uses_shared_memory(group):
+                sinks = self._group_sinks(kind, group, receive, shared)
+                if sinks is not None:
+                    out[kind] = sinks
+        return out
+
+    def _group_sinks(self, kind: str, group, receive: bool, shared: Optional[SharedTensors]) -> Optional["_Sinks"]:
+        me, world = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+        every = [None] * world
+        mine = shared.handle if receive and shared is not None else None
+        torch.distributed.all_gather_object(every, (receive, mine), group=group)
+        receivers = [r for r, (takes, _) in enumerate(every) if takes]
+        if not receivers or any(every[r][1] is None for r in receivers):
+            self._sinks.pop(kind, None)
+            return None
+        key = tuple(every[r][1].token for r in receivers)  # the same on every rank of the group
+        if kind not in self._sinks or self._sinks[kind][0] != key:
+            self._sinks.pop(kind, None)  # drop the mappings of replaced engines first
+            opened = {r: shared if r == me else SharedTensors.open(every[r][1]) for r in receivers}
+            reachable = all(t is not None for t in opened.values())
+            if collectives.sum_ints([int(not reachable)], group)[0]:
+                logger.info("export: %s ranks cannot map every receiving engine; gathering instead", kind)
+                opened = None
+            self._sinks[kind] = (key, opened)
+        opened = self._sinks[kind][1]
+        return _Sinks(me, opened) if opened is not None else None
+
+    def _gather_kind(self, x: "_Exported") -> Optional[str]:
+        """The one group a parameter's shards are gathered over ("tp", "ep", "etp"), None when none or two (EP
+        then ETP: the intermediate step stays a gather)."""
+        layout = self.layout
+        split = x.pdim >= 0 and (layout.etp if x.is_expert else layout.tp) > 1
+        if not x.is_expert:
+            return "tp" if split else None
+        if layout.ep > 1:
+            return None if split else "ep"
+        return "etp" if split else None
+
+    def _direct_placements(
+        self, batch: list["_Exported"], plans: dict[int, RowPlan], gated: bool, sinks: dict[str, "_Sinks"]
+    ) -> dict[int, tuple[str, dict[int, "_Placement"]]]:
+        """batch position -> (group kind, per receiving group rank its placement in that engine's memory) for
+        every parameter whose destinations in every receiving engine lie entirely in its shared region. Every
+        rank of the group decides the same: the same placement code on the same tables."""
+        out = {}
         for i, x in enumerate(batch):
-            if i in plans:
-                items, outputs = self._planned(x, plans[i], receive, into, buffer, stats)
-                placed.tp_items += items
-                placed.outputs += [(True, name, t) for name, t in outputs]
-            elif x.is_expert:
-                prefix, gid = x.canonical.rsplit(".weight", 1)
-                names = [f"{prefix}.weight{e * num_local + int(gid) % num_local}" for e in range(ep)]
-                # with ETP the EP step gathers intermediates, merged over ETP below
-                final = receive and not (x.pdim >= 0 and etp > 1)
-                full = []
-                for e in range(ep):
-                    if e == ep_rank:  # own: into the consumer during the gather where it qualifies, else in place
-                        own = final and ep > 1
-                        full.append(self._own_expert(names[e], x.tensor, into, stats) if own else x.tensor)
-                    elif ep_receive:
-                        full.append(alloc(names[e], x.tensor.shape, x.tensor.dtype, final))
-                    else:
-                        full.append(x.tensor)
-                if ep > 1:
-                    placed.ep_items.append((x.tensor, full if ep_receive else None))
-                if x.pdim >= 0 and etp > 1:
-                    merged = [
-                        alloc(name, _merged_shape(shard, etp, x.pdim), shard.dtype) if receive else None
-                        for name, shard in zip(names, full)
-                    ]
-                    for name, shard, m in zip(names, full, merged):
-                        views = _shard_views(name, m, etp, x.pdim, gated) if receive else None
-                        placed.etp_items.append((_as_shard_view(name, shard, gated), views))
-                    full = merged
-                placed.outputs += [(False, name, t) for name, t in zip(names, full)]
-            elif x.pdim >= 0 and tp > 1:
-                merged = alloc(x.canonical, _merged_shape(x.tensor, tp, x.pdim), x.tensor.dtype) if receive else None
-                views = _shard_views(x.canonical, merged, tp, x.pdim, gated) if receive else None
-                placed.tp_items.append((_as_shard_view(x.canonical, x.tensor, gated), views))
-                placed.outputs.append((False, x.canonical, merged))
+            kind = self._gather_kind(x)
+            if kind not in sinks:
+                continue
+            per_receiver = {}
+            for q, tensors in sinks[kind].receivers.items():
+                placed = _Placement()
+                self._place_item(placed, i, x, plans.get(i), gated, True, True, tensors.view, _meta_buffer, None)
+                if not placed.lands_in(tensors.region, kind):
+                    break
+                per_receiver[q] = placed
             else:
-                placed.outputs.append((False, x.canonical, x.tensor))
-        return placed
+                out[i] = (kind, per_receiver)
+                own = per_receiver.get(sinks[kind].rank)
+                for _, _, name, t in own.outputs if own is not None else ():
+                    self.stats.count(name, t.numel() * t.element_size(), True)
+        return out
+
+    def _write_direct(self, direct: dict, sinks: dict[str, "_Sinks"]) -> None:
+        """This rank's shard of each direct parameter into every receiving engine (its own engine included)."""
+        for kind, per_receiver in direct.values():
+            me = sinks[kind].rank
+            for placed in per_receiver.values():
+                for shard, dsts in placed.items(kind):
+                    dsts[me].copy_(shard)
+
+    def _confirm_direct(self, direct: dict, sinks: dict[str, "_Sinks"]) -> None:
+        """One small collective per group: every rank finished writing this batch (the receivers yield only
+        after it), and every rank wrote the same parameters (else all raise)."""
+        for kind in sinks:
+            mine = sorted(i for i, (k, _) in direct.items() if k == kind)
+            if not collectives.all_agree([len(mine), zlib.crc32(repr(mine).encode())], self._group(kind)):
+                raise RuntimeError(
+                    f"export into shared engine memory: the {kind} ranks disagree on which tensors they wrote "
+                    f"directly (this rank: {len(mine)}); every rank must see the same engine tables"
+                )
+
+    def _group(self, kind: str):
+        return getattr(self.layout.groups, kind)
 
     def _own_expert(
         self, name: str, shard: torch.Tensor, into: Optional[WeightBuffers], stats: Optional["ExportStats"]
@@ -635,9 +799,23 @@ class ModelBridge:
         The candidate starts where the consumer's tensor for the first HF name starts and spans `shape`
         contiguously inside that storage; `to_hf` is run on it (views only, when it qualifies) and every output
         must coincide with the consumer's tensor of that name. Conversions that copy or reorder (e.g. a fused
-        QKV regrouped per head) fail the check and are remembered, so they cost the check once."""
-        if into is None or canonical in self._not_direct:
+        QKV regrouped per head) fail the check. The answer is remembered per consumer (`_consumer_key`) until an
+        export without that consumer: a consumer's weights keep their memory between syncs (an engine that
+        replaces its tensors, e.g. `rebuild_from`, is a new region / a new bound owner)."""
+        if into is None:
             return None
+        memo = self._direct_memo.setdefault(_consumer_key(into), {})
+        key = (canonical, tuple(shape), dtype)
+        if key in memo:
+            return memo[key]
+        found = self._check_direct(canonical, shape, dtype, into)
+        if found is None or isinstance(getattr(into, "__self__", None), SharedTensors):
+            memo[key] = found  # a table's places never move; another consumer's tensors may be replaced
+        return found
+
+    def _check_direct(
+        self, canonical: str, shape: tuple, dtype: torch.dtype, into: WeightBuffers
+    ) -> Optional[torch.Tensor]:
         names = self._require_backend().hf_names(canonical)
         first = into(names[0]) if names else None
         numel = _numel(shape)
@@ -648,7 +826,6 @@ class ModelBridge:
             or not first.is_contiguous()
             or first.storage_offset() + numel > first.untyped_storage().nbytes() // dtype.itemsize
         ):
-            self._not_direct.add(canonical)
             return None
         candidate = first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), tuple(shape))
         hf_names, hf_tensors = self._backend.to_hf(canonical, candidate)
@@ -660,10 +837,8 @@ class ModelBridge:
                 and tensor.stride() == target.stride()
                 and tensor.dtype == target.dtype
             ):
-                self._not_direct.add(canonical)
                 return None
         if sum(t.numel() for t in hf_tensors) != numel:  # the HF tensors must cover the whole candidate
-            self._not_direct.add(canonical)
             return None
         return candidate
 
@@ -702,12 +877,53 @@ class ExportStats:
 
 @dataclasses.dataclass
 class _Placement:
-    """A batch's gather items per process group and what it yields: (already Hugging Face?, name, tensor)."""
+    """A batch's gather items per process group and what it yields: (batch position, already Hugging Face?,
+    name, tensor)."""
 
     tp_items: list = dataclasses.field(default_factory=list)
     ep_items: list = dataclasses.field(default_factory=list)
     etp_items: list = dataclasses.field(default_factory=list)
-    outputs: list[tuple[bool, str, Optional[torch.Tensor]]] = dataclasses.field(default_factory=list)
+    outputs: list[tuple[int, bool, str, Optional[torch.Tensor]]] = dataclasses.field(default_factory=list)
+
+    def items(self, kind: str) -> list:
+        """The gather items over group `kind` ("tp", "ep", "etp")."""
+        return getattr(self, f"{kind}_items")
+
+    def lands_in(self, region: SharedRegion, kind: str) -> bool:
+        """Whether this (one parameter's) placement gathers over group `kind` only, and every destination and
+        every yielded tensor lies in `region`."""
+        items = self.items(kind)
+        others = [item for k in ("tp", "ep", "etp") if k != kind for item in self.items(k)]
+        return (
+            bool(items)
+            and not others
+            and all(d is not None and region.contains(d) for _, dsts in items for d in dsts or [None])
+            and all(t is not None and region.contains(t) for *_, t in self.outputs)
+        )
+
+
+@dataclasses.dataclass
+class _Sinks:
+    """The receiving engines of one gather group that its ranks write into directly: this rank's index in the
+    group and, per receiving group rank, that engine's tensors as mapped in this process."""
+
+    rank: int
+    receivers: dict[int, SharedTensors]
+
+
+def _kinds_mask(sinks: dict) -> int:
+    return sum(1 << k for k, kind in enumerate(("tp", "ep", "etp")) if kind in sinks)
+
+
+def _consumer_key(into: Optional[WeightBuffers]) -> Hashable:
+    """Whose memory `into` hands out: a shared table's region token, else the bound method's object (its id)."""
+    owner = getattr(into, "__self__", into)
+    return owner.token if isinstance(owner, SharedTensors) else id(owner)
+
+
+def _meta_buffer(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A stand-in buffer in no region (a placement that needs one does not go straight into an engine)."""
+    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 @dataclasses.dataclass

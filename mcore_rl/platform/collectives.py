@@ -148,11 +148,10 @@ def sum_floats(values: Sequence[float], group=None) -> list[float]:
 
 def all_agree(values: Sequence[int], group=None) -> bool:
     """Whether every rank passed the same integers (e.g. a decision code); collective, same answer on all."""
-    t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=group_device(group))
-    low, high = t.clone(), t.clone()
-    all_reduce_small(low, op=dist.ReduceOp.MIN, group=group)
-    all_reduce_small(high, op=dist.ReduceOp.MAX, group=group)
-    return bool(torch.equal(low, high))
+    both = [int(v) for v in values] + [-int(v) for v in values]  # one MAX gives the maxima and minus the minima
+    t = torch.tensor(both, dtype=torch.int64, device=group_device(group))
+    high, minus_low = all_reduce_small(t, op=dist.ReduceOp.MAX, group=group).cpu().view(2, -1)
+    return bool(torch.equal(high, -minus_low))
 
 
 def any_true(flag: bool, group=None) -> bool:

@@ -5,11 +5,14 @@ Loads the tiny checkpoint into a real Megatron model in the given layout and exp
 compared exactly (all names, shapes, dtypes, bits) with the checkpoint's safetensors: shared memory with tiny
 gather batches and rounds (many batches, tensors split over rounds), shared memory where only rank 0
 receives (the others must yield nothing), gathered straight into a random-weight embedded engine's own
-tensors (`into`, every rank / rank 0 only: the engine ends bit-identical to the checkpoint), and the
-torch.distributed fallback (ranks claim different hosts).
+tensors (`into`, every rank / rank 0 only: the engine ends bit-identical to the checkpoint), written straight
+into engines whose parameters live in shared memory (`shared`: every rank / rank 0 only, twice, the engine
+scrambled in between: the peers' shards must land in the engine with nothing staged in a gather segment), and
+the torch.distributed fallback (ranks claim different hosts).
 Result per rank (tests/workers/harness.py): the layout, the number of checkpoint tensors, the exports compared,
 how many tensors were gathered in place into the engine's memory, which q / k / v / embedding / output-layer
-tensors were not, and the exporter's account of bytes straight into the engine / through buffers.
+tensors were not, and the exporter's account of bytes straight into the engine / through buffers; for the
+shared-memory engines the same account and the bytes that went through the gather's segments.
 """
 
 import glob
@@ -75,6 +78,45 @@ def check_into_engine(bridge, chunks, expected: dict, tiny_dir: str, what: str, 
     )
 
 
+def check_shared_engine(bridge, chunks, expected: dict, tiny_dir: str, what: str, receive: bool = True) -> dict:
+    """Export into engines whose parameters live in shared memory (`shared`, as the trainer syncs on one host):
+    every rank writes its own shards straight into every receiving engine. Twice, the engine's weights scrambled
+    in between, so the second export must rewrite every byte (its placements come from the memo). A fresh
+    GroupGather shows what still went through its segments (their capacity: 0 when nothing was staged).
+    Returned (on a receiving rank; empty otherwise): the exporter's account and the segments' bytes."""
+    from mcore_rl.rollout.embedded import EmbeddedEngine
+
+    engine = EmbeddedEngine(tiny_dir, config=bridge.hf_config) if receive else None
+    shared = engine.shared_weights() if engine is not None else None
+    assert engine is None or shared is not None, f"{what}: the CPU engine has no shared-memory region"
+    bridge._gather = GroupGather(max_chunk_bytes=4096)
+    for attempt in range(2):
+        if engine is not None and attempt:
+            for p in engine.model.parameters():
+                p.data.normal_()  # in place: the region stays, its bytes are garbage now
+        into = engine.weight_buffer if engine is not None else None
+        for name, t in bridge.export_hf_weights(
+            chunks, gather_batch_mb=0.01, receive=receive, into=into, shared=shared
+        ):
+            engine.load_weights([(name, t)])
+        if engine is not None:
+            for name, want in expected.items():
+                got = engine.weight_buffer(name)
+                assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), (
+                    f"{what} (export {attempt}): {name}"
+                )
+    segments = [s for s in bridge._gather._transports.values() if s is not None]
+    assert segments, f"{what}: the gathers did not take shared memory"
+    if engine is None:
+        return {}
+    stats = bridge.stats
+    return dict(
+        shared_direct_bytes=stats.direct_bytes,
+        shared_buffered=sorted(stats.buffered),
+        shared_segment_bytes=sum(sum(s.capacity) for s in segments),
+    )
+
+
 def main() -> None:
     args = worker_args(__doc__, tiny_dir=str, tp=int, ep=int, etp=int)
     tiny_dir, tp, ep, etp = args.tiny_dir, args.tp, args.ep, args.etp
@@ -100,13 +142,19 @@ def main() -> None:
     compared += ["shm into the engine", "shm into rank 0's engine only"]
     into_engine = check_into_engine(bridge, chunks, expected, tiny_dir, compared[4])
     check_into_engine(bridge, chunks, expected, tiny_dir, compared[5], receive=rank == 0)
+    compared += ["shared engines, twice", "rank 0's shared engine only, twice"]
+    into_shared = check_shared_engine(bridge, chunks, expected, tiny_dir, compared[6])
+    only_rank0 = check_shared_engine(bridge, chunks, expected, tiny_dir, compared[7], receive=rank == 0)
+    into_shared.update({f"rank0_only_{k}": v for k, v in only_rank0.items()})
     bridge._gather = GroupGather(host_id=lambda: f"host-of-rank-{rank}")
     compared.append("torch.distributed fallback")
-    check_export(bridge, chunks, expected, compared[6])
+    check_export(bridge, chunks, expected, compared[8])
     assert not bridge._gather.uses_shared_memory(None)
     dist.barrier()
     destroy_parallel()
-    write_result(args.results, layout=[tp, ep, etp], tensors=len(expected), exports=compared, **into_engine)
+    write_result(
+        args.results, layout=[tp, ep, etp], tensors=len(expected), exports=compared, **into_engine, **into_shared
+    )
 
 
 if __name__ == "__main__":
