@@ -25,6 +25,7 @@ Also printed: how many of the direct sync's bytes went straight into the engine 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -191,6 +192,11 @@ def main() -> None:
             f"engine {engine_params / 1e9:.3f}B params (bf16) in {time.perf_counter() - start:.1f} s",
             flush=True,
         )
+    # The models' Python objects (~millions: Megatron, transformers) are frozen out of the garbage collector, as
+    # a long-running process should: otherwise a full collection (0.2-0.7 s here) lands in whichever sync happens
+    # to trigger it, on either rank, and measures the collector rather than the sync.
+    gc.collect()
+    gc.freeze()
     dist.barrier()
 
     paired = PairedMemcpy() if rank == 0 else None
@@ -203,8 +209,9 @@ def main() -> None:
             dist.barrier()
             # ranks without an engine only contribute their shards (over shared memory they skip reading)
             into = engine.weight_buffer if engine is not None and direct else None
+            shared = engine.shared_weights() if engine is not None and direct else None
             stats = sync_weights(
-                bridge.export_hf_weights(chunks, receive=engine is not None, into=into),
+                bridge.export_hf_weights(chunks, receive=engine is not None, into=into, shared=shared),
                 engine,
                 bucket_mb=args.bucket_mb,
             )
