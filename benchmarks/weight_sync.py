@@ -12,9 +12,11 @@ about the sync's volume (a 512 MB buffer copied 4 times) - the paired ratio is t
 the sync's rate over the memcpy rate of that moment (on a shared machine the load changes from second to
 second); and the strict ratio: the best sync over the fastest memcpy seen in the whole run (best of 5 copies
 of 512 MB before and after the syncs, and the paired ones).
-The sync runs as the trainer's does: the exporter gathers straight into the engine's own tensors where they
-qualify (`into=engine.weight_buffer`); `--baseline` also times, in the same run, the gather-into-buffers-then-
-copy path (no `into`). Prints the sync's GB/s, memcpy GB/s and their ratio (target >= 0.5), and the gloo all_gather rate between
+The sync runs as the trainer's does: the engine's parameters live in a shared-memory region
+(`engine.shared_weights()`), so every rank writes its own shards straight into them and rank 0 copies only its
+own (`into=engine.weight_buffer, shared=...`; mcore_rl/platform/shared_memory.py); `--baseline` also times, in
+the same run, the gather-into-buffers-then-copy path (no `into`, no `shared`: the peer's shards travel through
+the gather's shared segments and the engine copies every tensor). Prints the sync's GB/s, memcpy GB/s and their ratio (target >= 0.5), and the gloo all_gather rate between
 the two processes (the transport the exporter's gathers use: on one CPU host it is the bottleneck) next to
 the same gather through shared memory (/dev/shm), what a same-host transport in the exporter could reach. `--check` re-exports
 through torch.distributed (whole split tensors gathered and converted by mbridge, an independent path) and compares
@@ -207,7 +209,7 @@ def main() -> None:
         for trial in range(args.trials):  # the first pass also pays page faults of fresh buffers
             moment = paired.gb_per_s(volume) if paired is not None else 0.0
             dist.barrier()
-            # ranks without an engine only contribute their shards (over shared memory they skip reading)
+            # ranks without an engine only contribute their shards (written into rank 0's engine, or its segments)
             into = engine.weight_buffer if engine is not None and direct else None
             shared = engine.shared_weights() if engine is not None and direct else None
             stats = sync_weights(
