@@ -256,8 +256,9 @@ class ModelBridge:
         self._gather = GroupGather()  # export's all-gathers: shared memory between ranks of one host (gloo)
         # per consumer (`_consumer_key`): (canonical, shape, dtype) -> its direct destination, None if it has none
         self._direct_memo: dict[Hashable, dict[tuple, Optional[torch.Tensor]]] = {}
-        # per gather group ("tp" / "ep"): the receiving engines' region tokens and their tensors mapped here
-        self._sinks: dict[str, tuple[tuple[str, ...], Optional[dict[int, SharedTensors]]]] = {}
+        # per gather group ("tp" / "ep" / "etp"): the receiving engines' region tokens and whether all ranks mapped them
+        self._sinks: dict[str, tuple[tuple[str, ...], bool]] = {}
+        self._regions: dict[str, SharedTensors] = {}  # other processes' engine regions mapped here, by token
         self._row_plans: dict[tuple, Optional[RowPlan]] = {}  # (parameter kind, shard shape, tp, gated) -> plan
         self.stats = ExportStats()  # of the export in progress or the last one
         self._infos: dict[int, tuple[weakref.ref, dict[str, _ParamInfo]]] = {}  # id(chunk) -> (chunk, its infos)
@@ -463,7 +464,7 @@ class ModelBridge:
         # direct tensors need no buffer: a batch holds DIRECT_BATCH_FACTOR x more of them (fewer confirmations),
         # where every rank of the job has the same groups' sinks (batches must end in step across groups)
         lighter = set(sinks) if collectives.all_agree([_kinds_mask(sinks)]) else set()
-        current = {_consumer_key(into)} | {t.token for s in sinks.values() for t in s.receivers.values()}
+        current = {_consumer_key(into)} | {_consumer_key(t.view) for s in sinks.values() for t in s.receivers.values()}
         self._direct_memo = {k: v for k, v in self._direct_memo.items() if k in current}  # drop stale consumers
         self.stats = ExportStats()
         for stage, stage_meta in enumerate(per_stage):
@@ -640,6 +641,8 @@ class ModelBridge:
                 sinks = self._group_sinks(kind, group, receive, shared)
                 if sinks is not None:
                     out[kind] = sinks
+        used = {t.token for sinks in out.values() for t in sinks.receivers.values()}
+        self._regions = {token: t for token, t in self._regions.items() if token in used}  # unmap the others
         return out
 
     def _group_sinks(self, kind: str, group, receive: bool, shared: Optional[SharedTensors]) -> Optional["_Sinks"]:
@@ -651,17 +654,19 @@ class ModelBridge:
         if not receivers or any(every[r][1] is None for r in receivers):
             self._sinks.pop(kind, None)
             return None
+        for r in receivers:  # other ranks' regions: mapped once, kept while they receive
+            token = every[r][1].token
+            if r != me and token not in self._regions and (opened := SharedTensors.open(every[r][1])) is not None:
+                self._regions[token] = opened
+        mapped = {r: shared if r == me else self._regions.get(every[r][1].token) for r in receivers}
         key = tuple(every[r][1].token for r in receivers)  # the same on every rank of the group
-        if kind not in self._sinks or self._sinks[kind][0] != key:
-            self._sinks.pop(kind, None)  # drop the mappings of replaced engines first
-            opened = {r: shared if r == me else SharedTensors.open(every[r][1]) for r in receivers}
-            reachable = all(t is not None for t in opened.values())
-            if collectives.sum_ints([int(not reachable)], group)[0]:
+        if self._sinks.get(kind, (None,))[0] != key:  # a new set of engines: do all ranks reach all of them?
+            reachable = all(t is not None for t in mapped.values())
+            agreed = collectives.sum_ints([int(not reachable)], group)[0] == 0
+            if not agreed:
                 logger.info("export: %s ranks cannot map every receiving engine; gathering instead", kind)
-                opened = None
-            self._sinks[kind] = (key, opened)
-        opened = self._sinks[kind][1]
-        return _Sinks(me, opened) if opened is not None else None
+            self._sinks[kind] = (key, agreed)
+        return _Sinks(me, mapped) if self._sinks[kind][1] else None
 
     def _gather_kind(self, x: "_Exported") -> Optional[str]:
         """The one group a parameter's shards are gathered over ("tp", "ep", "etp"), None when none or two (EP
@@ -916,9 +921,10 @@ def _kinds_mask(sinks: dict) -> int:
 
 
 def _consumer_key(into: Optional[WeightBuffers]) -> Hashable:
-    """Whose memory `into` hands out: a shared table's region token, else the bound method's object (its id)."""
+    """Whose memory `into` hands out: a shared table's region and where it is mapped in this process (a region
+    mapped again is another key), else the bound method's object (its id)."""
     owner = getattr(into, "__self__", into)
-    return owner.token if isinstance(owner, SharedTensors) else id(owner)
+    return (owner.token, owner.region.base) if isinstance(owner, SharedTensors) else id(owner)
 
 
 def _meta_buffer(shape, dtype: torch.dtype) -> torch.Tensor:

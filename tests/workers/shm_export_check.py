@@ -6,9 +6,9 @@ compared exactly (all names, shapes, dtypes, bits) with the checkpoint's safeten
 gather batches and rounds (many batches, tensors split over rounds), shared memory where only rank 0
 receives (the others must yield nothing), gathered straight into a random-weight embedded engine's own
 tensors (`into`, every rank / rank 0 only: the engine ends bit-identical to the checkpoint), written straight
-into engines whose parameters live in shared memory (`shared`: every rank / rank 0 only, twice, the engine
-scrambled in between: the peers' shards must land in the engine with nothing staged in a gather segment), and
-the torch.distributed fallback (ranks claim different hosts).
+into engines whose parameters live in shared memory (`shared`: every rank / rank 0 only, the engine scrambled
+before each: the peers' shards must land in the engine with nothing staged in a gather segment), and the
+torch.distributed fallback (ranks claim different hosts).
 Result per rank (tests/workers/harness.py): the layout, the number of checkpoint tensors, the exports compared,
 how many tensors were gathered in place into the engine's memory, which q / k / v / embedding / output-layer
 tensors were not, and the exporter's account of bytes straight into the engine / through buffers; for the
@@ -78,43 +78,42 @@ def check_into_engine(bridge, chunks, expected: dict, tiny_dir: str, what: str, 
     )
 
 
-def check_shared_engine(bridge, chunks, expected: dict, tiny_dir: str, what: str, receive: bool = True) -> dict:
+def check_shared_engine(bridge, chunks, expected: dict, tiny_dir: str, what: str) -> dict:
     """Export into engines whose parameters live in shared memory (`shared`, as the trainer syncs on one host):
-    every rank writes its own shards straight into every receiving engine. Twice, the engine's weights scrambled
-    in between, so the second export must rewrite every byte (its placements come from the memo). A fresh
-    GroupGather shows what still went through its segments (their capacity: 0 when nothing was staged).
-    Returned (on a receiving rank; empty otherwise): the exporter's account and the segments' bytes."""
+    every rank writes its own shards straight into every receiving engine. First every rank's engine receives;
+    then, every engine scrambled, rank 0's alone (the others only write into it), so the peers' shards must land
+    in rank 0's engine again. A fresh GroupGather shows what still went through its segments (their capacity:
+    0 when nothing was staged). Returned per export (rank 0's result for the second): the exporter's account of
+    bytes straight into the engine / names through buffers, and the segments' bytes."""
     from mcore_rl.rollout.embedded import EmbeddedEngine
 
-    engine = EmbeddedEngine(tiny_dir, config=bridge.hf_config) if receive else None
-    shared = engine.shared_weights() if engine is not None else None
-    assert engine is None or shared is not None, f"{what}: the CPU engine has no shared-memory region"
-    bridge._gather = GroupGather(max_chunk_bytes=4096)
-    for attempt in range(2):
-        if engine is not None and attempt:
-            for p in engine.model.parameters():
-                p.data.normal_()  # in place: the region stays, its bytes are garbage now
-        into = engine.weight_buffer if engine is not None else None
+    rank = dist.get_rank()
+    engine = EmbeddedEngine(tiny_dir, config=bridge.hf_config)
+    assert engine.shared_weights() is not None, f"{what}: the CPU engine has no shared-memory region"
+    out = {}
+    for attempt, receive in enumerate((True, rank == 0)):
+        bridge._gather = GroupGather(max_chunk_bytes=4096)
+        for p in engine.model.parameters():
+            p.data.normal_()  # in place: the region stays, its bytes are garbage until the export rewrites them
+        into, shared = (engine.weight_buffer, engine.shared_weights()) if receive else (None, None)
         for name, t in bridge.export_hf_weights(
-            chunks, gather_batch_mb=0.01, receive=receive, into=into, shared=shared
+            chunks, gather_batch_mb=0.05, receive=receive, into=into, shared=shared
         ):
             engine.load_weights([(name, t)])
-        if engine is not None:
-            for name, want in expected.items():
-                got = engine.weight_buffer(name)
-                assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), (
-                    f"{what} (export {attempt}): {name}"
-                )
-    segments = [s for s in bridge._gather._transports.values() if s is not None]
-    assert segments, f"{what}: the gathers did not take shared memory"
-    if engine is None:
-        return {}
-    stats = bridge.stats
-    return dict(
-        shared_direct_bytes=stats.direct_bytes,
-        shared_buffered=sorted(stats.buffered),
-        shared_segment_bytes=sum(sum(s.capacity) for s in segments),
-    )
+        segments = [s for s in bridge._gather._transports.values() if s is not None]
+        assert segments, f"{what}: the gathers did not take shared memory"
+        if not receive:
+            continue
+        for name, want in expected.items():
+            got = engine.weight_buffer(name)
+            assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), (
+                f"{what} (export {attempt}): {name}"
+            )
+        prefix = "shared_" if attempt == 0 else "rank0_only_shared_"
+        out[prefix + "direct_bytes"] = bridge.stats.direct_bytes
+        out[prefix + "buffered"] = sorted(bridge.stats.buffered)
+        out[prefix + "segment_bytes"] = sum(sum(s.capacity) for s in segments)
+    return out
 
 
 def main() -> None:
@@ -142,10 +141,8 @@ def main() -> None:
     compared += ["shm into the engine", "shm into rank 0's engine only"]
     into_engine = check_into_engine(bridge, chunks, expected, tiny_dir, compared[4])
     check_into_engine(bridge, chunks, expected, tiny_dir, compared[5], receive=rank == 0)
-    compared += ["shared engines, twice", "rank 0's shared engine only, twice"]
-    into_shared = check_shared_engine(bridge, chunks, expected, tiny_dir, compared[6])
-    only_rank0 = check_shared_engine(bridge, chunks, expected, tiny_dir, compared[7], receive=rank == 0)
-    into_shared.update({f"rank0_only_{k}": v for k, v in only_rank0.items()})
+    compared += ["every rank's shared-memory engine", "rank 0's shared-memory engine only"]
+    into_shared = check_shared_engine(bridge, chunks, expected, tiny_dir, "shared-memory engines")
     bridge._gather = GroupGather(host_id=lambda: f"host-of-rank-{rank}")
     compared.append("torch.distributed fallback")
     check_export(bridge, chunks, expected, compared[8])
