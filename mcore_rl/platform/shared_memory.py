@@ -95,6 +95,8 @@ class SharedRegion:
     def create(cls, nbytes: int) -> "SharedRegion":
         """A new region of at least `nbytes` bytes for tensors (raises OSError where the host cannot)."""
         nbytes = _HEADER + _round_up(max(nbytes, 1), 1 << 12)
+        if not hasattr(os, "memfd_create") or not hasattr(os, "posix_fallocate"):
+            raise OSError("shared regions need Linux (memfd_create, posix_fallocate)")
         fd = os.memfd_create("mcore_rl_shared_region", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, nbytes)
