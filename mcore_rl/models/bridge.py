@@ -439,7 +439,7 @@ class ModelBridge:
         says how many bytes went which way.
         `shared`: the consumer's weights in a shared-memory region (`RolloutEngine.shared_weights()`, the CPU
         embedded engine's), given by a receiving rank. Where every receiving rank of a TP / EP group gives one and
-        every rank of the group can map them (one host), each rank writes its own shards straight into every
+        every rank of the group can map them (one host; ETP likewise), each rank writes its own shards into every
         receiving engine, at the places `into` would give (the same placement code, run on the receiver's table):
         nothing is staged and each byte moves once, and one small collective per gather batch and group confirms
         that the writes are done and that all ranks wrote the same tensors. Tensors whose destination is not
@@ -627,7 +627,7 @@ class ModelBridge:
 
     # ---- straight into the receiving engines' shared memory ------------------------------------------------
     def _direct_sinks(self, receive: bool, shared: Optional[SharedTensors]) -> dict[str, "_Sinks"]:
-        """Per gather group ("tp", "ep") whose ranks write straight into the receiving engines (see
+        """Per gather group ("tp", "ep", "etp") whose ranks write straight into the receiving engines (see
         export_hf_weights' `shared`). Collective over each gather group of more than one rank on the CPU whose
         gathers go through shared memory: one object gather of the ranks' region handles; the first time a set
         of regions is seen, every rank maps the others' and all agree that they could."""
