@@ -259,6 +259,7 @@ class ModelBridge:
         # per gather group ("tp" / "ep" / "etp"): the receiving engines' region tokens and whether all ranks mapped them
         self._sinks: dict[str, tuple[tuple[str, ...], bool]] = {}
         self._regions: dict[str, SharedTensors] = {}  # other processes' engine regions mapped here, by token
+        self._sinks_state: Optional[tuple] = None  # the last export's (this rank's state, sinks, lighter kinds)
         self._row_plans: dict[tuple, Optional[RowPlan]] = {}  # (parameter kind, shard shape, tp, gated) -> plan
         self.stats = ExportStats()  # of the export in progress or the last one
         self._infos: dict[int, tuple[weakref.ref, dict[str, _ParamInfo]]] = {}  # id(chunk) -> (chunk, its infos)
@@ -460,10 +461,7 @@ class ModelBridge:
         my_stage = self.layout.ranks.pp
         gated = backend.gated()
         limit = int(gather_batch_mb * (1 << 20))
-        sinks = self._direct_sinks(receive, shared)
-        # direct tensors need no buffer: a batch holds DIRECT_BATCH_FACTOR x more of them (fewer confirmations),
-        # where every rank of the job has the same groups' sinks (batches must end in step across groups)
-        lighter = set(sinks) if collectives.all_agree([_kinds_mask(sinks)]) else set()
+        sinks, lighter = self._export_sinks(receive, shared)
         current = {_consumer_key(into)} | {_consumer_key(t.view) for s in sinks.values() for t in s.receivers.values()}
         self._direct_memo = {k: v for k, v in self._direct_memo.items() if k in current}  # drop stale consumers
         self.stats = ExportStats()
@@ -626,6 +624,20 @@ class ModelBridge:
             placed.outputs.append((i, False, x.canonical, x.tensor))
 
     # ---- straight into the receiving engines' shared memory ------------------------------------------------
+    def _export_sinks(self, receive: bool, shared: Optional[SharedTensors]) -> tuple[dict[str, "_Sinks"], set[str]]:
+        """The gather groups' sinks (`_direct_sinks`) and the kinds whose batches may hold DIRECT_BATCH_FACTOR x
+        more bytes (direct tensors need no buffer), where every rank of the job has the same groups' sinks:
+        batches must end in step across groups. Collective; when no rank's (receive, engine region, transport)
+        changed since the last export, one small all-reduce and the last export's answer."""
+        state = (receive, shared.token if receive and shared is not None else None, id(self._gather))
+        changed = self._sinks_state is None or self._sinks_state[0] != state
+        if collectives.max_ints([int(changed)])[0] == 0:
+            return self._sinks_state[1], self._sinks_state[2]
+        sinks = self._direct_sinks(receive, shared)
+        lighter = set(sinks) if collectives.all_agree([_kinds_mask(sinks)]) else set()
+        self._sinks_state = (state, sinks, lighter)
+        return sinks, lighter
+
     def _direct_sinks(self, receive: bool, shared: Optional[SharedTensors]) -> dict[str, "_Sinks"]:
         """Per gather group ("tp", "ep", "etp") whose ranks write straight into the receiving engines (see
         export_hf_weights' `shared`). Collective over each gather group of more than one rank on the CPU whose
