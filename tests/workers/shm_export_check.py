@@ -113,7 +113,35 @@ def check_shared_engine(bridge, chunks, expected: dict, tiny_dir: str, what: str
         out[prefix + "direct_bytes"] = bridge.stats.direct_bytes
         out[prefix + "buffered"] = sorted(bridge.stats.buffered)
         out[prefix + "segment_bytes"] = sum(sum(s.capacity) for s in segments)
+    if dist.get_world_size() == 2:  # (with more ranks, a raise in one group leaves other groups' ranks waiting)
+        out["disagreement"] = check_disagreement_raises(bridge, chunks, engine)
     return out
+
+
+def check_disagreement_raises(bridge, chunks, engine) -> str:
+    """Rank 1 maps rank 0's engine table with one gathered weight missing (rank 0's q_proj of layer 0, or an
+    expert of layer 0 without TP): it would gather that tensor while rank 0 expects it written. The batch's
+    confirmation must raise on both ranks, before anything is gathered. Returns the error message."""
+    rank = dist.get_rank()
+    if rank == 1:
+        (peer,) = bridge._regions.values()  # rank 0's, mapped by the last export (rank 0 alone received)
+        suffix = (
+            "layers.0.self_attn.q_proj.weight" if bridge.layout.tp > 1 else "layers.0.mlp.experts.0.down_proj.weight"
+        )
+        victim = next(name for name in peer.table if name.endswith(suffix))
+        del peer.table[victim]
+        peer._views.pop(victim, None)
+        bridge._direct_memo.clear()
+    bridge._gather = GroupGather(max_chunk_bytes=4096)
+    receive = rank == 0
+    into, shared = (engine.weight_buffer, engine.shared_weights()) if receive else (None, None)
+    try:
+        for _ in bridge.export_hf_weights(chunks, gather_batch_mb=0.05, receive=receive, into=into, shared=shared):
+            pass
+    except RuntimeError as e:
+        assert "disagree on which tensors they wrote directly" in str(e), e
+        return str(e)
+    raise AssertionError("ranks that judged a tensor differently exported without an error")
 
 
 def main() -> None:
