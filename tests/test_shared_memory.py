@@ -61,6 +61,9 @@ def test_open_refuses_a_wrong_token_and_our_own_region():
     assert SharedRegion.open(region.handle) is None  # the owner uses its own object
     forged = dataclasses.replace(region.handle, pid=os.getppid(), token="0" * 32)
     assert SharedTensors.open(forged) is None  # another process behind (pid, fd), or none: not ours
+    region.close()
+    with pytest.raises(ValueError, match="until it closes it"):
+        _ = region.handle
 
 
 def test_tensor_outside_the_region_is_refused():

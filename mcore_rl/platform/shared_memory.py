@@ -127,13 +127,16 @@ class SharedRegion:
                 return None
             mapping = mmap.mmap(fd, handle.nbytes, flags=mmap.MAP_SHARED | _POPULATE)
             return cls(None, handle.pid, handle.nbytes, handle.token, mapping), _read_table(fd)
+        except (OSError, struct.error) as e:  # a pipe, a socket, a short file behind that descriptor
+            logger.info("shared region of pid %d: unreadable (%s)", handle.pid, e)
+            return None
         finally:
             os.close(fd)
 
     @property
     def handle(self) -> RegionHandle:
-        if self.fd is None:
-            raise ValueError("only the process that created a shared region can hand it out")
+        if self.fd is None or not self._closer.alive:
+            raise ValueError("only the process that created a shared region can hand it out, until it closes it")
         return RegionHandle(self.pid, self.fd, self.nbytes, self.token)
 
     def tensor(self, spec: TensorSpec) -> torch.Tensor:
