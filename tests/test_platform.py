@@ -124,6 +124,43 @@ def test_layer_spec_choice():
     assert not has_te  # this suite's venv has no Transformer Engine: CUDA here would use the local spec
 
 
+@pytest.mark.parametrize(
+    "name,te,spec,mode",
+    [
+        ("cpu", False, False, "segments"),
+        ("cpu", True, False, "segments"),
+        ("cuda", False, False, "segments"),  # the GPU smoke suite's machine: local spec, SegmentDotProductAttention
+        ("cuda", True, True, "thd"),
+        ("npu", False, True, "thd"),  # MindSpeed's flash attention under TE's names
+    ],
+)
+def test_packed_attention_follows_the_layer_spec(name, te, spec, mode):
+    """THD (PackedSeqParams) only where the TE spec is built; Megatron's local attention asserts on it."""
+    from mcore_rl.platform import packed_attention_mode, uses_te_spec
+
+    assert uses_te_spec(name, te_importable=te) is spec
+    assert packed_attention_mode(spec) == mode
+
+
+def test_packed_attention_of_the_platforms_here():
+    assert [Platform(n).packed_attention for n in ("cpu", "cuda", "npu")] == ["segments", "segments", "thd"]
+
+
+def test_cuda_without_te_builds_the_segment_path(tiny_model_dir):
+    """Platform("cuda") here (no TE): the bridge's spec has SegmentDotProductAttention in every layer, and a packed
+    row gives each sequence's own logits through the segment bounds and through THD params alike, where Megatron's
+    DotProductAttention refuses the params (tests/workers/packed_spec.py)."""
+    (got,) = run_worker(
+        REPO / "tests" / "workers" / "packed_spec.py", 1, torchrun=False, model_dir=tiny_model_dir
+    ).results
+    assert got["cuda_te"] is False and got["cuda_mode"] == "segments"
+    assert got["cuda_spec"] and set(got["cuda_spec"]) == {"SegmentDotProductAttention"}, got["cuda_spec"]
+    assert got["built"] == "SegmentDotProductAttention"
+    assert "Packed sequence is not supported by DotProductAttention" in got["megatron_refuses"]
+    for mode, diff in got["max_diff"].items():
+        assert diff <= 1e-4 * got["scale"], (mode, diff, got["scale"])
+
+
 def test_device_modules_are_used_only_in_the_platform_package():
     """`torch.cuda` / `torch.npu` (and torch_npu) appear in mcore_rl/platform/ only: device specifics have one home."""
     import ast

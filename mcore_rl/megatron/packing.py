@@ -5,9 +5,9 @@ Two implementations, chosen by `Platform.packed_attention`:
            passed to `GPTModel.forward(..., packed_seq_params=...)`. Transformer Engine's (and MindSpeed's)
            attention then runs variable-length flash attention over the segments, and RoPE restarts at
            every cu_seqlens boundary (`RotaryEmbedding.get_rotary_seq_len` takes max_seqlen from the params).
-           Needs the Transformer Engine layer spec; it cannot run on CPU.
+           Needs the Transformer Engine layer spec (Megatron's local DotProductAttention asserts on the params).
   "segments" - the row's segment bounds (cu_seqlens, int32 [n + 1]) passed where the attention mask goes;
-           the local layer spec's `SegmentDotProductAttention` (`mcore_rl/megatron/segment_attention.py`)
+           the local layer spec's (CPU, CUDA without TE) `SegmentDotProductAttention` (`mcore_rl/megatron/segment_attention.py`)
            attends within each segment as a right-padded batch of segments. Outside the THD path Megatron's
            RoPE uses positions 0..T-1 of the row and ignores position_ids; RoPE is relative (a query-key score
            depends on the position difference only), so inside a segment the result equals the unpacked one up

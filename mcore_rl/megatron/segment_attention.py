@@ -1,4 +1,5 @@
-"""Attention of a packed row one segment at a time, for the local (non-Transformer-Engine) layer spec (CPU).
+"""Attention of a packed row one segment at a time, for the local (non-Transformer-Engine) layer spec
+(CPU, and CUDA without Transformer Engine).
 
 A packed micro-batch is one row of T tokens holding several sequences (segments). Transformer Engine and
 MindSpeed attend within each segment with variable-length flash attention ("thd", `mcore_rl/megatron/packing.py`);
@@ -13,6 +14,11 @@ alone keeps the padding out: a segment's pads sit after all its real tokens, so 
 and the pads' own outputs are dropped. RoPE has already been applied along the row (positions 0..T-1); it is
 relative, so a segment's scores equal those at positions 0..len-1 up to rounding. Any other mask (padded
 micro-batches, None) goes to Megatron's own forward unchanged.
+
+Megatron's `PackedSeqParams` (qkv_format "thd") reaching this class - the TE-style call - takes the same segment
+path from its cu_seqlens instead of Megatron's assert (`DotProductAttention` refuses packed_seq_params): Megatron's
+attention has then squeezed the batch dimension ([T, heads, d]) and RoPE has restarted at every segment. The
+actor passes bounds, not params, with this spec (`Platform.packed_attention`); this keeps any other caller working.
 """
 
 from __future__ import annotations
@@ -68,9 +74,31 @@ def segment_causal_attention(
 class SegmentDotProductAttention(DotProductAttention):
     """Megatron's local attention, plus packed rows described by their segment bounds (module docstring)."""
 
-    def forward(self, query, key, value, attention_mask, *args, **kwargs):
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
+        if packed_seq_params is not None:
+            return self._packed_forward(query, key, value, packed_seq_params)
         if not is_segment_bounds(attention_mask):
-            return super().forward(query, key, value, attention_mask, *args, **kwargs)
+            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
+        return self._segment_forward(query, key, value, attention_mask)
+
+    def _packed_forward(self, query, key, value, params):
+        """Megatron's THD call: [T, heads, d] tensors, bounds in params.cu_seqlens_q (no padded layout)."""
+        if params.qkv_format != "thd":
+            raise ValueError(f"packed_seq_params with qkv_format {params.qkv_format!r}: only 'thd' is supported here")
+        padded = getattr(params, "cu_seqlens_q_padded", None)
+        if padded is not None and not torch.equal(padded, params.cu_seqlens_q):
+            raise ValueError(
+                "packed rows with padded cu_seqlens need Transformer Engine; pack without per-segment padding"
+            )
+        if not torch.equal(params.cu_seqlens_q, params.cu_seqlens_kv):
+            raise ValueError("packed self-attention needs cu_seqlens_q == cu_seqlens_kv")
+        bounds = params.cu_seqlens_q.to(torch.int32)
+        unsqueezed = [x.unsqueeze(1) if x.dim() == 3 else x for x in (query, key, value)]
+        return self._segment_forward(*unsqueezed, bounds)
+
+    def _segment_forward(self, query, key, value, bounds):
         if getattr(self.config, "window_size", None) is not None:
             raise ValueError(
                 "packed micro-batches on the local attention do not support sliding windows: unset window_size"
@@ -82,4 +110,4 @@ class SegmentDotProductAttention(DotProductAttention):
         # under query-key layer scaling Megatron divides the scale by the layer number and its softmax multiplies it back
         scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)
         dropout = self.attention_dropout.p if self.training else 0.0
-        return segment_causal_attention(query, key, value, attention_mask, scale, dropout)
+        return segment_causal_attention(query, key, value, bounds, scale, dropout)

@@ -68,6 +68,23 @@ def _npu_available() -> bool:
     return torch.npu.is_available()
 
 
+def transformer_engine_importable() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def uses_te_spec(name: str, te_importable: bool) -> bool:
+    """Whether platform `name` builds Megatron's Transformer Engine layer spec: NPU always (MindSpeed stands in for
+    TE under TE's names), CUDA only where transformer_engine imports, CPU never."""
+    return name == "npu" or (name == "cuda" and te_importable)
+
+
+def packed_attention_mode(te_spec: bool) -> str:
+    """How a packed micro-batch's attention stays within each sequence, given the layer spec built: "thd" (Megatron's
+    PackedSeqParams, which only TE's / MindSpeed's attention accept - Megatron's local DotProductAttention asserts
+    packed_seq_params is None) or "segments" (the segment bounds, for the local spec's SegmentDotProductAttention)."""
+    return "thd" if te_spec else "segments"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on `host` right now (the rendezvous port of a job; "" binds every interface)."""
     with socket.socket() as s:
@@ -89,9 +106,7 @@ class Platform:
         """Whether models use Megatron's Transformer Engine layer spec: on NPU (MindSpeed stands in for TE under
         TE's names) and on CUDA where transformer_engine is importable; otherwise the local pure-torch spec
         (CPU, and CUDA without TE - the GPU smoke suite's machine has none)."""
-        if self.name == "npu":
-            return True
-        return self.name == "cuda" and importlib.util.find_spec("transformer_engine") is not None
+        return uses_te_spec(self.name, transformer_engine_importable())
 
     def apply_environment(self, env: Optional[dict] = None) -> dict[str, str]:
         """Set (if unset) the environment variables this platform needs in `env` (default os.environ);
@@ -104,10 +119,9 @@ class Platform:
 
     @property
     def packed_attention(self) -> str:
-        """How attention is confined to each sequence of a packed micro-batch: "thd" (Megatron's
-        PackedSeqParams with cu_seqlens, for Transformer Engine / MindSpeed flash attention) or "segments"
-        (the segment bounds, which the local layer spec's SegmentDotProductAttention attends within; CPU)."""
-        return "segments" if self.name == "cpu" else "thd"
+        """How attention is confined to each sequence of a packed micro-batch (`packed_attention_mode`): "thd" with
+        the Transformer Engine spec (CUDA with TE, NPU), "segments" with the local spec (CPU, CUDA without TE)."""
+        return packed_attention_mode(self.uses_transformer_engine)
 
     @property
     def local_rank(self) -> int:
