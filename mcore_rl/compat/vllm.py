@@ -2,9 +2,12 @@
 
 Facts this module relies on (read in the released sources; docs/devices.md, "vLLM reload"):
 
-* vLLM 0.10 / 0.11: ``GPUModelRunner.reload_weights(self) -> None`` re-reads the checkpoint from disk; it takes
-  no weights. vLLM-Ascend's ``NPUModelRunner`` inherits it. The in-place path there is the model's own
-  ``load_weights(weights)``.
+* vLLM 0.10 / 0.11 (and 0.13): ``GPUModelRunner.reload_weights(self) -> None`` re-reads the checkpoint from disk
+  (``model_config.model``) through the model loader; it takes no weights. The in-place path there is the model's
+  own ``load_weights(weights)``.
+* vLLM-Ascend v0.10.2rc1 - v0.11.0: ``NPUModelRunner`` derives from ``LoRAModelRunnerMixin``, not
+  ``GPUModelRunner``, and has no ``reload_weights`` (from v0.12.0rc1 it derives from ``GPUModelRunner``). A reload
+  from a folder there goes through the model's ``load_weights`` over the folder's safetensors files.
 * Later vLLM (layer-wise reloading): ``reload_weights(self, weights_iterator=None, ...)`` loads the given
   checkpoint-format weights and re-runs the kernel-format processing.
 * vLLM-Ascend (v0.10.x - v0.11.0) ``process_weights_after_loading`` of the unquantized fused MoE replaces
@@ -25,13 +28,18 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
-from typing import Any, Iterable, Optional
+import os
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
-MIN_VLLM_ASCEND = "0.10.2rc1"  # first release with AscendFusedMoE.transpose_weight (RL weight updates)
+# First release whose Qwen3-MoE runs on common_fused_moe.AscendFusedMoE: transpose_weight (RL weight updates) and
+# the FRACTAL_NZ cast behind VLLM_ASCEND_ENABLE_NZ (0.10.2rc1 / 0.11.0rc0 map Qwen3-MoE to their own model on
+# ops/fused_moe.AscendFusedMoE: NZ cast unconditional, no transpose_weight; docs/devices.md, "vLLM reload").
+MIN_VLLM_ASCEND = "0.11.0rc1"
 RELOAD_ITERATOR = "reload_weights(weights_iterator=...)"
 RELOAD_MODEL = "model.load_weights(...)"
+RELOAD_DISK = "reload_weights()"
 _MOE_PARAMS = ("w13_weight", "w2_weight")
 
 
@@ -73,18 +81,45 @@ def reload_in_place(runner: Any, weights: Iterable[tuple[str, torch.Tensor]]) ->
     return path
 
 
+def folder_reload_path(runner: Any) -> str:
+    """How a model runner (instance or class) re-reads its weights from a folder: RELOAD_ITERATOR (layer-wise
+    ``reload_weights(weights_path=)``), RELOAD_DISK (``reload_weights()`` re-reading ``model_config.model``: vLLM
+    0.10 - 0.13's GPUModelRunner and runners derived from it) or RELOAD_MODEL (no ``reload_weights``: vLLM-Ascend
+    v0.10.2rc1 - v0.11.0's NPUModelRunner; the model's ``load_weights`` over the folder's safetensors)."""
+    if reload_path(runner) == RELOAD_ITERATOR:
+        return RELOAD_ITERATOR
+    cls = runner if isinstance(runner, type) else type(runner)
+    return RELOAD_DISK if callable(getattr(cls, "reload_weights", None)) else RELOAD_MODEL
+
+
+def folder_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the folder's ``*.safetensors`` files (file name order), one at a time, on the CPU."""
+    from safetensors import safe_open
+
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {folder}: the rebuild folder was not written")
+    for name in files:
+        with safe_open(os.path.join(folder, name), framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
 def reload_from_folder(runner: Any, folder: str) -> str:
     """Re-read every weight of a running model runner from a Hugging Face folder, in place (no second engine:
-    with sleep mode vLLM allows one per process). Layer-wise vLLM: ``reload_weights(weights_path=folder)``;
-    0.10 / 0.11: point the model config at the folder, restore vLLM-Ascend's MoE loaders, ``reload_weights()``
-    (which re-reads ``model_config.model``)."""
-    if reload_path(runner) == RELOAD_ITERATOR:
+    with sleep mode vLLM allows one per process), by `folder_reload_path`; vLLM-Ascend's MoE loaders are restored
+    first. Returns the path taken."""
+    path = folder_reload_path(runner)
+    if path == RELOAD_ITERATOR:
         runner.reload_weights(weights_path=folder)
-        return RELOAD_ITERATOR
+        return path
     restore_moe_weight_loaders(runner.model)
-    runner.model_config.model = folder
-    runner.reload_weights()
-    return RELOAD_MODEL
+    if path == RELOAD_DISK:
+        runner.model_config.model = folder
+        runner.reload_weights()
+    else:
+        runner.model.load_weights(weights=folder_weights(folder))
+    return path
 
 
 def wake_up(llm: Any, tags: list[str], every: Iterable[str]) -> list[str]:
@@ -109,8 +144,10 @@ def check_vllm_ascend(version: Optional[str]) -> None:
         return
     if _version(version) < _version(MIN_VLLM_ASCEND):
         raise RuntimeError(
-            f"vllm-ascend {version} is too old: MoE weight updates need >= {MIN_VLLM_ASCEND} (its fused-MoE loaders "
-            f"accept training-layout weights); install vllm-ascend {MIN_VLLM_ASCEND} - 0.11.x with its matching vllm"
+            f"vllm-ascend {version} is too old: MoE weight updates need >= {MIN_VLLM_ASCEND} (from it Qwen3-MoE's "
+            "fused-MoE loaders accept training-layout weights (transpose_weight) and VLLM_ASCEND_ENABLE_NZ=0 keeps "
+            f"the experts out of FRACTAL_NZ, which sleep / wake needs); install vllm-ascend {MIN_VLLM_ASCEND} - "
+            "0.11.x with its matching vllm"
         )
 
 
