@@ -140,9 +140,11 @@ def cmd_check(args) -> int:
     cfg = load_config(args.config, args.overrides)
     world, nnodes, nproc = _world(args, cfg)
     layout = preflight(cfg, world, args.model_config)
+    stack = check_stack(cfg, cfg.platform, getattr(args, "version_of", None))
     print(f"OK: {args.config}")
     print(describe(cfg, layout, nnodes, nproc))
     print(describe_versions())
+    print("\n".join(stack.lines()))
     return 0
 
 
@@ -172,17 +174,16 @@ def _resolve_platform(cfg: Config) -> str:
         raise ConfigError(f"platform = {cfg.platform}: {e}") from None
 
 
-def _check_engine_install(cfg: Config, platform: str) -> None:
-    """vLLM-Ascend older than mcore_rl.compat.vllm.MIN_VLLM_ASCEND cannot take MoE weight updates: refuse it
-    before any process starts (the engine checks again at start-up, for launchers that skip this command)."""
-    if platform != "npu" or cfg.rollout.engine != "vllm":
-        return
-    from mcore_rl.compat.vllm import check_vllm_ascend, installed_vllm_ascend
+def check_stack(cfg: Config, platform: Optional[str], version_of=None):
+    """The installed combination judged by the support matrix (mcore_rl.support); a combination that cannot
+    work (e.g. a vLLM-Ascend whose torch no MindSpeed release runs on, or one older than the engine's floor)
+    raises ConfigError before any process starts. `version_of`: distribution -> version (tests pass theirs)."""
+    from mcore_rl import support
 
-    try:
-        check_vllm_ascend(installed_vllm_ascend())
-    except RuntimeError as e:
-        raise ConfigError(str(e)) from None
+    report = support.check_installed(platform, cfg.rollout.engine == "vllm", version_of or support.installed)
+    if report.refusals:
+        raise ConfigError("installed stack outside the support matrix: " + "; ".join(report.refusals))
+    return report
 
 
 class InputError(ValueError):
@@ -237,7 +238,7 @@ def cmd_train(args) -> int:
         )
     platform = _resolve_platform(cfg)
     layout = preflight(cfg, cfg.trainer.nproc, platform=platform)
-    _check_engine_install(cfg, platform)
+    check_stack(cfg, platform, args.version_of)
     check_run_inputs(cfg)
     check_run_dir(cfg)
     check_inputs(cfg)
@@ -339,9 +340,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, version_of=None) -> int:
+    """`version_of` (distribution -> installed version or None) replaces the installed metadata for the
+    support-matrix check of `check` / `train` (tests pass the combination they judge)."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    args.version_of = version_of
     if args.command == "convert":
         args.args = list(args.args) + extra
     elif extra:

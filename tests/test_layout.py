@@ -171,8 +171,11 @@ NPU_VLLM = ["platform=npu", "rollout.engine=vllm", "rollout.tp=4"]
 
 def test_npu_refuses_rollout_routing_replay():
     cfg = load_config(None, NPU_VLLM + ["algo.routing_replay=r3"])
-    with pytest.raises(LayoutError, match="r3 replays the engine's routed experts, which vLLM-Ascend"):
+    with pytest.raises(LayoutError, match="r3 replays the engine's routed experts, which vLLM-Ascend") as e:
         validate_run(cfg, 8, QWEN)
+    # the first release that returns them, and why it cannot share the actor's process (mcore_rl.support)
+    assert "first vLLM-Ascend release with it is 0.18.0, which needs torch 2.9.0" in str(e.value)
+    assert "MindSpeed release (up to 26.1.0_core_r0.12.1) runs on PyTorch 2.7.1 or older" in str(e.value)
     validate_run(load_config(None, NPU_VLLM + ["algo.routing_replay=r2"]), 8, QWEN)
     validate_run(
         load_config(None, ["platform=cuda", "rollout.engine=vllm", "rollout.tp=4", "algo.routing_replay=r3"]), 8, QWEN
@@ -185,8 +188,9 @@ def test_npu_refuses_engine_logprobs_at_temperature_other_than_1(option):
     cfg = load_config(None, NPU_VLLM + hot + [option])
     with pytest.raises(
         LayoutError, match=f"{option.split('=')[0]} uses the engine's sampling log-probs.*temperature 1"
-    ):
+    ) as e:
         validate_run(cfg, 8, QWEN)
+    assert "first vLLM-Ascend release with it is 0.23.0, which needs torch 2.10.0" in str(e.value)
     validate_run(load_config(None, NPU_VLLM + [option]), 8, QWEN)  # temperature 1: raw = processed
     validate_run(load_config(None, NPU_VLLM + hot + [option, "rollout.engine=embedded"]), 8, QWEN)
     validate_run(load_config(None, ["platform=cuda", "rollout.engine=vllm", "rollout.tp=4"] + hot + [option]), 8, QWEN)

@@ -484,21 +484,26 @@ def check_architecture(cfg: Config, dims: ModelDims) -> Architecture | None:
 def check_engine_capabilities(cfg: Config, platform: Optional[str]) -> None:
     """What the rollout engine of `platform` cannot deliver (docs/devices.md, "Ascend").
 
-    vLLM-Ascend 0.10 / 0.11 ignores `logprobs_mode` (its sampler returns log-probs of the raw, temperature-1
-    distribution) and returns no routed experts."""
+    vLLM-Ascend 0.11 (the supported line, mcore_rl.support) ignores `logprobs_mode` (its sampler returns log-probs
+    of the raw, temperature-1 distribution) and returns no routed experts; the messages name the first release
+    that would allow each and why it cannot share the actor's process today."""
     if platform != "npu" or cfg.rollout.engine != "vllm":
         return
+    from mcore_rl.support import first_release_with
+
     a, r = cfg.algo, cfg.rollout
     if a.routing_replay == "r3":
         raise LayoutError(
-            "algo.routing_replay=r3 replays the engine's routed experts, which vLLM-Ascend (0.10 / 0.11) does not "
-            "return: use algo.routing_replay=r2 (routes recorded in the actor's old-log-prob pass) on NPU"
+            f"algo.routing_replay=r3 replays the engine's routed experts, which vLLM-Ascend 0.11 does not return "
+            f"({first_release_with('routed_experts')}): use algo.routing_replay=r2 (routes recorded in the actor's "
+            f"old-log-prob pass) on NPU"
         )
     if r.temperature != 1.0 and a.rollout_is is not None:
         raise LayoutError(
-            f"algo.rollout_is uses the engine's sampling log-probs, but vLLM-Ascend (0.10 / 0.11) ignores "
-            f"logprobs_mode and returns them at temperature 1, not rollout.temperature = {r.temperature}: set "
-            f"rollout.temperature = algo.temperature = 1.0, or algo.rollout_is=null on NPU"
+            f"algo.rollout_is uses the engine's sampling log-probs, but vLLM-Ascend 0.11 ignores logprobs_mode and "
+            f"returns them at temperature 1, not rollout.temperature = {r.temperature} "
+            f"({first_release_with('logprobs_mode')}): set rollout.temperature = algo.temperature = 1.0, or "
+            f"algo.rollout_is=null on NPU"
         )
 
 
