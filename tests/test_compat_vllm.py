@@ -117,20 +117,22 @@ def test_vllm_ascend_floor(version, ok):
         assert "transpose_weight" in str(e.value) and "VLLM_ASCEND_ENABLE_NZ" in str(e.value)
 
 
-def test_train_refuses_an_old_vllm_ascend_before_starting(monkeypatch):
-    """mcore-rl train's pre-flight on NPU + vLLM: the floor as one ConfigError naming the fix."""
+def test_train_refuses_an_old_vllm_ascend_before_starting():
+    """mcore-rl train's pre-flight on NPU + vLLM (cli.check_stack, the support matrix): the floor as one
+    ConfigError naming the fix; the installed versions are passed in (vllm-ascend does not install here)."""
     from mcore_rl import cli
-    from mcore_rl.compat import vllm as compat_vllm
     from mcore_rl.config import Config
 
     cfg = Config()
     cfg.rollout.engine = "vllm"
-    monkeypatch.setattr(compat_vllm, "installed_vllm_ascend", lambda: "0.11.0rc0")
-    with pytest.raises(cli.ConfigError, match="vllm-ascend 0.11.0rc0 is too old.*install vllm-ascend 0.11.0rc1"):
-        cli._check_engine_install(cfg, "npu")
-    cli._check_engine_install(cfg, "cuda")  # the floor is vLLM-Ascend's only
-    monkeypatch.setattr(compat_vllm, "installed_vllm_ascend", lambda: "0.11.0rc1")
-    cli._check_engine_install(cfg, "npu")
+    installed = {"vllm-ascend": "0.11.0rc0"}
+    with pytest.raises(
+        cli.ConfigError, match="vllm-ascend 0.11.0rc0 is older than 0.11.0rc1.*install vllm-ascend 0.11.0"
+    ):
+        cli.check_stack(cfg, "npu", installed.get)
+    cli.check_stack(cfg, "cuda", installed.get)  # the floor is vLLM-Ascend's only
+    installed["vllm-ascend"] = "0.11.0rc1"
+    cli.check_stack(cfg, "npu", installed.get)
 
 
 class Config:
