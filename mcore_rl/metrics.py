@@ -7,6 +7,11 @@ Metric names are flat strings, "section/name"; the plot groups them by name. The
   rollout_tokens_per_s,step_seconds}, time/{rollout,to_training,old_logprob,ref_logprob,update,sync}, sync/{seconds,gb_per_s,
   verify_max_diff,verify_mean_diff,rebuilt}. Any other numeric key is logged and plotted as well.
 
+The progress line (without a terminal; with one, a tqdm bar) reads like a progress bar's:
+  step 12/300 | 0.16 s/step | ETA 0:45 | reward 0.420 | tok/s 1234
+where s/step is the median wall time of the last STEP_WINDOW steps as rank 0 logs them (validation and
+checkpoints included; the median keeps one slow step from swinging the ETA) and the ETA is that x steps left.
+
 JSONL lines are appended and flushed one step at a time, so a crash loses at most the step being written;
 on resume from step S, lines of steps > S (logged after the checkpoint, replayed now) are dropped first.
 """
@@ -17,17 +22,20 @@ import json
 import logging
 import math
 import os
+import statistics
 import sys
 import time
+from collections import deque
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 REWARD_KEYS = ("reward/mean", "reward_mean", "reward")
 THROUGHPUT_KEYS = ("perf/tokens_per_s", "tokens_per_s")
+STEP_WINDOW = 20  # steps whose median wall time gives s/step and the ETA
 
 
 def to_python(value: Any) -> Any:
@@ -80,6 +88,55 @@ def _first(metrics: Mapping[str, Any], keys: tuple[str, ...]) -> Optional[float]
     return None
 
 
+def format_duration(seconds: float) -> str:
+    """M:SS, or H:MM:SS from an hour on (the clock format of progress bars)."""
+    minutes, secs = divmod(max(0, round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def format_step_seconds(seconds: float) -> str:
+    """Three significant digits at most: 0.16, 2.35, 12.4, 130."""
+    return f"{seconds:.2f}" if seconds < 10 else f"{seconds:.1f}" if seconds < 100 else f"{seconds:.0f}"
+
+
+def eta_seconds(recent_step_seconds: Sequence[float], steps_left: int) -> Optional[float]:
+    """Steps left x the median of the recent step times; None before the first step."""
+    if not recent_step_seconds:
+        return None
+    return max(0, steps_left) * statistics.median(recent_step_seconds)
+
+
+def progress_line(
+    step: int, total: Optional[int], recent_step_seconds: Sequence[float], parts: Mapping[str, str]
+) -> str:
+    """`step 12/300 | 0.16 s/step | ETA 0:45 | reward 0.420 | tok/s 1234`: s/step is the median of the recent
+    step times; no ETA without a total, neither before the first step time."""
+    fields = [f"step {step}" + (f"/{total}" if total else "")]
+    if recent_step_seconds:
+        fields.append(f"{format_step_seconds(statistics.median(recent_step_seconds))} s/step")
+        if total:
+            fields.append(f"ETA {format_duration(eta_seconds(recent_step_seconds, total - step))}")
+    fields += [f"{k} {v}" for k, v in parts.items()]
+    return " | ".join(fields)
+
+
+class StepTimes:
+    """Wall seconds per step from the clock at each logged step (a gap of several steps is spread over them);
+    the last `window` are kept in `recent`."""
+
+    def __init__(self, start_step: int = 0, clock: Callable[[], float] = time.monotonic, window: int = STEP_WINDOW):
+        self.clock = clock
+        self.last_step, self.last_time = start_step, clock()
+        self.recent: deque[float] = deque(maxlen=window)
+
+    def tick(self, step: int) -> None:
+        now = self.clock()
+        steps = max(1, step - self.last_step)
+        self.recent.extend([(now - self.last_time) / steps] * min(steps, self.recent.maxlen))
+        self.last_step, self.last_time = step, now
+
+
 class MetricsLogger:
     """Rank 0 writes; on other ranks every method is a no-op, so the trainer calls it unconditionally."""
 
@@ -90,6 +147,7 @@ class MetricsLogger:
         rank: Optional[int] = None,
         start_step: int = 0,
         progress: Optional[bool] = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         if rank is None:
             import torch.distributed as dist
@@ -100,6 +158,7 @@ class MetricsLogger:
         self.total_steps = cfg.trainer.steps if cfg is not None else None
         self.log_every = cfg.trainer.log_every if cfg is not None else 1
         self._file = self._tb = self._wandb = self._bar = None
+        self.step_times = StepTimes(start_step, clock)
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -155,6 +214,7 @@ class MetricsLogger:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(numbers, step=step)
+        self.step_times.tick(step)
         self._show(step, numbers)
         return record
 
@@ -169,9 +229,7 @@ class MetricsLogger:
             self._bar.n = step
             self._bar.set_postfix(parts, refresh=True)
         elif step % self.log_every == 0 or step == self.total_steps:
-            total = f"/{self.total_steps}" if self.total_steps else ""
-            text = " ".join(f"{k} {v}" for k, v in parts.items())
-            print(f"step {step}{total} {text}".rstrip(), flush=True)
+            print(progress_line(step, self.total_steps, list(self.step_times.recent), parts), flush=True)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -24,7 +24,7 @@ GROUPS: tuple[tuple[str, str], ...] = (
     ("clip fractions", r"clipfrac"),
     ("grad norm", r"grad_norm"),
     ("train / rollout mismatch", r"mismatch|is_weight"),
-    ("seconds per phase", r"^time_|_seconds$|_s$"),
+    ("seconds per phase", r"^time/"),  # the trainer's PhaseTimer: time/rollout, time/update, time/sync, ...
 )
 SKIP = {"step", "time"}
 
@@ -61,11 +61,41 @@ def _safe_name(key: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", key)
 
 
-def plot_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> list[Path]:
+def _pyplot():
     import matplotlib
 
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def overview_figure(series: dict[str, tuple[list[int], list[float]]], title: str):
+    """One panel per metric group, the run's name above them (constrained layout keeps it clear of the
+    panels' titles, which tight_layout does not)."""
+    plt = _pyplot()
+
+    groups = group_metrics(series)
+    cols = min(3, len(groups))
+    rows = -(-len(groups) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.4 * rows), squeeze=False, layout="constrained")
+    for ax, (name, keys) in zip(axes.flat, groups.items()):
+        for key in keys:
+            xs, ys = series[key]
+            ax.plot(xs, ys, label=key, marker="." if len(xs) < 30 else None)
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if len(keys) > 1 or keys[0] != name:
+            ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(groups) :]:
+        ax.axis("off")
+    fig.suptitle(title)
+    return fig
+
+
+def plot_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> list[Path]:
+    plt = _pyplot()
 
     run_dir = Path(run_dir)
     series = numeric_series(read_metrics(run_dir))
@@ -75,23 +105,7 @@ def plot_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = Non
     out.mkdir(parents=True, exist_ok=True)
     written = []
 
-    groups = group_metrics(series)
-    cols = min(3, len(groups))
-    rows = -(-len(groups) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.4 * rows), squeeze=False)
-    for ax, (title, keys) in zip(axes.flat, groups.items()):
-        for key in keys:
-            xs, ys = series[key]
-            ax.plot(xs, ys, label=key, marker="." if len(xs) < 30 else None)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        if len(keys) > 1 or keys[0] != title:
-            ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(groups) :]:
-        ax.axis("off")
-    fig.suptitle(run_dir.name)
-    fig.tight_layout()
+    fig = overview_figure(series, run_dir.name)
     path = out / "overview.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)

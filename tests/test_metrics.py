@@ -11,8 +11,17 @@ import pytest
 import torch
 
 from mcore_rl.config import load_config
-from mcore_rl.metrics import METRICS_FILE, MetricsLogger, read_metrics
-from mcore_rl.plot import group_metrics, plot_run
+from mcore_rl.metrics import (
+    METRICS_FILE,
+    MetricsLogger,
+    StepTimes,
+    eta_seconds,
+    format_duration,
+    format_step_seconds,
+    progress_line,
+    read_metrics,
+)
+from mcore_rl.plot import group_metrics, overview_figure, plot_run
 from tests.torchrun_util import REPO
 
 LOGGING_CHILD = r"""
@@ -108,14 +117,65 @@ def test_wandb_enabled(tmp_path, caplog, monkeypatch):
         assert "wandb is not installed" in caplog.text
 
 
+class FakeClock:
+    """Returns the given times one call after another."""
+
+    def __init__(self, *times: float):
+        self.times = list(times)
+
+    def __call__(self) -> float:
+        return self.times.pop(0)
+
+
+def test_progress_formats():
+    assert [format_duration(s) for s in (0, 45.4, 59.6, 61, 3599, 3600, 3725, 36000)] == [
+        "0:00",
+        "0:45",
+        "1:00",
+        "1:01",
+        "59:59",
+        "1:00:00",
+        "1:02:05",
+        "10:00:00",
+    ]
+    assert [format_step_seconds(s) for s in (0.1612, 2.346, 12.44, 130.4)] == ["0.16", "2.35", "12.4", "130"]
+    line = progress_line(12, 300, [0.15, 0.16, 0.17], {"reward": "0.420", "tok/s": "1234"})
+    assert line == "step 12/300 | 0.16 s/step | ETA 0:46 | reward 0.420 | tok/s 1234"  # 288 x 0.16 s
+    assert progress_line(3, None, [2.0], {}) == "step 3 | 2.00 s/step"  # no total, no ETA
+    assert progress_line(1, 10, [], {"reward": "0.1"}) == "step 1/10 | reward 0.1"
+
+
+def test_eta_is_steps_left_times_the_median_recent_step():
+    assert eta_seconds([], 10) is None
+    assert eta_seconds([1.0, 1.2, 30.0], 100) == pytest.approx(120.0)  # one slow (checkpoint) step: no swing
+    assert eta_seconds([1.0, 3.0], 0) == 0.0
+    times = StepTimes(start_step=5, clock=FakeClock(100.0, 101.0, 102.5, 112.5), window=3)
+    times.tick(6)
+    times.tick(7)
+    assert list(times.recent) == [1.0, 1.5]
+    times.tick(11)  # four steps in 10 s (e.g. log_every > 1 upstream): 2.5 s each, the window keeps 3
+    assert list(times.recent) == [2.5, 2.5, 2.5]
+
+
 def test_progress_line_and_bar(tmp_path, capsys):
+    clock = FakeClock(0.0, 2.0, 2.5, 3.5, 4.0)  # the logger's start, then one time per logged step
     with MetricsLogger(
-        tmp_path, cfg_for(tmp_path, "trainer.log_every=2", "trainer.tensorboard=false"), rank=0, progress=False
+        tmp_path,
+        cfg_for(tmp_path, "trainer.log_every=2", "trainer.tensorboard=false"),
+        rank=0,
+        progress=False,
+        clock=clock,
     ) as m:
         m.log(1, {"reward_mean": 0.1, "tokens_per_s": 10.0})
         m.log(2, {"reward_mean": 0.5, "tokens_per_s": 1234.4})
+        m.log(3, {"reward_mean": 0.5})
+        m.log(4, {"reward/mean": 0.25, "perf/tokens_per_s": 99.6})
     out = capsys.readouterr().out
-    assert out.strip().splitlines() == ["step 2/10 reward 0.500 tok/s 1234"]
+    # step times 2.0, 0.5, 1.0, 0.5: medians 1.25 (after step 2) and 0.75 (after step 4, 6 steps left)
+    assert out.strip().splitlines() == [
+        "step 2/10 | 1.25 s/step | ETA 0:10 | reward 0.500 | tok/s 1234",
+        "step 4/10 | 0.75 s/step | ETA 0:04 | reward 0.250 | tok/s 100",
+    ]
     with MetricsLogger(tmp_path / "bar", cfg_for(tmp_path, "trainer.tensorboard=false"), rank=0, progress=True) as m:
         m.log(3, {"reward_mean": 0.75})
     err = capsys.readouterr().err
@@ -138,8 +198,8 @@ def test_plot_run_writes_pngs(tmp_path):
                     "clipfrac_lower": 0.02,
                     "grad_norm": 0.5,
                     "tokens_per_s": 1000.0 + step,
-                    "time_rollout_s": 1.0,
-                    "time_update_s": 0.5,
+                    "time/rollout": 1.0,
+                    "time/update": 0.5,
                     "custom_thing": step,
                 },
             )
@@ -159,7 +219,7 @@ def test_group_metrics():
             "clipfrac_upper",
             "clipfrac_lower",
             "tokens_per_s",
-            "time_sync_s",
+            "time/sync",
             "kl_ref",
             "approx_kl_old",
             "rollout_mismatch_k3",
@@ -168,9 +228,81 @@ def test_group_metrics():
     )
     assert groups["reward"] == ["reward_mean", "val_reward_mean"]
     assert groups["clip fractions"] == ["clipfrac_lower", "clipfrac_upper"]
-    assert groups["tokens / s"] == ["tokens_per_s"] and groups["seconds per phase"] == ["time_sync_s"]
+    assert groups["tokens / s"] == ["tokens_per_s"] and groups["seconds per phase"] == ["time/sync"]
     assert groups["KL"] == ["approx_kl_old", "kl_ref"] and groups["train / rollout mismatch"] == ["rollout_mismatch_k3"]
     assert list(groups)[-1] == "weird"
+
+
+# One record with every name the trainer logs (mcore_rl/trainer.py: train_step, validate, sync_engine; KL, entropy
+# and routing keys of an SAPO + KL + R2 run with a separate old-policy pass).
+TRAINER_RECORD = {
+    **dict.fromkeys(("reward/mean", "reward/std", "reward/errors", "val/reward_mean"), 0.5),
+    **dict.fromkeys(("response/length_mean", "response/length_max", "response/clip_ratio"), 3.0),
+    **dict.fromkeys(("perf/step_data_bytes", "perf/tokens_per_s", "perf/rollout_tokens_per_s"), 900.0),
+    "perf/step_seconds": 1.25,
+    **dict.fromkeys(
+        ("time/rollout", "time/to_training", "time/old_logprob", "time/ref_logprob", "time/update", "time/sync"), 0.2
+    ),
+    **dict.fromkeys(
+        (
+            "train/loss",
+            "train/pg_loss",
+            "train/kl_ref",
+            "train/approx_kl_old",
+            "train/entropy",
+            "train/entropy_old",
+            "train/clipfrac_upper",
+            "train/clipfrac_lower",
+            "train/dual_clipfrac",
+            "train/grad_norm",
+            "train/lr",
+            "train/rollout_mismatch_k3",
+            "train/update_successful",
+            "train/skipped_steps",
+            "routing/token_mismatch",
+            "routing/expert_mismatch",
+        ),
+        0.01,
+    ),
+    **dict.fromkeys(("sync/seconds", "sync/gb_per_s", "sync/verify_max_diff", "sync/verify_mean_diff"), 0.1),
+    **dict.fromkeys(("sync/verify_high_diff", "sync/verify_weights_differ", "sync/rebuilt"), 0.0),
+}
+
+
+def test_phase_panel_holds_the_phase_times_only(tmp_path):
+    """The trainer's phase times, and no rate or total (sync/gb_per_s once landed on this seconds axis)."""
+    with MetricsLogger(tmp_path, cfg_for(tmp_path, "trainer.tensorboard=false"), rank=0, progress=False) as m:
+        for step in (1, 2):
+            m.log(step, TRAINER_RECORD)
+    keys = {k for r in read_metrics(tmp_path) for k in r} - {"step", "time"}
+    assert keys == set(TRAINER_RECORD)
+    assert group_metrics(keys)["seconds per phase"] == [
+        "time/old_logprob",
+        "time/ref_logprob",
+        "time/rollout",
+        "time/sync",
+        "time/to_training",
+        "time/update",
+    ]
+
+
+def test_overview_title_clears_the_panels():
+    """The run's name above the panels: it overlaps no panel or panel title (with tight_layout it sat on the
+    second panel's title)."""
+    series = {key: ([1, 2, 3], [value] * 3) for key, value in TRAINER_RECORD.items()}
+    fig = overview_figure(series, "tiny_gspo_cpu")
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    (title,) = [t for t in fig.texts if t.get_text() == "tiny_gspo_cpu"]
+    box = title.get_window_extent(renderer)
+    panels = [ax for ax in fig.axes if ax.axison]
+    assert len(panels) == len(group_metrics(series))
+    for ax in panels:
+        assert not box.overlaps(ax.title.get_window_extent(renderer)), ax.get_title()
+        assert not box.overlaps(ax.get_window_extent(renderer)), ax.get_title()
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
 
 
 def test_plot_empty_run_errors(tmp_path):
