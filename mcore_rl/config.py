@@ -213,6 +213,8 @@ class TrainerConfig:
     wandb: bool = False
     wandb_project: str = "mcore-rl"
     max_consecutive_skips: int = 3  # optimizer steps skipped in a row (NaN/inf loss or grad norm) before stopping
+    # every library warning at start-up (also MCORE_RL_VERBOSE=1); else the known ones are hidden behind one line
+    verbose: bool = False
 
 
 @dataclass

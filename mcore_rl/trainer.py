@@ -482,8 +482,16 @@ def _setup_logging() -> None:
 
 
 def run(cfg: Config) -> None:
+    from mcore_rl.platform import get_platform
+    from mcore_rl.platform.library_warnings import quiet_startup, verbose_requested
+
     _setup_logging()
-    log.info("%s", describe_versions())
+    verbose = verbose_requested(cfg.trainer.verbose)
+    # before Megatron is imported: most of its warnings are raised at import time
+    notice = quiet_startup(get_platform(cfg.platform).name, verbose)
+    log.info("%s", describe_versions(brief=not verbose))
+    if notice:
+        log.info("%s", notice)
     torch.manual_seed(cfg.trainer.seed)
     trainer = Trainer(cfg)
     try:

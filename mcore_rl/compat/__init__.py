@@ -61,10 +61,14 @@ def shims_in_force() -> list[Shim]:
     return megatron.shims() + mbridge.shims() + transformers.shims()
 
 
-def describe_versions() -> str:
-    """Detected versions and the shims in force, a few lines for logs and `mcore-rl check`."""
+def describe_versions(brief: bool = False) -> str:
+    """Detected versions and the shims in force, a few lines for logs and `mcore-rl check`; `brief`: one line
+    that names the shims only (the training log's start; `mcore-rl check` says why each is needed)."""
     lines = ["versions: " + ", ".join(f"{k} {v}" for k, v in detected_versions().items())]
     shims = shims_in_force()
+    if brief:
+        names = ", ".join(shim.name for shim in shims) or "none"
+        return f"{lines[0]}; version shims: {names}" + (" (mcore-rl check says why)" if shims else "")
     if not shims:
         lines.append("version shims: none")
     for shim in shims:
