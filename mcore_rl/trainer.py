@@ -194,6 +194,12 @@ class Trainer:
         with self.actor.resident():
             yield from self.actor.export_hf_weights()
 
+    def _wake(self, tags) -> None:
+        """Wake the engine's `tags` (None: all) after releasing torch's cached blocks (the training peak), which the
+        engine's allocator could not use (Platform.release_cache)."""
+        self.platform.release_cache()
+        self.engine.wake_up(tags)
+
     def sync_engine(self, verify: bool) -> dict:
         """Actor weights -> rollout engine (bucketed), verified against the actor when `verify`.
 
@@ -204,7 +210,7 @@ class Trainer:
 
         if self.offload:
             self.to_training()  # the engine asleep, the actor on the device (already so after an update)
-        self.engine.wake_up([WEIGHTS] if self.offload else None)  # colocated engines slept during the update
+        self._wake([WEIGHTS] if self.offload else None)  # colocated engines slept during the update
         # gathers write straight into the engine's tensors where it exposes them, and on one host the other ranks
         # write their shards into a shared-memory engine themselves (each byte moves once)
         export = self.actor.export_hf_weights(into=self.engine.weight_buffer, shared=self.engine.shared_weights())
@@ -225,7 +231,7 @@ class Trainer:
                     self.actor.host_bytes / 2**20,
                 )
                 self.rollout_logged = True
-            self.engine.wake_up([KV_CACHE])
+            self._wake([KV_CACHE])
         self.rollout_ready = True
         if verify:
             report = verify_sync(
@@ -238,6 +244,7 @@ class Trainer:
                 fallback=self.cfg.rollout.verify_fallback,
                 export_fn=export_fn,
                 fingerprints=stats.fingerprints,
+                release=self.platform.release_cache,  # a rebuild maps memory beside the awake engine
             )
             if self.rank == 0 and (report.rebuilt or self.step <= self.cfg.rollout.verify_every):
                 log.info(report.summary())

@@ -7,6 +7,7 @@ before any model is built (`adapt_megatron`, call it first thing in every proces
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import logging
 import os
@@ -161,6 +162,14 @@ class Platform:
             torch.cuda.empty_cache()
         elif self.name == "npu":
             torch.npu.empty_cache()
+
+    def release_cache(self) -> None:
+        """Collect garbage, then `empty_cache`: tensors only unreachable (reference cycles) die first, and their blocks
+        leave torch's caching allocator with the others. Called before the engine maps device memory (a wake, a
+        rebuild beside an awake engine): vLLM's sleep-mode allocator maps new physical memory and cannot use
+        blocks that torch's cache still holds from the training peak."""
+        gc.collect()
+        self.empty_cache()
 
     def reset_peak_memory_stats(self) -> None:
         """Restart the allocator's peak statistics from what is allocated now; cpu: nothing."""

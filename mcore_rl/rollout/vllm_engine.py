@@ -158,6 +158,17 @@ def reload_weights_in_worker(worker: Any, weights: Iterable[tuple[str, torch.Ten
     return len(weights)
 
 
+def _release_device_cache() -> None:
+    """gc, then the device cache of vLLM's platform (torch.cuda / torch.npu), so freed blocks are free for vLLM's
+    allocator; nothing on CPU. vLLM's own platform object: this engine may be built without ours."""
+    gc.collect()
+    from vllm.platforms import current_platform
+
+    device_module = getattr(torch, current_platform.device_type, None)
+    if not current_platform.is_cpu() and hasattr(device_module, "empty_cache"):
+        device_module.empty_cache()
+
+
 def reload_from_folder_in_worker(worker: Any, folder: str) -> str:
     """Runs inside each vLLM worker: re-read every weight from a Hugging Face folder in place."""
     from mcore_rl.compat.vllm import reload_from_folder
@@ -488,6 +499,7 @@ class VllmEngine(RolloutEngine):
         self._pending.clear()  # the rebuild replaces every weight
         self._buffered.clear()
         if self._sleep_mode:
+            _release_device_cache()  # the export's buffers, before the awake engine reads the folder onto the device
             self.llm.collective_rpc(reload_from_folder_in_worker, args=(folder,))
         else:
             self._shutdown()
@@ -522,13 +534,7 @@ class VllmEngine(RolloutEngine):
             return
         self._llm_finalizer()
         del llm
-        gc.collect()
-        from vllm.platforms import current_platform
-
-        # hand the freed device memory back before the new engine sizes its KV cache (torch.cuda / torch.npu)
-        device_module = getattr(torch, current_platform.device_type, None)
-        if not current_platform.is_cpu() and hasattr(device_module, "empty_cache"):
-            device_module.empty_cache()
+        _release_device_cache()  # hand the freed device memory back before the new engine sizes its KV cache
 
     def close(self) -> None:
         self._shutdown()

@@ -384,6 +384,7 @@ def verify_sync(
     export_fn: Optional[Callable[[], WeightStream]] = None,
     group=None,
     fingerprints: Optional[dict[str, torch.Tensor]] = None,
+    release: Optional[Callable[[], None]] = None,
 ) -> VerifyReport:
     """Compare the engine with the actor after a sync: log-probs of `probe_batch` (mean and a high quantile
     of |delta| within `tol`; a plain number bounds the mean and the maximum) and, given the sync's
@@ -394,6 +395,7 @@ def verify_sync(
       `engine.rebuild_from`, an exact path; compare again; still outside -> SyncVerificationError.
     - fallback "error": SyncVerificationError naming the worst tensors / layers when `export_fn` is given and
       the engine can read its weights back.
+    `release` (Platform.release_cache) runs before a rebuild: it maps memory beside the awake engine.
     """
     if fallback not in ("rebuild", "error"):
         raise ValueError(f"rollout.verify_fallback={fallback!r}; use 'rebuild' or 'error'")
@@ -422,6 +424,8 @@ def verify_sync(
                 f"policy than the one trained; use rollout.verify_fallback=rebuild to recover"
             )
         log.warning("%s; rebuilding the engine from exported weights", report.summary())
+        if release is not None:
+            release()
         if engine is None:
             _drain(export_fn())
         else:
