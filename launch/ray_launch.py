@@ -104,15 +104,18 @@ class RankWorker:
         devices = [str(d) for key in ("GPU", "NPU") for d in ids.get(key, [])]
         return ray.util.get_node_ip_address(), devices
 
+    # Both methods run in the rank's process before (free_port) or until (run) its environment is set: nothing
+    # that imports torch may come first (torch >= 2.5 autoloads device backends at import, before
+    # ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES name this job's devices).
     def free_port(self) -> int:
-        from mcore_rl.platform import free_port
+        from mcore_rl.ports import free_port
 
         return free_port(host="")  # rank 0's node hosts the rendezvous: a port free on every interface
 
     def run(self, env: dict, cfg, entry: str):
+        os.environ.update(env)  # before anything imports torch, initialises torch.distributed or the device
         from mcore_rl.safety import StopRequested
 
-        os.environ.update(env)  # before anything initialises torch.distributed or the device
         try:
             return resolve_entry(entry)(cfg)
         except StopRequested as e:  # stopped as asked (RUN_DIR/STOP, written by the driver on SIGTERM)

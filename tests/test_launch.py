@@ -142,3 +142,47 @@ def test_ray_launch_preflight_fails_without_ray():
         timeout=120,
     )
     assert proc.returncode == 2 and "ray_launch: error: ep*etp = 8*1 = 8 must divide" in proc.stderr
+
+
+TORCH_ORDER_PROBE = """
+import importlib.abc, os, sys
+
+seen = {}
+
+
+class Watch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" and "torch" not in seen:  # the environment torch (and its device autoload) starts in
+            seen["torch"] = os.environ.get("ASCEND_RT_VISIBLE_DEVICES", "unset")
+        return None
+
+
+sys.meta_path.insert(0, Watch())
+sys.path.insert(0, sys.argv[1])
+import importlib.util
+
+spec = importlib.util.spec_from_file_location("ray_launch", os.path.join(sys.argv[1], "launch", "ray_launch.py"))
+module = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = module
+spec.loader.exec_module(module)
+after_import = "torch" in sys.modules
+worker = module.RankWorker()
+port = worker.free_port()
+after_port = "torch" in sys.modules
+worker.run({"ASCEND_RT_VISIBLE_DEVICES": "3,5"}, None, "mcore_rl.safety:StopRequested")
+print(port > 0, after_import, after_port, seen.get("torch"))
+"""
+
+
+def test_ray_rank_worker_sets_its_environment_before_torch():
+    """The launcher module and RankWorker.free_port import no torch; RankWorker.run sets the rank's environment
+    before torch loads (torch >= 2.5 autoloads device backends at import)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", TORCH_ORDER_PROBE, str(REPO)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "ASCEND_RT_VISIBLE_DEVICES"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["True", "False", "False", "3,5"], proc.stdout

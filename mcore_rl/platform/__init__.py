@@ -11,13 +11,14 @@ import gc
 import importlib.util
 import logging
 import os
-import socket
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
 
 import torch
+
+from mcore_rl.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -84,13 +85,6 @@ def packed_attention_mode(te_spec: bool) -> str:
     PackedSeqParams, which only TE's / MindSpeed's attention accept - Megatron's local DotProductAttention asserts
     packed_seq_params is None) or "segments" (the segment bounds, for the local spec's SegmentDotProductAttention)."""
     return "thd" if te_spec else "segments"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` right now (the rendezvous port of a job; "" binds every interface)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)
