@@ -1,4 +1,4 @@
-"""`mcore-rl` command line: make-tiny, make-task, check, plan, train, plot, convert.
+"""`mcore-rl` command line: make-tiny, make-task, check, plan, train, plot, convert, from-verl.
 
 `train CONFIG [key=value ...]` validates the config and the parallel layout first (seconds, no process
 started), then re-executes itself under `torch.distributed.run` with trainer.nproc processes on this
@@ -289,6 +289,15 @@ def cmd_convert(args) -> int:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
 
 
+def cmd_from_verl(args) -> int:
+    from mcore_rl.from_verl import ShellError, run
+
+    try:
+        return run(args)
+    except ShellError as e:
+        raise ConfigError(f"{args.source}: {e}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mcore-rl", description="Megatron-Core RL post-training (GRPO / GSPO / SAPO) for MoE models"
@@ -334,6 +343,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("--out", help="output folder (default RUN_DIR/plots)")
     p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser("from-verl", help="turn a verl launch script (or command line) into a checked preset")
+    p.add_argument("source", help="the launch script, or the command line in quotes")
+    p.add_argument("overrides", nargs="*", help="the script's own arguments ($1 ... / $@), e.g. trainer.nnodes=4")
+    p.add_argument("--out", help="the preset to write (default: SCRIPT_NAME.yaml)")
+    p.add_argument("--strict", action="store_true", help="exit 1 when a key is not carried over or the check fails")
+    p.add_argument("--model-config", help="the model's config.json for the layout check (default: model.path's)")
+    p.set_defaults(func=cmd_from_verl)
 
     # No help of its own: `mcore-rl convert --help` shows the converter's.
     p = sub.add_parser(

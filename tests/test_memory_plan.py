@@ -141,7 +141,10 @@ def test_device_presets_size_micro_batches_by_tokens(preset):
     assert "micro_batch_size" not in preset.read_text(), (
         f"{preset.name}: micro_batch_size is unused with a token budget"
     )
-    assert len(DEVICE_PRESETS) >= 6  # the four Qwen3-30B-A3B presets and the two dense ones
+    # the four Qwen3-30B-A3B presets, the two dense ones and the reference runs' presets (docs/from-verl.md)
+    assert len(DEVICE_PRESETS) >= 8 and {"npu32_tp4_pp4_ep8_reference", "npu16_gspo_reference"} <= {
+        p.stem for p in DEVICE_PRESETS
+    }
 
 
 def test_plan_cli_prints_phases_and_verdict(tmp_path):

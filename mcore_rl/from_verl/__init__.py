@@ -1,0 +1,164 @@
+"""`mcore-rl from-verl SCRIPT_OR_COMMAND [--out PRESET.yaml] [--strict]`: a verl launch -> a checked preset.
+
+Reads the launch without running it (`shell`), takes Hydra's overrides (`hydra`), maps them with the rules
+and the table of known keys (`mapping`), writes the preset with a comment per setting naming the verl
+override (or default) it came from, runs `mcore-rl check` on it at the script's cluster size, and prints
+what became of every key: mapped / not needed here / not supported / no effect in verl / unknown.
+Pure Python: no torch, no process started. The rules are in docs/from-verl.md.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence, get_type_hints
+
+from mcore_rl.from_verl.hydra import parse_command
+from mcore_rl.from_verl.mapping import STATUSES, Conversion, convert
+from mcore_rl.from_verl.shell import ShellError, read_script
+
+__all__ = ["ShellError", "Converted", "convert_launch", "preset_text", "check_preset", "report", "run"]
+
+
+@dataclass
+class Converted:
+    conversion: Conversion
+    source: str  # the script's path, or "command line"
+    line: int  # the trainer command's line in the script
+    shell_notes: list[str]
+
+
+def convert_launch(source: str, positional: Sequence[str] = ()) -> Converted:
+    """A script file (or the command line itself, when `source` is no file) -> the conversion."""
+    path = Path(source)
+    if "\n" not in source and len(source) < 4096 and " " not in source.strip() and path.is_file():
+        text, name = path.read_text(), str(path)
+    elif "\n" not in source and " " not in source.strip():
+        raise ShellError(f"{source} does not exist: give the launch script's path, or the command line in quotes")
+    else:
+        text, name = source, "command line"
+    shell = read_script(text, tuple(positional), script_name=name)
+    command = parse_command(_after_trainer(shell.argv))
+    return Converted(convert(command), name, shell.line, shell.notes)
+
+
+def _after_trainer(argv: list[str]) -> list[str]:
+    for k, word in enumerate(argv):
+        if word == "-m" and k + 1 < len(argv):
+            return argv[k + 2 :]
+        if word.endswith(".py") and "main_" in word:
+            return argv[k + 1 :]
+    return argv
+
+
+# ------------------------------------------------------------------------------------------------ the preset
+
+
+def _yaml_scalar(value: Any) -> str:
+    import yaml
+
+    text = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
+    return text.removesuffix("\n...").removesuffix("...").strip()
+
+
+def _section_order(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted key of the Config dataclasses, in declaration order."""
+    out: list[str] = []
+    hints = get_type_hints(cls)
+    for f in fields(cls):
+        tp = hints[f.name]
+        out += _section_order(tp, f"{prefix}{f.name}.") if is_dataclass(tp) else [f"{prefix}{f.name}"]
+    return out
+
+
+def preset_text(conv: Converted, out_name: str) -> str:
+    """The preset YAML: nested sections, one comment per setting naming where it came from."""
+    from mcore_rl.config import Config
+
+    c = conv.conversion
+    settings = c.settings
+    order = [k for k in _section_order(Config) if k in settings]
+    nnodes, nproc = settings["trainer.nnodes"].value, settings["trainer.nproc"].value
+    lines = [
+        f"# Converted by `mcore-rl from-verl` from {conv.source} (trainer command at line {conv.line}),",
+        f"# {c.strategy} actor; verl key names and defaults of verl 0.8.0.dev (mcore_rl/from_verl/verl_schema.yaml).",
+        f"# The script's cluster: {nnodes} node(s) x {nproc} devices = {c.world}.",
+        f"#   mcore-rl check {out_name} --nnodes {nnodes} --nproc-per-node {nproc}",
+    ]
+    open_sections: list[str] = []
+    for key in order:
+        *sections, name = key.split(".")
+        common = 0
+        while common < min(len(open_sections), len(sections)) and open_sections[common] == sections[common]:
+            common += 1
+        for depth in range(common, len(sections)):
+            lines.append("  " * depth + f"{sections[depth]}:")
+        open_sections = sections
+        setting = settings[key]
+        lines.append("  " * len(sections) + f"{name}: {_yaml_scalar(setting.value)}  # {setting.source}")
+    return "\n".join(lines) + "\n"
+
+
+def check_preset(path: str | os.PathLike, world: int, model_config: Optional[str] = None) -> tuple[bool, str]:
+    """`mcore-rl check` in this process: (passed, the check's report or its error with the fix)."""
+    from mcore_rl.cli import describe, model_dims
+    from mcore_rl.config import ConfigError, load_config
+    from mcore_rl.megatron.layout import LayoutError, validate_run
+
+    try:
+        cfg = load_config(path)
+        if model_config is None and not (Path(cfg.model.path) / "config.json").is_file():
+            return True, (
+                f"config OK; layout not checked: model.path = {cfg.model.path} has no config.json here - "
+                f"pass --model-config CONFIG_JSON to check the layout at world {world}"
+            )
+        layout = validate_run(cfg, world, model_dims(cfg, model_config))
+    except (ConfigError, LayoutError) as e:
+        return False, str(e)
+    return True, describe(cfg, layout, cfg.trainer.nnodes, cfg.trainer.nproc)
+
+
+def report(conv: Converted) -> str:
+    """The table of every key the script sets, by what became of it, then the notes."""
+    c = conv.conversion
+    lines = []
+    for status in STATUSES:
+        rows = [r for r in c.rows.values() if r.status == status]
+        if not rows:
+            continue
+        lines.append(f"{status} ({len(rows)}):")
+        for r in sorted(rows, key=lambda r: r.key.lstrip("+")):
+            shown = f"{r.key}={r.value}" if r.value != "" else r.key
+            target = f" -> {r.target}" if r.target else ""
+            why = f": {r.why}" if r.why else ""
+            lines.append(f"  {shown}{target}{why}")
+    notes = conv.shell_notes + c.notes
+    if notes:
+        lines.append(f"notes ({len(notes)}):")
+        lines += [f"  {n}" for n in notes]
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    """The `mcore-rl from-verl` command (argparse namespace: source, overrides, out, strict, model_config)."""
+    conv = convert_launch(args.source, args.overrides)
+    out = args.out or _default_out(conv)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(preset_text(conv, out))
+    print(f"preset written: {out}")
+    print(report(conv))
+    passed, message = check_preset(out, conv.conversion.world, args.model_config)
+    c = conv.conversion
+    where = f"world {c.world} ({c.settings['trainer.nnodes'].value} x {c.settings['trainer.nproc'].value})"
+    if passed:
+        print(f"check at {where}: OK\n{message}")
+    else:
+        print(f"check at {where}: FAILED - the preset is written as converted; fix it before training:\n  {message}")
+    incomplete = any(r.status in ("not supported", "unknown") for r in c.rows.values())
+    return 1 if args.strict and (incomplete or not passed) else 0
+
+
+def _default_out(conv: Converted) -> str:
+    stem = Path(conv.source).stem if conv.source != "command line" else "verl_command"
+    return f"{stem}.yaml"
