@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup artifacts demo test test-fast lint format setup-vllm test-vllm setup-compat test-compat gpu-wheels gpu-venv test-gpu setup-trl clean
+.PHONY: setup artifacts demo test test-fast lint format setup-vllm test-vllm setup-compat test-compat gpu-wheels gpu-install test-gpu rehearse-gpu setup-trl clean
 
 $(BIN)/mcore-rl: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -83,24 +83,49 @@ setup-compat: $(COMPAT)/mcore-rl
 test-compat: setup-compat
 	grep -Ev '^[[:space:]]*(#|$$)' tests/compat_subset.txt | xargs $(COMPAT)/python -m pytest -q --durations=15
 
-# GPU smoke suite (tests/gpu/smoke.py; at most 5 minutes on one GPU; summary in gpu_smoke_summary.txt).
-# The GPU machine has no network: Python 3.12 + torch, transformers, triton, safetensors, pyarrow, pyyaml only.
-#   here (with network):  make gpu-wheels          -> .whl/ (megatron-core, mbridge, small pure-Python deps)
-#   there (offline):      make gpu-venv test-gpu   (venv with --system-site-packages, wheels with --no-deps)
-GPU_WHEELS = megatron-core==0.16.1 mbridge==0.15.1 einops==0.8.2 psutil==7.2.2 tqdm==4.70.1
+# GPU smoke suite (tests/gpu/smoke.py; at most 5 minutes on one GPU; summary in gpu_smoke_summary.txt; docs/gpu-smoke.md).
+# The GPU machine has no network and no megatron-core / mbridge; its python3 is itself a venv, so nothing is made
+# from it (a venv made from a venv sees the base interpreter's packages, not the parent venv's):
+#   here (with network):  make gpu-wheels                          -> .whl/ (tests/gpu/carry.txt, py3.11 + py3.12)
+#   there (offline):      make gpu-install test-gpu GPU_PY=python3  (or: python3 tests/gpu/smoke.py --install; then
+#                         python3 tests/gpu/smoke.py: GNU make may be absent there)
+# SMOKE_PLATFORM=cpu runs the same stages on CPU (make rehearse-gpu: the CI stage that rehearses all of it).
 GPU_PY ?= python3
+GPU_SITE ?= .gpu-site
+SMOKE_PLATFORM ?= cuda
 gpu-wheels:
-	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
-	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-	  --platform any -d .whl $(GPU_WHEELS)
+	for v in 3.11 3.12; do \
+	  $(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $$v --implementation cp \
+	    --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+	    --platform manylinux2014_x86_64 --platform any -d .whl -r tests/gpu/carry.txt || exit 1; \
+	done
 
-gpu-venv:
-	$(GPU_PY) -m venv --system-site-packages .venv-gpu
-	.venv-gpu/bin/python -m pip install -q --no-deps --no-index \
-	  --target "$$(.venv-gpu/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" .whl/*.whl
+gpu-install:
+	$(GPU_PY) tests/gpu/smoke.py --install --site $(GPU_SITE)
 
 test-gpu:
-	PYTHONPATH=$(CURDIR) .venv-gpu/bin/python tests/gpu/smoke.py --out gpu_smoke_summary.txt
+	PYTHONPATH=$(GPU_SITE):$(CURDIR) $(GPU_PY) tests/gpu/smoke.py --site $(GPU_SITE) --platform $(SMOKE_PLATFORM) \
+	  --out gpu_smoke_summary.txt
+
+# The CI stage: the GPU machine's shape on CPU - Python 3.12, a venv of only what that machine has
+# (tests/gpu/machine.txt; cached under REHEARSE_CACHE, keyed by that file), the carried wheels installed offline,
+# every stage run to its summary on CPU; fails on any FAIL line. The venv must not see megatron-core without the
+# carried wheels (else the rehearsal would prove nothing).
+REHEARSE_PY ?= env PYENV_VERSION=3.12.1 python3.12
+REHEARSE_CACHE ?= $(HOME)/.cache/mcore-rl/rehearse-gpu
+REHEARSE_VENV := $(REHEARSE_CACHE)/py312-$(shell grep -Ev '^[[:space:]]*(\#|$$)' tests/gpu/machine.txt | sha256sum | cut -c1-12)
+$(REHEARSE_VENV)/ready:
+	rm -rf $(REHEARSE_VENV)
+	$(REHEARSE_PY) -m venv $(REHEARSE_VENV)
+	$(REHEARSE_VENV)/bin/pip install -q --no-cache-dir -r tests/gpu/machine.txt
+	touch $@
+
+rehearse-gpu: $(REHEARSE_VENV)/ready gpu-wheels
+	@if $(REHEARSE_VENV)/bin/python -c 'import megatron.core' 2>/dev/null; then \
+	  echo "rehearse-gpu: $(REHEARSE_VENV) imports megatron.core by itself: it is not the GPU machine's shape"; exit 1; fi
+	rm -rf $(GPU_SITE) gpu_smoke_summary.txt
+	$(MAKE) gpu-install test-gpu GPU_PY=$(REHEARSE_VENV)/bin/python SMOKE_PLATFORM=cpu
+	@! grep -q '^FAIL' gpu_smoke_summary.txt
 
 # Optional: Hugging Face TRL in its own venv, the single-process baseline of benchmarks/demo_speed.py.
 setup-trl:
@@ -109,4 +134,4 @@ setup-trl:
 	.venv-trl/bin/pip install -q torch==2.13.0 trl==1.16.0 pyarrow
 
 clean:
-	rm -rf $(VENV) .venv-vllm .venv-compat .venv-gpu .venv-trl *.egg-info
+	rm -rf $(VENV) .venv-vllm .venv-compat $(GPU_SITE) .venv-trl *.egg-info

@@ -1,69 +1,187 @@
-"""GPU smoke suite: the CUDA path end to end on ONE GPU in at most ~5 minutes (`make test-gpu`).
+"""GPU smoke suite: the CUDA path end to end on ONE GPU in at most 5 minutes (docs/gpu-smoke.md).
 
-    python tests/gpu/smoke.py [--out gpu_smoke_summary.txt] [--gspo-steps 80] [--dry-run]
+    python tests/gpu/smoke.py --install            # offline: the carried wheels (.whl/) -> .gpu-site/ (pip --target)
+    python tests/gpu/smoke.py [--platform cpu]     # the stages; summary in gpu_smoke_summary.txt
+    python tests/gpu/smoke.py --dry-run            # the plan, the carry size, the expected time; runs nothing
 
-Stages (one process, world 1; each records ok / FAILED / not run with its numbers, and a failure does not stop
-the others):
-  env        versions; Transformer Engine and vLLM presence (the suite's target machine has neither)
-  nccl       default group "cpu:gloo,cuda:nccl"; the small-collectives rule on it (device tensors, no float64,
-             a CPU tensor refused on an nccl-only group); Megatron's subgroups inherit the backend
-  parity     Megatron actor (local layer spec: no Transformer Engine) vs Hugging Face logits, fp32 and bf16
-  train      one optimizer step (finite loss, weights moved)
-  sync       bf16 actor -> embedded engine on the GPU, verified with the bf16 defaults + weight-level check
-  memory     peak device memory (torch.cuda.max_memory_allocated)
-  gspo       a short GSPO run on the tiny task: reward of the last steps above the first steps
-  vllm       vLLM engine sync + verification, or "not run: vLLM not installed"
-`--dry-run` parses the arguments, checks the environment and prints the plan without touching a GPU (runs in
-the normal test suite). The one-screen summary is printed and written to --out.
+The machine it is written for has Python 3.12 in a venv with torch, transformers, triton, safetensors, pyarrow,
+pyyaml, numpy, einops, psutil, tqdm and no Transformer Engine, vLLM, megatron-core or mbridge; no network; at most
+64 MiB carried to it. So megatron-core and mbridge travel as wheels (tests/gpu/carry.txt) and are installed with
+`pip install --no-deps --no-index --target .gpu-site`, which this script puts on sys.path (no venv made from that
+venv: it would see the base interpreter's packages, not the venv's).
+
+One process, world 1. Each stage writes one summary line beginning PASS, FAIL or SKIP with its reason; a stage
+that raises or runs past its time budget is a FAIL and the next stage still runs; once the suite's budget is
+spent the remaining stages are SKIPped. The summary is written even when stages fail. Exit status: 0 when no
+line is FAIL, 1 otherwise, 2 for bad arguments or a missing CUDA device (summary written too).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
+import re
+import signal
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-STAGES = ("env", "nccl", "parity", "train", "sync", "memory", "gspo", "vllm")
-BUDGET_S = 300  # the whole suite; a rerun must fit in a 15-minute device lend
+CARRY_LIST = REPO / "tests" / "gpu" / "carry.txt"
+DEFAULT_SITE = REPO / ".gpu-site"
+DEFAULT_WHEELS = REPO / ".whl"
+BUDGET_S = 300  # the whole suite: a run plus a rerun must fit a 15-minute device lend with the machine's start
+CARRY_LIMIT = 64 << 20  # what the device tool carries to the machine
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    budget_s: int  # past this the stage is stopped and FAILs
+    expected_s: int  # estimate on the GPU (tiny models: launch-bound; the CPU rehearsal's times, docs/gpu-smoke.md)
+    what: str
+
+
+STAGES = (
+    Stage("env", 60, 10, "versions; megatron-core, mbridge, transformers importable; TE / vLLM presence"),
+    Stage("nccl", 30, 5, "default group cpu:gloo,cuda:nccl; the small-collectives rule on it"),
+    Stage("parity", 60, 10, "Megatron actor (local spec) vs Hugging Face log-probs, fp32 and bf16"),
+    Stage("packed", 30, 3, "packed micro-batch via the segment path + the fused log-prob head vs HF per sequence"),
+    Stage("train", 30, 2, "one optimizer step: finite loss, weights moved"),
+    Stage("offload", 30, 2, "actor state to (pinned) host memory and back, bit-exact; device memory released"),
+    Stage("sync", 30, 3, "bf16 actor -> embedded engine, verified (bf16 tolerances + weight-level check)"),
+    Stage("replay", 60, 5, "routing replay with the embedded engine: R3 (engine routes) and R2 (recorded)"),
+    Stage("checkpoint", 60, 5, "save, train on, load: parameters and optimizer state back bit-exact"),
+    Stage("gspo", 120, 30, "a short GSPO run on the tiny task (the smoke config): reward rises"),
+    Stage("memory", 90, 30, "the memory config's peak device memory vs `mcore-rl plan` (within 15%)"),
+    Stage("vllm", 30, 0, "vLLM engine sync + verification (SKIP: not installed)"),
+)
+STAGE_NAMES = tuple(s.name for s in STAGES)
+MEMORY_TOLERANCE = 0.15
+
+
+class Skip(Exception):
+    """A stage that cannot run here; the reason goes on its SKIP line."""
+
+
+class StageTimeout(Exception):
+    pass
 
 
 @dataclass
 class Result:
     stage: str
-    status: str  # ok | FAILED | not run
+    status: str  # PASS | FAIL | SKIP
     detail: str
     seconds: float = 0.0
 
 
+# ------------------------------------------------------------------------------------------------ arguments
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="GPU smoke suite (one GPU, <= 5 minutes)")
+    p = argparse.ArgumentParser(description="GPU smoke suite (one GPU, <= 5 minutes); docs/gpu-smoke.md")
     p.add_argument("--out", default="gpu_smoke_summary.txt", help="summary file (default: %(default)s)")
-    p.add_argument(
-        "--gspo-steps", type=int, default=150, help="most GSPO steps on the tiny task (default: %(default)s)"
-    )
-    p.add_argument("--work", default=None, help="folder for the tiny model, task data and run (default: a temp dir)")
-    p.add_argument("--only", nargs="*", choices=STAGES, default=None, help="run only these stages")
-    p.add_argument("--dry-run", action="store_true", help="check arguments and environment, print the plan")
-    p.add_argument(
-        "--platform", choices=("cuda", "cpu"), default="cuda", help="cpu: rehearse the stages' code without a GPU"
-    )
+    p.add_argument("--platform", choices=("cuda", "cpu"), default="cuda", help="cpu: the same stages on CPU")
+    p.add_argument("--site", default=str(DEFAULT_SITE), help="folder of the installed carried wheels (put on sys.path)")
+    p.add_argument("--wheels", default=str(DEFAULT_WHEELS), help="--install: folder of the carried wheels")
+    p.add_argument("--install", action="store_true", help="install the carried wheels into --site offline, then stop")
+    p.add_argument("--dry-run", action="store_true", help="print the plan, the carry size and the expected time")
+    p.add_argument("--gspo-steps", type=int, default=150, help="most GSPO steps (default: %(default)s)")
+    p.add_argument("--only", nargs="*", choices=STAGE_NAMES, default=None, help="run only these stages")
+    p.add_argument("--work", default=None, help="folder for models, data and runs (default: a temporary one)")
     args = p.parse_args(argv)
     if args.gspo_steps < 20:
         p.error("--gspo-steps must be >= 20 (the reward test compares the first and last 10 steps)")
     return args
 
 
+# ------------------------------------------------------------------------------------------------ carried wheels
+def carried_requirements(path: Path = CARRY_LIST) -> list[tuple[str, str]]:
+    """(distribution, version) of each `name==version` line of tests/gpu/carry.txt."""
+    out = []
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            if not version:
+                raise ValueError(f"{path}: {line!r} must pin one version (name==version): one wheel is carried")
+            out.append((name.strip(), version.strip()))
+    return out
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def select_wheels(wheel_dir: Path, requirements: list[tuple[str, str]], tags=None) -> tuple[list[Path], list[str]]:
+    """The wheel of each requirement that this interpreter can install (one per name), and what is missing."""
+    from packaging.tags import sys_tags
+    from packaging.utils import parse_wheel_filename
+
+    supported = set(sys_tags() if tags is None else tags)
+    found: dict[tuple[str, str], Path] = {}
+    for wheel in sorted(wheel_dir.glob("*.whl")) if wheel_dir.is_dir() else []:
+        name, version, _, wheel_tags = parse_wheel_filename(wheel.name)
+        if supported & set(wheel_tags):
+            found.setdefault((_norm(name), str(version)), wheel)
+    picked, missing = [], []
+    for name, version in requirements:
+        wheel = found.get((_norm(name), version))
+        if wheel is None:
+            missing.append(f"{name}=={version}")
+        else:
+            picked.append(wheel)
+    return picked, missing
+
+
+def install(wheel_dir: Path, site: Path) -> int:
+    """pip install --no-deps --no-index --target SITE the carried wheels; refuse a missing one before pip runs."""
+    requirements = carried_requirements()
+    wheels, missing = select_wheels(wheel_dir, requirements)
+    py = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    if missing:
+        print(
+            f"mcore-rl: error: {wheel_dir} holds no wheel for {py} of {', '.join(missing)} (tests/gpu/carry.txt): "
+            f"run `make gpu-wheels` on a machine with network and carry .whl/ along",
+            file=sys.stderr,
+        )
+        return 1
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-compile"]
+    cmd += ["--no-cache-dir", "--upgrade", "--target", str(site), *map(str, wheels)]
+    if subprocess.run(cmd).returncode != 0:
+        print(f"mcore-rl: error: pip could not install {', '.join(w.name for w in wheels)} into {site}", file=sys.stderr)
+        return 1
+    print(f"installed into {site}: {', '.join(w.name for w in wheels)}")
+    return 0
+
+
+def carry_bytes(repo: Path = REPO) -> tuple[int, int]:
+    """(bytes of the files that travel with the checkout: tracked + untracked-not-ignored, bytes of .whl/)."""
+    try:
+        listed = subprocess.run(
+            ["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            capture_output=True,
+            check=True,
+        ).stdout.split(b"\0")
+        files = [repo / os.fsdecode(f) for f in listed if f]
+    except (OSError, subprocess.CalledProcessError):  # no git (the GPU machine): everything but caches
+        files = [p for p in repo.rglob("*") if p.is_file() and not {".git", "__pycache__"} & set(p.parts)]
+        files = [p for p in files if not p.is_relative_to(repo / ".whl") and not p.is_relative_to(DEFAULT_SITE)]
+    tree = sum(f.stat().st_size for f in files if f.is_file())
+    wheels = sum(f.stat().st_size for f in (repo / ".whl").glob("*")) if (repo / ".whl").is_dir() else 0
+    return tree, wheels
+
+
+# ------------------------------------------------------------------------------------------------ environment
 def _version(distribution: str) -> str:
     """Installed version from package metadata (no import: the dry run stays fast)."""
     import importlib.metadata
@@ -75,7 +193,6 @@ def _version(distribution: str) -> str:
 
 
 def environment() -> dict[str, str]:
-    """What the suite needs and what it found (no GPU work)."""
     import torch
 
     return {
@@ -90,29 +207,32 @@ def environment() -> dict[str, str]:
     }
 
 
-def missing_requirements(env: dict[str, str]) -> list[str]:
-    out = [m for m in ("megatron-core", "mbridge", "transformers") if env[m] == "absent"]
-    if env["cuda"] == "not available":
-        out.append("a CUDA device")
-    return out
-
-
 # ------------------------------------------------------------------------------------------------ stages
 def stage_env(ctx) -> str:
-    return ", ".join(f"{k} {v}" for k, v in ctx["env"].items())
+    env = ctx["env"]
+    text = ", ".join(f"{k} {v}" for k, v in env.items())
+    missing = [m for m in ("megatron-core", "mbridge", "transformers") if env[m] == "absent"]
+    if missing:
+        raise RuntimeError(
+            f"{', '.join(missing)} not importable (site {ctx['site']}): carry its wheel (tests/gpu/carry.txt, "
+            f"make gpu-wheels) and install it (make gpu-install / --install); found {text}"
+        )
+    import megatron.core  # noqa: F401  (metadata alone does not prove the carried wheel imports)
+    import mbridge  # noqa: F401
+
+    return text
 
 
 def stage_nccl(ctx) -> str:
     import torch
     import torch.distributed as dist
 
-    from mcore_rl.platform import collectives, get_platform
+    from mcore_rl.platform import collectives
     from mcore_rl.platform.collectives import CollectiveRuleError
 
     if ctx["platform"] != "cuda":
-        raise NotRun("needs CUDA")
-    platform = get_platform("cuda")
-    platform.init_distributed()
+        raise Skip("needs CUDA (NCCL); on CPU the default group is gloo")
+    _platform(ctx).init_distributed()
     backend = dist.get_backend()
     assert backend == "cpu:gloo,cuda:nccl", backend
     assert collectives.group_device().type == "cuda"
@@ -128,6 +248,12 @@ def stage_nccl(ctx) -> str:
         else:
             raise AssertionError(f"{why} tensor accepted on an nccl-only group")
     return f"default group {backend}; small collectives on {collectives.group_device()}; cpu / float64 refused"
+
+
+def _platform(ctx):
+    from mcore_rl.platform import get_platform
+
+    return get_platform(ctx["platform"])
 
 
 def _tiny_paths(ctx) -> tuple[str, str]:
@@ -152,37 +278,40 @@ def _actor(ctx, dtype: str):
     return Actor(cfg)
 
 
-def _batch():
+def _tokens(batch: int = 4, seq: int = 16, seed: int = 0):
     import torch
 
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(3, 128, (4, 16), generator=g)
-    return tokens
+    return torch.randint(3, 128, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _hf(ctx):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model, _ = _tiny_paths(ctx)
+    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(ctx["device"]).eval()
+
+
+def _full_logits(head, mb):
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.gather_from_tensor_model_parallel_region(head.logits())
 
 
 def stage_parity(ctx) -> str:
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
-    from megatron.core import tensor_parallel
-    from transformers import AutoModelForCausalLM
 
     from mcore_rl.batch import MicroBatch
 
-    model, _ = _tiny_paths(ctx)
-    tokens = _batch()
-    device = ctx["device"]
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device).eval()
+    tokens = _tokens()
     with torch.no_grad():
-        want = torch.log_softmax(hf(tokens.to(device)).logits.float(), -1)
-    del hf
+        want = torch.log_softmax(_hf(ctx)(tokens.to(ctx["device"])).logits.float(), -1)
     out = []
     for dtype, mean_tol, max_tol in (("float32", 1e-4, 1e-3), ("bfloat16", 0.05, 0.5)):
         actor = _actor(ctx, dtype)
-        (logits,) = actor.forward_only(
-            [MicroBatch(tokens)],
-            lambda head, mb: tensor_parallel.gather_from_tensor_model_parallel_region(head.logits()),
-        )
+        (logits,) = actor.forward_only([MicroBatch(tokens)], _full_logits)
         diff = (torch.log_softmax(logits.float(), -1) - want).abs()
         mean, worst = float(diff.mean()), float(diff.max())
         assert mean <= mean_tol and worst <= max_tol, f"{dtype}: mean {mean:.3g} max {worst:.3g}"
@@ -193,26 +322,110 @@ def stage_parity(ctx) -> str:
     return "; ".join(out) + f"; Megatron's groups inherit {backend}"
 
 
-def stage_train(ctx) -> str:
+def stage_packed(ctx) -> str:
+    """Sequences of several lengths in one packed row through the actor's log-probs (the fused head: no logits
+    tensor), each compared with the HF model run on that sequence alone."""
     import torch
-    from megatron.core import parallel_state as mpu
 
-    from mcore_rl.batch import MicroBatch
+    from mcore_rl.batch import pack_token_lists, unpack_rows
 
     actor = ctx.get("actor_float32") or _actor(ctx, "float32")
-    tokens = _batch()
+    platform = actor.platform
+    mode = platform.packed_attention
+    if not platform.uses_transformer_engine and mode != "segments":
+        raise AssertionError(
+            f"packed attention {mode!r} without Transformer Engine: Megatron's DotProductAttention refuses "
+            f"packed_seq_params; the local spec must take the segment path"
+        )
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 11, 16, 7, 9)]
+    mb = pack_token_lists(seqs, actor.layout.seq_len_multiple)
+    (lp,) = actor.log_probs([mb], temperature=1.0)
+    hf = _hf(ctx)
+    worst = 0.0
+    for seq, piece in zip(seqs, unpack_rows(lp.cpu(), mb)):
+        ids = torch.tensor([seq], device=ctx["device"])
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(ids).logits.float(), -1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
+        worst = max(worst, float((piece[0, : len(seq) - 1] - ref.cpu()).abs().max()))
+    assert worst <= 1e-4, f"packed log-probs differ from HF per sequence by {worst:.3g} (fp32 tolerance 1e-4)"
+    return f"{len(seqs)} sequences in one {mb.tokens.shape[1]}-token row, attention {mode}: max |dlogp| {worst:.2g}"
+
+
+def stage_train(ctx) -> str:
+    import torch
+
+    actor = ctx.get("actor_float32") or _actor(ctx, "float32")
     before = [p.detach().clone() for p in actor.model[0].parameters()]
-
-    def loss_fn(head, mb):
-        labels = torch.roll(mb.tokens, -1, dims=1)
-        lp, _ = head.log_probs(labels, 1.0, mpu.get_tensor_model_parallel_group())
-        return -lp.mean(), {}
-
-    metrics = actor.train_step([MicroBatch(tokens)], loss_fn)
+    metrics = actor.train_step([_micro(_tokens())], _nll)
     moved = sum(not torch.equal(a, b) for a, b in zip(before, actor.model[0].parameters()))
     assert metrics["update_successful"] == 1.0 and torch.isfinite(torch.tensor(metrics["loss"])), metrics
     assert moved > 0, "no parameter changed"
     return f"loss {metrics['loss']:.4g}, grad norm {metrics['grad_norm']:.3g}, {moved} tensors moved"
+
+
+def _nll(head, mb):
+    import torch
+    from megatron.core import parallel_state as mpu
+
+    labels = torch.roll(mb.tokens, -1, dims=1)
+    lp, _ = head.log_probs(labels, 1.0, mpu.get_tensor_model_parallel_group())
+    return -lp.mean(), {}
+
+
+def _state(actor) -> dict:
+    """Copies of the parameters and of the optimizer's state per parameter (what an offload or a checkpoint
+    must give back), by name: a load replaces the optimizer's state tensors and may reorder its dicts."""
+    from mcore_rl.compat.megatron_state import _optimizers
+
+    out = {f"model.{n}": p.detach().clone() for i, m in enumerate(actor.model) for n, p in m.named_parameters()}
+    for i, opt in enumerate(_optimizers(actor.optimizer) if actor.optimizer is not None else []):
+        inner = getattr(opt, "optimizer", None)
+        params = [p for group in (inner.param_groups if inner else []) for p in group["params"]]
+        for j, param in enumerate(params):
+            out[f"optimizer{i}.main{j}"] = param.detach().clone()
+            for key, value in sorted(inner.state.get(param, {}).items()):
+                if hasattr(value, "detach"):
+                    out[f"optimizer{i}.{key}{j}"] = value.detach().clone()
+    return out
+
+
+def _differ(a: dict, b: dict) -> list[str]:
+    import torch
+
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))[:5]
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def stage_offload(ctx) -> str:
+    import torch
+
+    from mcore_rl.compat.megatron_state import actor_state
+
+    actor = ctx.get("actor_float32") or _actor(ctx, "float32")
+    actor.train_step([_micro(_tokens(seed=3))], _nll)  # Adam's state exists from the first step on
+    before = _state(actor)
+    cuda = ctx["platform"] == "cuda"
+    allocated = torch.cuda.memory_allocated() if cuda else 0
+    released = actor.offload()
+    kept = actor_state(actor.model, actor.optimizer).kept
+    assert released > 0 and all(t.untyped_storage().nbytes() == 0 for t in kept), "a device storage kept its bytes"
+    hosts = [h.host for h in actor._host._held if h.host is not None]
+    pinned = sum(h.is_pinned() for h in hosts)
+    if cuda:
+        assert pinned == len(hosts), f"{len(hosts) - pinned} of {len(hosts)} host copies not page-locked"
+        freed = allocated - torch.cuda.memory_allocated()
+        assert freed >= 0.9 * released, f"device memory fell by {freed} bytes, {released} released"
+    restored = actor.reload()
+    differ = _differ(before, _state(actor))
+    assert restored == released and not differ, f"{len(differ)} of {len(before)} differ after reload: {differ[:3]}"
+    return f"{released / 2**20:.2f} MiB off and back, {len(before)} tensors bit-exact, {pinned}/{len(hosts)} host copies pinned"
+
+
+def _micro(tokens):
+    from mcore_rl.batch import MicroBatch
+
+    return MicroBatch(tokens)
 
 
 def stage_sync(ctx) -> str:
@@ -224,27 +437,83 @@ def stage_sync(ctx) -> str:
     engine = EmbeddedEngine(model, dtype="bfloat16", device=ctx["device"])
     stats = sync_weights(actor.export_hf_weights(), engine, bucket_mb=64)
     probe = ProbeBatch.random(actor.hf_config.vocab_size, seed=1)
-    reference = actor.probe_log_probs
-    report = verify_sync(engine, reference, probe, default_tolerance("bfloat16"), fingerprints=stats.fingerprints)
+    report = verify_sync(
+        engine, actor.probe_log_probs, probe, default_tolerance("bfloat16"), fingerprints=stats.fingerprints
+    )
     assert report.passed and report.weights.differ == 0, report.summary()
     return f"{stats.summary()}; {report.summary()}"
 
 
-def stage_memory(ctx) -> str:
+def stage_replay(ctx) -> str:
+    """R3: the embedded engine's routed experts replayed in the actor (same weights: no mismatch, same logits at
+    real tokens); R2: routes recorded in one forward replayed in the next and in a train step (no mismatch)."""
     import torch
 
-    if ctx["platform"] != "cuda":
-        raise NotRun("needs CUDA")
-    return f"peak allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB, reserved {torch.cuda.max_memory_reserved() / 2**30:.2f} GiB"
+    from mcore_rl.batch import MicroBatch, pack_rollout_routes
+    from mcore_rl.megatron.routing_replay import RoutingReplay
+    from mcore_rl.rollout.base import SamplingParams
+    from mcore_rl.rollout.embedded import EmbeddedEngine
+
+    model, _ = _tiny_paths(ctx)
+    actor = _actor(ctx, "float32")
+    replay = RoutingReplay.install(actor.chunks, actor.layout)
+    engine = EmbeddedEngine(model, device=ctx["device"])
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 8, 6, 7)]
+    samples = [s for group in engine.generate(prompts, 1, SamplingParams(max_new_tokens=6, seed=3)) for s in group]
+    seq_len = 16
+    tokens = torch.zeros(len(samples), seq_len, dtype=torch.long)
+    for i, s in enumerate(samples):
+        ids = s.prompt_ids + s.response_ids
+        tokens[i, : len(ids)] = torch.tensor(ids)
+    experts = actor.hf_config.num_experts
+    ids, valid = pack_rollout_routes([s.routed_experts for s in samples], seq_len, experts)
+    mbs = [MicroBatch(tokens)]
+    plain = actor.forward_only(mbs, _full_logits)[0]
+    with replay.replaying(replay.routes_from_rollout([ids], [valid])):
+        r3_logits = actor.forward_only(mbs, _full_logits)[0]
+    r3 = replay.mismatch_metrics()["routing/token_mismatch"]
+    r3_gap = float((plain[valid.to(plain.device)] - r3_logits[valid.to(plain.device)]).abs().max())
+    assert r3 <= 0.01 and r3_gap < 1e-4, f"R3: token mismatch {r3}, logit gap {r3_gap:.3g}"
+    with replay.recording() as rec:
+        actor.forward_only(mbs, _full_logits)
+    with replay.replaying(rec.routes):
+        r2_logits = actor.forward_only(mbs, _full_logits)[0]
+    r2 = replay.mismatch_metrics()["routing/token_mismatch"]
+    r2_gap = float((plain - r2_logits).abs().max())
+    with replay.replaying(rec.routes):
+        metrics = actor.train_step(mbs, _nll)
+    r2_train = replay.mismatch_metrics()["routing/token_mismatch"]
+    assert r2 == 0.0 and r2_train == 0.0 and r2_gap < 1e-5, f"R2: mismatch {r2} / {r2_train}, logit gap {r2_gap:.3g}"
+    assert metrics["update_successful"] == 1.0, metrics
+    return (
+        f"R3 ({len(samples)} engine samples): token mismatch {r3:.3g}, logit gap {r3_gap:.2g}; "
+        f"R2: mismatch {r2:.3g} (forward) {r2_train:.3g} (train step), logit gap {r2_gap:.2g}"
+    )
 
 
-def stage_gspo(ctx) -> str:
+def stage_checkpoint(ctx) -> str:
+    actor = ctx.get("actor_float32") or _actor(ctx, "float32")
+    folder = Path(ctx["work"]) / "checkpoint"
+    actor.train_step([_micro(_tokens(seed=1))], _nll)
+    saved = _state(actor)
+    actor.save_checkpoint(str(folder), extra={"step": 7})
+    actor.train_step([_micro(_tokens(seed=2))], _nll)
+    moved = _differ(saved, _state(actor))
+    assert moved, "the step after the save changed nothing: the resume check would prove nothing"
+    extra = actor.load_checkpoint(str(folder))
+    differ = _differ(saved, _state(actor))
+    assert not differ and extra.get("step") == 7, f"{len(differ)} of {len(saved)} differ after load: {differ[:3]}; {extra}"
+    metrics = actor.train_step([_micro(_tokens(seed=2))], _nll)
+    assert metrics["update_successful"] == 1.0, metrics
+    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    return f"{size / 2**20:.2f} MiB saved; {len(saved)} tensors (parameters + optimizer state) back bit-exact; step after resume ok"
+
+
+def _trainer_cfg(ctx, model: str, train: str, run: str, steps: int, extra: tuple[str, ...] = ()):
     from mcore_rl.config import load_config
-    from mcore_rl.trainer import Trainer
 
-    model, train = _tiny_paths(ctx)
-    steps = ctx["gspo_steps"]
-    cfg = load_config(
+    return load_config(
         REPO / "configs" / "tiny" / "gspo_cpu.yaml",
         [
             f"platform={ctx['platform']}",
@@ -256,11 +525,19 @@ def stage_gspo(ctx) -> str:
             f"trainer.steps={steps}",
             "trainer.val_every=0",
             "trainer.tensorboard=false",
-            f"trainer.run_dir={Path(ctx['work']) / 'gspo_run'}",
+            f"trainer.run_dir={Path(ctx['work']) / run}",
             "checkpoint.save_hf=false",
+            *extra,
         ],
     )
-    trainer = Trainer(cfg)
+
+
+def stage_gspo(ctx) -> str:
+    from mcore_rl.trainer import Trainer
+
+    model, train = _tiny_paths(ctx)
+    steps = ctx["gspo_steps"]
+    trainer = Trainer(_trainer_cfg(ctx, model, train, "gspo_run", steps))
     rewards: list[float] = []
     while len(rewards) < steps:  # stop early once the rise is plain (saves device time)
         rewards.append(trainer.train_step()["reward/mean"])
@@ -271,9 +548,68 @@ def stage_gspo(ctx) -> str:
     return f"{len(rewards)} steps: reward {first:.3f} (first 10) -> {last:.3f} (last 10)"
 
 
+# The memory config: the smoke config at a size where the plan's terms dominate the runtime's fixed costs
+# (cuBLAS workspaces; the CUDA context is not counted): ~0.2 B parameters in bf16 with Adam, ~4 GiB. Padded
+# micro-batches: for a packed row the plan counts the local spec's [s, s] scores of the whole row, which the
+# segment path never holds (docs/gpu-smoke.md), so only the padded layout is a like-for-like comparison.
+MEMORY_SHAPE = dict(
+    hidden_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    num_experts=16,
+    moe_intermediate_size=1024,
+)
+
+
+MEMORY_OVERRIDES = ("model.dtype=bfloat16", "checkpoint.save_every=0", "actor.max_tokens_per_micro_batch=null")
+
+
+def stage_memory(ctx) -> str:
+    """Two trainer steps of the memory config; the allocator's peak (CUDA) against the plan's peak."""
+    import torch
+
+    from mcore_rl.megatron.layout import ModelDims, validate_run
+    from mcore_rl.megatron.memory_plan import plan_memory
+    from mcore_rl.models.tiny import TinyModelShape, make_tiny_checkpoint
+    from mcore_rl.trainer import Trainer
+
+    cuda = ctx["platform"] == "cuda"
+    _, train = _tiny_paths(ctx)
+    shape = TinyModelShape(**MEMORY_SHAPE) if cuda else TinyModelShape()  # CPU: the code path, at the tiny size
+    model = str(make_tiny_checkpoint(Path(ctx["work"]) / "memory-model", seed=0, shape=shape))
+    cfg = _trainer_cfg(ctx, model, train, "memory_run", 2, MEMORY_OVERRIDES)
+    dims = ModelDims.from_hf(Path(model) / "config.json")
+    plan = plan_memory(cfg, validate_run(cfg, 1, dims), dims)
+    planned = plan.peak.total
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    trainer = Trainer(cfg)
+    for _ in range(2):
+        trainer.train_step()
+    if not cuda:
+        raise Skip(
+            f"CPU: torch keeps no allocator peak for host memory (the process's RSS counts the interpreter and "
+            f"libraries); ran 2 steps of the memory config at the tiny size, plan peak {planned / 2**20:.1f} MiB "
+            f"({plan.peak.name})"
+        )
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    gap = peak / planned - 1
+    text = (
+        f"measured peak {peak / 2**30:.3f} GiB (allocated above the {base / 2**20:.0f} MiB before), plan "
+        f"{planned / 2**30:.3f} GiB ({plan.peak.name}): {gap:+.1%}"
+    )
+    assert abs(gap) <= MEMORY_TOLERANCE, f"{text}, outside {MEMORY_TOLERANCE:.0%}"
+    return text
+
+
 def stage_vllm(ctx) -> str:
     if importlib.util.find_spec("vllm") is None:
-        raise NotRun("vLLM not installed")
+        raise Skip("vLLM not installed (it cannot fit the 64 MiB carry)")
     from mcore_rl.config import RolloutConfig
     from mcore_rl.rollout.vllm_engine import VllmEngine
     from mcore_rl.rollout.weight_sync import ProbeBatch, default_tolerance, sync_weights, verify_sync
@@ -294,77 +630,135 @@ def stage_vllm(ctx) -> str:
     return report.summary()
 
 
-class NotRun(Exception):
-    """A stage that cannot run here (the reason is reported as 'not run: ...')."""
-
-
 STAGE_FNS: dict[str, Callable] = {
     "env": stage_env,
     "nccl": stage_nccl,
     "parity": stage_parity,
+    "packed": stage_packed,
     "train": stage_train,
+    "offload": stage_offload,
     "sync": stage_sync,
-    "memory": stage_memory,
+    "replay": stage_replay,
+    "checkpoint": stage_checkpoint,
     "gspo": stage_gspo,
+    "memory": stage_memory,
     "vllm": stage_vllm,
 }
 
 
-def run_stage(name: str, ctx) -> Result:
+# ------------------------------------------------------------------------------------------------ running
+@contextlib.contextmanager
+def time_limit(seconds: int):
+    """Raise StageTimeout in this (main) thread after `seconds` (SIGALRM; elsewhere: no limit)."""
+    if not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def expire(signum, frame):
+        raise StageTimeout(f"ran past its {seconds} s budget")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def run_stage(stage: Stage, ctx, left_s: float) -> Result:
+    if left_s < 1:
+        return Result(stage.name, "SKIP", f"the suite's {BUDGET_S} s budget is spent")
     start = time.perf_counter()
     try:
-        detail = STAGE_FNS[name](ctx)
-        status = "ok"
-    except NotRun as e:
-        status, detail = "not run", str(e)
+        with time_limit(max(1, int(min(stage.budget_s, left_s)))):
+            detail = STAGE_FNS[stage.name](ctx)
+        status = "PASS"
+    except Skip as e:
+        status, detail = "SKIP", str(e)
     except Exception as e:  # noqa: BLE001 - every stage reports; the exit code carries the failure
-        status, detail = "FAILED", f"{type(e).__name__}: {e}"
+        status, detail = "FAIL", f"{type(e).__name__}: {e}"
         traceback.print_exc()
-    return Result(name, status, detail, time.perf_counter() - start)
+    return Result(stage.name, status, detail, time.perf_counter() - start)
 
 
-def summary(results: list[Result], total_s: float, dry_run: bool) -> str:
-    head = "GPU smoke suite" + (" (dry run: nothing ran on a GPU)" if dry_run else "")
-    lines = [f"{head} - {total_s:.0f} s of a {BUDGET_S} s budget"]
-    for r in results:
-        lines.append(f"  {r.stage:<7} {r.status:<8} {r.seconds:6.1f} s  {r.detail}"[:400])
-    failed = [r.stage for r in results if r.status == "FAILED"]
-    lines.append(f"result: {'FAILED: ' + ', '.join(failed) if failed else 'ok'}")
+def summary(results: list[Result], platform: str, total_s: float) -> str:
+    failed = [r.stage for r in results if r.status == "FAIL"]
+    lines = [f"# GPU smoke suite on {platform}: {total_s:.0f} s of a {BUDGET_S} s budget"]
+    lines += [f"{r.status:<4}  {r.stage:<10} {r.seconds:6.1f} s  {' '.join(r.detail.split())}"[:600] for r in results]
+    lines.append(f"# result: {'FAIL (' + ', '.join(failed) + ')' if failed else 'no FAIL'}")
+    return "\n".join(lines)
+
+
+def dry_run(stages: list[Stage], platform: str) -> str:
+    env = environment()
+    tree, wheels = carry_bytes()
+    _, missing = select_wheels(DEFAULT_WHEELS, carried_requirements())
+    lines = [
+        "GPU smoke suite, dry run (nothing runs): " + ", ".join(f"{k} {v}" for k, v in env.items()),
+        f"plan on {platform} ({len(stages)} stages; per-stage budget, expected time):",
+    ]
+    lines += [f"  {s.name:<10} budget {s.budget_s:>3} s  expected ~{s.expected_s:>2} s  {s.what}" for s in stages]
+    expected = sum(s.expected_s for s in stages)
+    lines.append(
+        f"expected time: ~{expected} s of the stages (estimates: the CPU rehearsal's times plus CUDA start-up; "
+        f"never measured on a GPU), at most {BUDGET_S} s (the suite's budget)"
+    )
+    total = tree + wheels
+    verdict = "fits" if total <= CARRY_LIMIT else "DOES NOT FIT"
+    lines.append(
+        f"carry: {total / 2**20:.1f} MiB ({tree / 2**20:.1f} MiB of the checkout's files + {wheels / 2**20:.1f} MiB "
+        f"in .whl/): {verdict} in {CARRY_LIMIT >> 20} MiB"
+    )
+    if missing:
+        lines.append(f"carried wheels for this Python missing from .whl/: {', '.join(missing)} (make gpu-wheels)")
     return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.install:
+        return install(Path(args.wheels), Path(args.site))
+    site = Path(args.site)
+    if site.is_dir() and str(site.resolve()) not in map(os.path.abspath, sys.path):
+        sys.path.insert(0, str(site.resolve()))
+    stages = [s for s in STAGES if args.only is None or s.name in args.only]
+    if args.dry_run:
+        text = dry_run(stages, args.platform)
+        print(text)
+        return 0 if "DOES NOT FIT" not in text else 1
+    import torch
+
     start = time.perf_counter()
     env = environment()
-    stages = args.only or list(STAGES)
-    if args.dry_run:
-        missing = missing_requirements(env)
-        plan = [Result("env", "ok", stage_env({"env": env}))]
-        plan += [
-            Result(s, "planned", "needs: " + (", ".join(missing) if missing else "nothing missing"))
-            for s in stages
-            if s != "env"
-        ]
-        text = summary(plan, time.perf_counter() - start, dry_run=True)
-    else:
-        missing = [m for m in missing_requirements(env) if args.platform == "cuda" or m != "a CUDA device"]
-        if missing:
-            print(
-                f"GPU smoke suite cannot start: missing {', '.join(missing)} (see README, 'GPU smoke suite')",
-                file=sys.stderr,
-            )
-            return 2
-        with tempfile.TemporaryDirectory(prefix="mcore_rl_gpu_smoke_") as tmp:
-            device = "cuda:0" if args.platform == "cuda" else "cpu"
-            ctx = {"env": env, "work": args.work or tmp, "gspo_steps": args.gspo_steps, "platform": args.platform}
-            ctx["device"] = device
-            results = [run_stage(s, ctx) for s in stages]
-        text = summary(results, time.perf_counter() - start, dry_run=False)
+    if args.platform == "cuda" and not torch.cuda.is_available():
+        print("mcore-rl: error: --platform cuda but torch sees no CUDA device; --platform cpu rehearses", file=sys.stderr)
+        results = [Result("env", "FAIL", "no CUDA device (torch.cuda.is_available() is False)")]
+        results += [Result(s.name, "SKIP", "no CUDA device") for s in stages if s.name != "env"]
+        _write(args.out, summary(results, args.platform, time.perf_counter() - start))
+        return 2
+    with tempfile.TemporaryDirectory(prefix="mcore_rl_gpu_smoke_") as tmp:
+        ctx = {
+            "env": env,
+            "site": str(site),
+            "work": args.work or tmp,
+            "gspo_steps": args.gspo_steps,
+            "platform": args.platform,
+            "device": "cuda:0" if args.platform == "cuda" else "cpu",
+        }
+        results = []
+        for stage in stages:
+            results.append(run_stage(stage, ctx, BUDGET_S - (time.perf_counter() - start)))
+            print(summary(results[-1:], args.platform, 0).splitlines()[1], flush=True)
+    text = summary(results, args.platform, time.perf_counter() - start)
+    _write(args.out, text)
+    return 1 if any(r.status == "FAIL" for r in results) else 0
+
+
+def _write(out: str, text: str) -> None:
     print(text)
-    Path(args.out).write_text(text + "\n")
-    return 1 if "result: FAILED" in text else 0
+    Path(out).write_text(text + "\n")
 
 
 if __name__ == "__main__":
