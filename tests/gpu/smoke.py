@@ -31,7 +31,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
@@ -158,7 +158,9 @@ def install(wheel_dir: Path, site: Path) -> int:
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-compile"]
     cmd += ["--no-cache-dir", "--upgrade", "--target", str(site), *map(str, wheels)]
     if subprocess.run(cmd).returncode != 0:
-        print(f"mcore-rl: error: pip could not install {', '.join(w.name for w in wheels)} into {site}", file=sys.stderr)
+        print(
+            f"mcore-rl: error: pip could not install {', '.join(w.name for w in wheels)} into {site}", file=sys.stderr
+        )
         return 1
     print(f"installed into {site}: {', '.join(w.name for w in wheels)}")
     return 0
@@ -217,8 +219,8 @@ def stage_env(ctx) -> str:
             f"{', '.join(missing)} not importable (site {ctx['site']}): carry its wheel (tests/gpu/carry.txt, "
             f"make gpu-wheels) and install it (make gpu-install / --install); found {text}"
         )
-    import megatron.core  # noqa: F401  (metadata alone does not prove the carried wheel imports)
     import mbridge  # noqa: F401
+    import megatron.core  # noqa: F401  (metadata alone does not prove the carried wheel imports)
 
     return text
 
@@ -503,7 +505,9 @@ def stage_checkpoint(ctx) -> str:
     assert moved, "the step after the save changed nothing: the resume check would prove nothing"
     extra = actor.load_checkpoint(str(folder))
     differ = _differ(saved, _state(actor))
-    assert not differ and extra.get("step") == 7, f"{len(differ)} of {len(saved)} differ after load: {differ[:3]}; {extra}"
+    assert not differ and extra.get("step") == 7, (
+        f"{len(differ)} of {len(saved)} differ after load: {differ[:3]}; {extra}"
+    )
     metrics = actor.train_step([_micro(_tokens(seed=2))], _nll)
     assert metrics["update_successful"] == 1.0, metrics
     size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
@@ -733,7 +737,9 @@ def main(argv: list[str]) -> int:
     start = time.perf_counter()
     env = environment()
     if args.platform == "cuda" and not torch.cuda.is_available():
-        print("mcore-rl: error: --platform cuda but torch sees no CUDA device; --platform cpu rehearses", file=sys.stderr)
+        print(
+            "mcore-rl: error: --platform cuda but torch sees no CUDA device; --platform cpu rehearses", file=sys.stderr
+        )
         results = [Result("env", "FAIL", "no CUDA device (torch.cuda.is_available() is False)")]
         results += [Result(s.name, "SKIP", "no CUDA device") for s in stages if s.name != "env"]
         _write(args.out, summary(results, args.platform, time.perf_counter() - start))
