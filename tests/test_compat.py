@@ -29,6 +29,14 @@ def test_describe_versions_names_installed_versions_and_shims():
         assert "from_config dtype" in text
 
 
+def test_brief_versions_is_one_line_naming_every_shim():
+    """The training log's start: the same versions, the shims by name only (5 lines on the oldest stack)."""
+    brief, shims = describe_versions(brief=True), shims_in_force()
+    assert "\n" not in brief and brief.startswith(describe_versions().splitlines()[0] + "; version shims: ")
+    assert all(shim.name in brief and shim.why not in brief for shim in shims)
+    assert brief.endswith("version shims: none") == (not shims)
+
+
 @pytest.mark.parametrize("megatron", ["0.12.1", "0.13.1", "0.16.1"])
 def test_layout_rule_for_old_megatron(tiny_model_dir, monkeypatch, megatron):
     monkeypatch.setattr(compat_megatron, "version", lambda: Version(megatron))
