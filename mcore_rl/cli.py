@@ -1,7 +1,7 @@
 """`mcore-rl` command line: make-tiny, make-task, check, plan, train, plot, convert, from-verl.
 
 `train CONFIG [key=value ...]` validates the config and the parallel layout first (seconds, no process
-started), then re-executes itself under `torch.distributed.run` with trainer.nproc processes on this
+started), then re-executes itself under torchrun (mcore_rl.torchrun) with trainer.nproc processes on this
 machine; inside torchrun (LOCAL_RANK / WORLD_SIZE set, also by launch/ scripts) it runs the trainer.
 Bad input exits with status 2 and one line `mcore-rl: error: ...` naming the problem and the fix.
 """
@@ -223,17 +223,24 @@ def cmd_train(args) -> int:
     check_paths(cfg)
     if inside_torchrun():
         from mcore_rl.safety import StopRequested, TrainingHalted
+        from mcore_rl.supervise import STATUS_FILE_ENV, die_with_launcher, report_to_launcher
         from mcore_rl.trainer import run
 
+        watch = die_with_launcher()  # a kill -9 of `mcore-rl train` (or of torchrun) ends this worker too
         try:
             run(cfg)
         except (TrainingHalted, ConfigError, CheckpointWriteError) as e:  # a clear reason, not a crash
-            stopped = isinstance(e, StopRequested)  # as asked: the launcher reports the signal in its exit status
-            if os.environ.get("LOCAL_RANK", "0") == "0":  # every rank stops for the same reason: say it once a node
-                print(f"mcore-rl: {'' if stopped else 'error: '}{e}", file=sys.stderr, flush=True)
-            if stopped:
-                return 0
-            return EXIT_BAD_INPUT if isinstance(e, ConfigError) else 1
+            stopped = isinstance(e, StopRequested)
+            line = f"mcore-rl: {'' if stopped else 'error: '}{e}"
+            # stopped as asked: exit 0 here (torchrun reports no failure); the launcher exits 128 + signal
+            code = 0 if stopped else EXIT_BAD_INPUT if isinstance(e, ConfigError) else 1
+            if os.environ.get(STATUS_FILE_ENV):  # the launcher prints it once, last, after torchrun's output
+                report_to_launcher(128 + e.signum if stopped and e.signum else code, line)
+            elif os.environ.get("LOCAL_RANK", "0") == "0":  # every rank stops for the same reason: once a node
+                print(line, file=sys.stderr, flush=True)
+            return code
+        finally:
+            watch.release()
         return 0
     if cfg.trainer.nnodes > 1:
         raise ConfigError(
@@ -251,7 +258,8 @@ def cmd_train(args) -> int:
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "mcore_rl.torchrun",  # torchrun, its failure report kept in RUN_DIR/torchrun.log
+        str(Path(cfg.trainer.run_dir) / "torchrun.log"),
         "--standalone",
         f"--nproc_per_node={cfg.trainer.nproc}",
         "-m",

@@ -397,7 +397,19 @@ class RunLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()} {socket.gethostname()} {time.time():.0f}\n".encode(), 0)
         os.fsync(fd)
-        return cls(path, fd, flocked)
+        lock = cls(path, fd, flocked)
+        # An flock belongs to the open file, which a fork shares: a process forked by the holder (a
+        # checkpoint writer) would keep the directory locked after the holder died. Children drop their copy.
+        os.register_at_fork(after_in_child=lock._drop_in_child)
+        return lock
+
+    def _drop_in_child(self) -> None:
+        if self._fd >= 0:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = -1
 
     def release(self) -> None:
         if self._fd < 0:

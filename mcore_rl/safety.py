@@ -28,7 +28,12 @@ class TrainingHalted(RuntimeError):
 
 
 class StopRequested(TrainingHalted):
-    """SIGTERM / SIGINT asked the run to stop; it did, at a step boundary (not an error of the run)."""
+    """SIGTERM / SIGINT asked the run to stop; it did, at a step boundary (not an error of the run).
+    `signum`: the signal (0 for the stop file), for the launcher's exit status 128 + signum."""
+
+    def __init__(self, message: str, signum: int = 0):
+        super().__init__(message)
+        self.signum = signum
 
 
 @dataclass

@@ -14,21 +14,134 @@
 from __future__ import annotations
 
 import ctypes
+import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 from typing import Optional, Sequence
 
+PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
+LAUNCHER_PID_ENV = "MCORE_RL_LAUNCHER_PID"  # the supervising process's pid, for the workers' watchdog
+STATUS_FILE_ENV = "MCORE_RL_STATUS_FILE"  # where a worker leaves its stop / error line for the launcher
+WATCH_INTERVAL_S = 0.5
+
+
+def _prctl(option: int, value: int) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(option, value, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def become_subreaper() -> bool:
     """Orphaned descendants are re-parented to this process (Linux >= 3.4); False where unsupported."""
+    return _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def _killed_with_parent(parent_pid: int):
+    """preexec_fn of the launcher's child: the kernel sends it SIGKILL when its parent dies (Linux). The
+    signal follows the parent *thread* that forked it: Popen runs on the launcher's main thread, which
+    lives as long as the launcher. A parent that died before the prctl took effect is caught by the check."""
+
+    def preexec() -> None:
+        if _prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL)) and os.getppid() != parent_pid:
+            os._exit(128 + signal.SIGKILL)
+
+    return preexec
+
+
+def _process_start(pid: int) -> Optional[float]:
+    """Start time of a live (not zombie) process, None when it is gone: a pid reused later differs in it."""
+    import psutil
+
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
+        proc = psutil.Process(pid)
+        return None if proc.status() == psutil.STATUS_ZOMBIE else proc.create_time()
+    except psutil.Error:
+        return None
+
+
+class LauncherWatch:
+    """A worker's tie to its launcher (`die_with_launcher`); `release()` on a normal exit."""
+
+    def __init__(self, reaper: Optional[subprocess.Popen] = None):
+        self.reaper = reaper
+
+    def release(self) -> None:
+        """This worker ends on its own: the reaper leaves its process group alone."""
+        if self.reaper is None:
+            return
+        try:
+            self.reaper.stdin.write(b"done\n")
+            self.reaper.stdin.close()
+        except OSError:
+            pass
+        self.reaper.wait()
+        self.reaper = None
+
+
+def die_with_launcher() -> LauncherWatch:
+    """In a torchrun worker: die as soon as its parent (torchrun's agent) is gone - a kill -9 of `mcore-rl
+    train` must not leave the workers training, saving and exporting on their own.
+
+    The kernel's parent-death signal kills this worker at once when torchrun dies (torchrun started it on
+    its main thread, and dies itself with the launcher). What the worker started (a reward worker, a
+    process forked to write checkpoint files) would live on: a small reaper process in the worker's process
+    group (torchrun makes every worker a session leader) kills the whole group once the worker, or the
+    launcher (LAUNCHER_PID_ENV), is gone without `release()` having been called."""
+    parent = os.getppid()
+    _prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if parent <= 1 or os.getppid() != parent:  # torchrun died before the prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+    if os.getpgrp() != os.getpid():  # not a group leader: its group holds other processes, leave it
+        return LauncherWatch()
+    launcher = os.environ.get(LAUNCHER_PID_ENV, "0") or "0"
+    code = "import sys; from mcore_rl.supervise import reap_when_gone; reap_when_gone(*map(int, sys.argv[1:]))"
+    reaper = subprocess.Popen([sys.executable, "-c", code, str(os.getpid()), launcher], stdin=subprocess.PIPE)
+    return LauncherWatch(reaper)
+
+
+def reap_when_gone(worker: int, launcher: int, interval_s: float = WATCH_INTERVAL_S / 5) -> None:
+    """The reaper (a child of `worker`, in its process group): wait for "done" on stdin; when instead the
+    worker dies (this process is re-parented) or the launcher does, SIGKILL the group, this process too."""
+    import select
+
+    launcher_start = _process_start(launcher) if launcher > 0 else None
+    while True:
+        ready, _, _ = select.select([sys.stdin.buffer], [], [], interval_s)
+        if ready and os.read(sys.stdin.fileno(), 16).startswith(b"done"):
+            return
+        worker_gone = bool(ready) or os.getppid() != worker  # EOF without "done": the worker is dead
+        if worker_gone or (launcher_start is not None and _process_start(launcher) != launcher_start):
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def report_to_launcher(exit_code: int, line: str) -> None:
+    """A worker's last word for the launcher (run_supervised): the first rank to report wins; a no-op
+    when not started by one."""
+    path = os.environ.get(STATUS_FILE_ENV)
+    if not path:
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:  # another rank reported first (they stop for the same reason), or the launcher is gone
+        return
+    with os.fdopen(fd, "w") as f:
+        json.dump({"exit": int(exit_code), "line": line}, f)
+
+
+def _read_report(path: Path) -> Optional[dict]:
+    try:
+        report = json.loads(path.read_text())
+        return report if isinstance(report, dict) and "line" in report else None
+    except (OSError, ValueError):
+        return None
 
 
 def reap_descendants(grace_s: float) -> list[int]:
@@ -78,8 +191,12 @@ def run_supervised(cmd: Sequence[str], env: Optional[dict] = None, grace_s: floa
     """Run cmd to its end, passing SIGTERM/SIGINT on; then clean up what it left. Its exit status;
     128 + the signal's number when it died of one or was stopped by one passed on from here."""
     become_subreaper()
+    status_dir = Path(tempfile.mkdtemp(prefix="mcore-rl-status-"))
+    env = dict(os.environ if env is None else env)
+    env[LAUNCHER_PID_ENV] = str(os.getpid())
+    env[STATUS_FILE_ENV] = str(status_dir / "status.json")
     # Its own session: a Ctrl-C in the terminal reaches torchrun once (from here), not twice.
-    proc = subprocess.Popen(list(cmd), env=env, start_new_session=True)
+    proc = subprocess.Popen(list(cmd), env=env, start_new_session=True, preexec_fn=_killed_with_parent(os.getpid()))
 
     received = []
 
@@ -101,9 +218,16 @@ def run_supervised(cmd: Sequence[str], env: Optional[dict] = None, grace_s: floa
         leftovers = reap_descendants(grace_s)
         if leftovers and (received or proc.returncode):  # after a clean finish these are idle helpers
             print(f"mcore-rl: stopped {len(leftovers)} process(es) left behind by the run", file=sys.stderr)
+        report = _read_report(status_dir / "status.json")
+        shutil.rmtree(status_dir, ignore_errors=True)
+    if report is not None:  # the workers' reason, last: below torchrun's output and the leftovers line
+        print(report["line"], file=sys.stderr, flush=True)
     if received:  # stopped on request: say so in the status, like a process that a signal ended
         return 128 + received[0]
-    return 128 - code if code < 0 else code
+    code = 128 - code if code < 0 else code
+    if code == 0 and report is not None:  # e.g. a SIGTERM that reached one rank only: 128 + SIGTERM
+        return int(report.get("exit", 0))
+    return code
 
 
 if __name__ == "__main__":

@@ -387,10 +387,13 @@ class Trainer:
             self.reward_fn.close()
             if self.rank == 0:
                 (self.run_dir / STOP_FILE).unlink(missing_ok=True)  # a later resume must not stop at once
+            import signal
+
             newest = self.ckpt.latest()
             raise StopRequested(
                 f"stopped by {name} after step {self.step}; newest checkpoint: "
-                f"{newest.path if newest else 'none'}; continue with checkpoint.resume=auto"
+                f"{newest.path if newest else 'none'}; continue with checkpoint.resume=auto",
+                signum=signal.Signals[name].value if name in signal.Signals.__members__ else 0,
             )
 
     def save(self) -> None:

@@ -203,6 +203,37 @@ def test_second_run_is_refused_while_the_first_holds_the_lock(tmp_path):
     lock.release()
 
 
+FORKING_HOLDER = r"""
+import os, sys, time
+from mcore_rl.run_dir import RunLock
+lock = RunLock.acquire(sys.argv[1])
+child = os.fork()  # like a process forked to write checkpoint files: it shares the holder's open files
+if child == 0:
+    time.sleep(600)
+    os._exit(0)
+print(child, flush=True)
+time.sleep(600)
+"""
+
+
+def test_lock_dies_with_its_holder_not_with_what_it_forked(tmp_path):
+    """A child forked by the holder outlives a kill -9 of it: the lock must be free all the same (an flock
+    belongs to the open file, which the fork shares)."""
+    from mcore_rl.run_dir import RunLock
+
+    holder = subprocess.Popen([sys.executable, "-c", FORKING_HOLDER, str(tmp_path)], stdout=subprocess.PIPE, cwd=REPO)
+    child = int(holder.stdout.readline())
+    try:
+        with pytest.raises(ConfigError, match="is in use by another run"):
+            RunLock.acquire(tmp_path)
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        os.kill(child, 0)  # still running
+        RunLock.acquire(tmp_path).release()
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
 def test_lock_without_flock_detects_stale_and_live_holders(tmp_path, monkeypatch):
     """Filesystems without flock (Lustre without -o flock): the recorded pid/host decides."""
     import errno

@@ -357,6 +357,11 @@ def test_bad_rewards_and_non_finite_updates_are_never_applied(tiny_model_dir, ta
     assert proc.returncode == 1 and "resumed from" in out and "step_00000004" in out, out[-5000:]
     assert "mcore-rl: error: step 5: the reward function failed on 16 of 16 samples" in out, out[-5000:]
     assert "first error: ValueError: this reward always fails" in out
+    # the worker's line comes last, once; torchrun's ChildFailedError report is in the run's log file
+    assert proc.stderr.strip().splitlines()[-1].startswith("mcore-rl: error: step 5: the reward function"), out[-3000:]
+    assert out.count("mcore-rl: error:") == 1 and "ChildFailedError" not in out
+    assert f"torchrun's report (exit codes, pids): {run_dir / 'torchrun.log'}" in out
+    assert "ChildFailedError" in (run_dir / "torchrun.log").read_text()
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
 
     # Weights that become inf (weight decay x lr overflow at step 2, after a warm-up step at lr 0) are
@@ -394,10 +399,12 @@ def test_bad_rewards_and_non_finite_updates_are_never_applied(tiny_model_dir, ta
     _finite_checkpoint(diverged / "checkpoints" / "step_00000001")
 
 
-def test_sigterm_stops_every_worker_at_a_step_boundary(tiny_model_dir, task, tmp_path):
+@pytest.mark.parametrize("target", ["launcher", "one rank"])
+def test_sigterm_stops_every_worker_at_a_step_boundary(tiny_model_dir, task, tmp_path, target):
     """`kill -TERM` of `mcore-rl train` used to leave the workers training to the end: now every worker
     stops after its current step (a checkpoint being written is published first) and nothing the run
-    started is left running."""
+    started is left running. A SIGTERM that reaches one rank only (a scheduler signalling one process)
+    stops every rank the same way, and the launcher's status still says SIGTERM (it used to be 0)."""
     import psutil
 
     run_dir = tmp_path / "stopped"
@@ -414,7 +421,12 @@ def test_sigterm_stops_every_worker_at_a_step_boundary(tiny_model_dir, task, tmp
         _wait_for_checkpoint_write(proc, run_dir, 2, timeout=240)
         started = psutil.Process(proc.pid).children(recursive=True)
         assert len(started) >= 3  # torchrun and its two workers
-        proc.send_signal(signal.SIGTERM)
+        if target == "launcher":
+            proc.send_signal(signal.SIGTERM)
+        else:  # rank 1: the second of torchrun's workers
+            torchrun = psutil.Process(proc.pid).children()[0]
+            ranks = sorted(torchrun.children(), key=lambda p: p.environ().get("RANK", ""))
+            ranks[1].send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
@@ -429,3 +441,45 @@ def test_sigterm_stops_every_worker_at_a_step_boundary(tiny_model_dir, task, tmp
     assert newest.step >= 2 and f"newest checkpoint: {newest.path}" in out
     assert not list((run_dir / "checkpoints").glob("*.tmp"))  # nothing half-written was left
     assert newest.step < 50 and not (run_dir / "hf").exists()
+
+
+def test_kill_9_of_the_launcher_alone_ends_the_job(tiny_model_dir, task, tmp_path):
+    """kill -9 of `mcore-rl train` only (what a terminal or a scheduler holds), while a checkpoint is being
+    written: torchrun, both workers and everything they started are gone within seconds, the checkpoint in
+    progress is never published, nothing more is written, and the run directory's lock is free."""
+    import psutil
+
+    from mcore_rl.run_dir import CheckpointManager, RunLock
+
+    run_dir = tmp_path / "orphaned"
+    args = overrides(tiny_model_dir, task, run_dir, **{"trainer.steps": 50, "checkpoint.save_every": 1})
+    proc = subprocess.Popen(
+        train_cmd("gspo_cpu.yaml", args),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    started = []
+    try:
+        _wait_for_checkpoint_write(proc, run_dir, 2, timeout=240)
+        started = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGKILL)  # the launcher alone
+        proc.wait()
+        _, alive = psutil.wait_procs(started, timeout=10)
+    finally:
+        if proc.poll() is None:
+            kill_job(proc)
+        for p in started:  # whatever outlived it (the test fails then): not left running
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+    assert len(started) >= 3  # torchrun and its two workers (and their helpers)
+    assert not alive, [(p.pid, p.cmdline()[:4]) for p in alive]
+    written = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
+    time.sleep(3)
+    assert sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*")) == written  # nothing more
+    assert CheckpointManager(run_dir).latest().step == 1  # step 2 was being written: never published
+    assert not (run_dir / "hf").exists()
+    RunLock.acquire(run_dir).release()  # free: no process of the dead job holds it
