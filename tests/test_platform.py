@@ -131,7 +131,7 @@ def test_layer_spec_choice():
         ("cpu", True, False, "segments"),
         ("cuda", False, False, "segments"),  # the GPU smoke suite's machine: local spec, SegmentDotProductAttention
         ("cuda", True, True, "thd"),
-        ("npu", False, True, "thd"),  # MindSpeed's flash attention under TE's names
+        ("npu", False, True, "thd-ends"),  # MindSpeed's flash attention under TE's names, its cu_seqlens convention
     ],
 )
 def test_packed_attention_follows_the_layer_spec(name, te, spec, mode):
@@ -139,11 +139,46 @@ def test_packed_attention_follows_the_layer_spec(name, te, spec, mode):
     from mcore_rl.platform import packed_attention_mode, uses_te_spec
 
     assert uses_te_spec(name, te_importable=te) is spec
-    assert packed_attention_mode(spec) == mode
+    assert packed_attention_mode(spec, name) == mode
 
 
 def test_packed_attention_of_the_platforms_here():
-    assert [Platform(n).packed_attention for n in ("cpu", "cuda", "npu")] == ["segments", "segments", "thd"]
+    assert [Platform(n).packed_attention for n in ("cpu", "cuda", "npu")] == ["segments", "segments", "thd-ends"]
+
+
+def test_npu_fused_attention_gets_end_offsets_and_rope_the_bounds():
+    """npu_fusion_attention's actual_seq_qlen is the cumulative ends (lengths 2 2 2 2 2 -> 2 4 6 8 10); MindSpeed's
+    adaptor hands it cu_seqlens_q.tolist(); Megatron's RoPE reads cu_seqlens_q_padded (set) as [0, ends]."""
+    from mcore_rl.megatron.packing import model_inputs, packed_seq_params
+    from mcore_rl.platform import npu_actual_seq_len
+
+    lengths = [2, 2, 2, 2, 2]
+    params = packed_seq_params(lengths, "cpu", ends_only=True)
+    assert params.cu_seqlens_q.tolist() == params.cu_seqlens_kv.tolist() == [2, 4, 6, 8, 10]
+    rope = params.cu_seqlens_q_padded  # what Megatron's attention passes to apply_rotary_pos_emb when it is set
+    assert rope.tolist() == params.cu_seqlens_kv_padded.tolist() == [0, 2, 4, 6, 8, 10]
+    assert (rope[1:] - rope[:-1]).tolist() == lengths  # Megatron's _apply_rotary_pos_emb_thd reads lengths so
+    assert params.max_seqlen_q == params.max_seqlen_kv == 2
+    import inspect
+
+    from megatron.core.transformer.attention import Attention
+
+    # the installed Megatron's attention hands RoPE the padded bounds when they are set (0.12.1 and 0.16.1)
+    assert "cu_seqlens_q = packed_seq_params.cu_seqlens_q_padded" in inspect.getsource(Attention.forward)
+    # a trailing padding segment and unequal lengths: every end once, in order
+    assert npu_actual_seq_len(torch.tensor([0, 7, 8, 20, 23], dtype=torch.int32)).tolist() == [7, 8, 20, 23]
+    for bad in (torch.tensor([7, 8]), torch.tensor([0]), torch.zeros(2, 2, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="cu_seqlens must be"):
+            npu_actual_seq_len(bad)
+
+    from mcore_rl.batch import MicroBatch
+
+    mb = MicroBatch(torch.zeros(1, 10, dtype=torch.long), seq_lengths=lengths)
+    mask, extra = model_inputs(mb, Platform("npu").packed_attention)
+    assert mask is None and extra["packed_seq_params"].cu_seqlens_q.tolist() == [2, 4, 6, 8, 10]
+    _, cuda = model_inputs(mb, "thd")  # CUDA with TE: Megatron's own convention, no padded copies
+    assert cuda["packed_seq_params"].cu_seqlens_q.tolist() == [0, 2, 4, 6, 8, 10]
+    assert cuda["packed_seq_params"].cu_seqlens_q_padded is None
 
 
 def test_cuda_without_te_builds_the_segment_path(tiny_model_dir):

@@ -6,6 +6,8 @@ Two implementations, chosen by `Platform.packed_attention`:
            attention then runs variable-length flash attention over the segments, and RoPE restarts at
            every cu_seqlens boundary (`RotaryEmbedding.get_rotary_seq_len` takes max_seqlen from the params).
            Needs the Transformer Engine layer spec (Megatron's local DotProductAttention asserts on the params).
+  "thd-ends" - NPU: the same params with cu_seqlens in the convention of MindSpeed's fused attention (end offsets
+           without the leading 0) and Megatron's bounds as cu_seqlens_*_padded, which Megatron's RoPE reads.
   "segments" - the row's segment bounds (cu_seqlens, int32 [n + 1]) passed where the attention mask goes;
            the local layer spec's (CPU, CUDA without TE) `SegmentDotProductAttention` (`mcore_rl/megatron/segment_attention.py`)
            attends within each segment as a right-padded batch of segments. Outside the THD path Megatron's
@@ -30,15 +32,26 @@ def cu_seqlens(seq_lengths: list[int], device) -> torch.Tensor:
     return bounds.to(device)
 
 
-def packed_seq_params(seq_lengths: list[int], device) -> Any:
+def packed_seq_params(seq_lengths: list[int], device, ends_only: bool = False) -> Any:
+    """Megatron's THD params; `ends_only` (mode "thd-ends", NPU): cu_seqlens as the fused attention's end offsets
+    (`mcore_rl.platform.npu_actual_seq_len`) and Megatron's bounds, which its RoPE reads, as the padded ones."""
     from megatron.core.packed_seq_params import PackedSeqParams
+
+    from mcore_rl.platform import npu_actual_seq_len
 
     bounds = cu_seqlens(seq_lengths, device)
     longest = max(seq_lengths)
+    if not ends_only:
+        return PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=longest, max_seqlen_kv=longest
+        )
+    ends = npu_actual_seq_len(bounds)
     return PackedSeqParams(
         qkv_format="thd",
-        cu_seqlens_q=bounds,
-        cu_seqlens_kv=bounds,
+        cu_seqlens_q=ends,
+        cu_seqlens_kv=ends,
+        cu_seqlens_q_padded=bounds,
+        cu_seqlens_kv_padded=bounds,
         max_seqlen_q=longest,
         max_seqlen_kv=longest,
     )
@@ -50,6 +63,7 @@ def model_inputs(mb, mode: str) -> tuple[Optional[torch.Tensor], dict]:
         return mb.attention_mask, {}
     if mode == "segments":
         return cu_seqlens(mb.seq_lengths, mb.tokens.device), {}
-    if mode == "thd":
-        return None, {"packed_seq_params": packed_seq_params(mb.seq_lengths, mb.tokens.device)}
-    raise ValueError(f"packed attention mode {mode!r} unknown: 'thd' or 'segments'")
+    if mode in ("thd", "thd-ends"):
+        params = packed_seq_params(mb.seq_lengths, mb.tokens.device, ends_only=mode == "thd-ends")
+        return None, {"packed_seq_params": params}
+    raise ValueError(f"packed attention mode {mode!r} unknown: 'thd', 'thd-ends' or 'segments'")

@@ -80,11 +80,25 @@ def uses_te_spec(name: str, te_importable: bool) -> bool:
     return name == "npu" or (name == "cuda" and te_importable)
 
 
-def packed_attention_mode(te_spec: bool) -> str:
+def packed_attention_mode(te_spec: bool, name: str = "cuda") -> str:
     """How a packed micro-batch's attention stays within each sequence, given the layer spec built: "thd" (Megatron's
     PackedSeqParams, which only TE's / MindSpeed's attention accept - Megatron's local DotProductAttention asserts
-    packed_seq_params is None) or "segments" (the segment bounds, for the local spec's SegmentDotProductAttention)."""
-    return "thd" if te_spec else "segments"
+    packed_seq_params is None; on NPU "thd-ends": the same params with MindSpeed's fused-attention convention,
+    `npu_actual_seq_len`) or "segments" (the segment bounds, for the local spec's SegmentDotProductAttention)."""
+    if not te_spec:
+        return "segments"
+    return "thd-ends" if name == "npu" else "thd"
+
+
+def npu_actual_seq_len(bounds: torch.Tensor) -> torch.Tensor:
+    """Megatron's cu_seqlens [0, e1, ..., en] as `torch_npu.npu_fusion_attention`'s actual_seq_qlen / kvlen: the
+    cumulative END offsets, without the leading 0 (its documented contract: lengths 2 2 2 2 2 -> 2 4 6 8 10).
+    MindSpeed's flash-attention adaptor passes `packed_seq_params.cu_seqlens_q.tolist()` to the op unchanged, while
+    Megatron's RoPE reads `cu_seqlens_q_padded` when set and needs the leading 0 (docs/devices.md, "Packed
+    micro-batches"), so on NPU the params carry these ends as cu_seqlens and the bounds as the padded ones."""
+    if bounds.dim() != 1 or bounds.numel() < 2 or int(bounds[0]) != 0:
+        raise ValueError(f"cu_seqlens must be [0, e1, ..., en] (1-D, from 0), got {bounds.tolist()}")
+    return bounds[1:]
 
 
 @dataclass(frozen=True)
@@ -115,8 +129,9 @@ class Platform:
     @property
     def packed_attention(self) -> str:
         """How attention is confined to each sequence of a packed micro-batch (`packed_attention_mode`): "thd" with
-        the Transformer Engine spec (CUDA with TE, NPU), "segments" with the local spec (CPU, CUDA without TE)."""
-        return packed_attention_mode(self.uses_transformer_engine)
+        the Transformer Engine spec on CUDA, "thd-ends" on NPU (MindSpeed), "segments" with the local spec (CPU,
+        CUDA without TE)."""
+        return packed_attention_mode(self.uses_transformer_engine, self.name)
 
     @property
     def local_rank(self) -> int:
