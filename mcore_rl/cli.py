@@ -215,9 +215,9 @@ def check_inputs(cfg: Config) -> None:
 
 
 def cmd_train(args) -> int:
+    cfg = load_config(args.config, args.overrides)  # a bad config fails before torch is imported
     from mcore_rl.platform.library_warnings import hide_known_warnings, verbose_requested
 
-    cfg = load_config(args.config, args.overrides)
     if not verbose_requested(cfg.trainer.verbose):
         hide_known_warnings()  # the launcher's own imports too (torch, transformers); workers: trainer.run
     check_paths(cfg)
