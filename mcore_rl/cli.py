@@ -298,11 +298,11 @@ def cmd_convert(args) -> int:
 
 
 def cmd_from_verl(args) -> int:
-    from mcore_rl.from_verl import ShellError, run
+    from mcore_rl.from_verl import ConversionError, ShellError, run
 
     try:
         return run(args)
-    except ShellError as e:
+    except (ShellError, ConversionError) as e:
         raise ConfigError(f"{args.source}: {e}") from None
 
 

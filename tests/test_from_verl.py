@@ -181,6 +181,12 @@ NAME=$(hostname)
     assert "command substitution $(hostname) is not run" in notes and "${MODE//f/g} is not evaluated" in notes
 
 
+def test_here_documents_are_text():
+    script = f"A=1\ncat > notes.txt <<EOF\nA=2\n{LAUNCH} wrong=1\nEOF\n{LAUNCH} a=$A\n"
+    read = read_script(script)
+    assert read.argv[3:] == ["a=1"] and read.line == 6
+
+
 def test_no_trainer_command():
     with pytest.raises(ShellError, match="no verl trainer command found"):
         read_script("echo hello\npython3 train.py a=1\n")
@@ -362,6 +368,7 @@ def test_grpo_megatron_rules(tmp_path):
     )
     assert got["rollout.top_k"] == -1 and got["trainer.wandb"] is True and got["checkpoint.save_every"] == 0
     assert got["trainer.val_every"] == 5 and got["trainer.run_dir"] == "runs/qwen3_8b_grpo"
+    assert got["actor.optim.lr"] == 2e-6  # the here-document's "lr=9" is text, not an assignment
 
 
 def test_fsdp_actor_maps_to_data_parallelism_and_ulysses_is_listed(tmp_path):
@@ -383,6 +390,40 @@ def test_fsdp_grpo_with_unsupported_keys(tmp_path):
     assert rows["custom_reward_function.path"].status == "not supported"
     assert "reward.fn=MODULE:score" in rows["custom_reward_function.path"].why
     assert rows["trainer.val_before_train"].key == "++trainer.val_before_train"
+
+
+def test_interpolations_deletions_and_unreadable_values(tmp_path, capsys):
+    conv = convert_launch(
+        f"{LAUNCH} data.max_prompt_length=256 actor_rollout_ref.rollout.prompt_length='${{data.max_prompt_length}}' "
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu='${actor_rollout_ref.rollout.prompt_length}' "
+        "actor_rollout_ref.actor.use_dynamic_bsz=true ~trainer.logger"
+    )
+    assert conv.conversion.settings["actor.max_tokens_per_micro_batch"].value == 256  # interpolations followed
+    assert conv.conversion.rows["trainer.logger"].status == "not supported"  # ~key: a deletion
+    assert cli_main(["from-verl", f"{LAUNCH} data.max_prompt_length=long", "--out", str(tmp_path / "p.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "mcore-rl: error:" in err and "data.max_prompt_length=long: expected an integer, got 'long'" in err
+
+
+def test_a_file_from_verl_did_not_write_is_kept(tmp_path, capsys):
+    out = tmp_path / "mine.yaml"
+    out.write_text("# my own preset\n")
+    assert cli_main(["from-verl", f"{LAUNCH} trainer.nnodes=1", "--out", str(out)]) == 2
+    assert "exists and was not written by mcore-rl from-verl" in capsys.readouterr().err
+    assert out.read_text() == "# my own preset\n"
+    out.unlink()
+    for _ in range(2):  # its own output is replaced
+        assert cli_main(["from-verl", f"{LAUNCH} trainer.nnodes=1", "--out", str(out)]) == 0
+    assert list(tmp_path.iterdir()) == [out]
+
+
+def test_global_micro_batch_size_is_divided_by_dp():
+    conv = convert_launch(
+        f"{LAUNCH} --config-name ppo_megatron_trainer trainer.n_gpus_per_node=8 "
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2 "
+        "actor_rollout_ref.actor.ppo_micro_batch_size=16"
+    )
+    assert conv.conversion.settings["actor.parallel.micro_batch_size"].value == 4  # 16 / dp 4
 
 
 def test_mini_batch_rule_counts_prompts():

@@ -15,10 +15,19 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, get_type_hints
 
 from mcore_rl.from_verl.hydra import parse_command
-from mcore_rl.from_verl.mapping import STATUSES, Conversion, convert
+from mcore_rl.from_verl.mapping import STATUSES, Conversion, ConversionError, convert
 from mcore_rl.from_verl.shell import ShellError, read_script
 
-__all__ = ["ShellError", "Converted", "convert_launch", "preset_text", "check_preset", "report", "run"]
+__all__ = [
+    "ShellError",
+    "ConversionError",
+    "Converted",
+    "convert_launch",
+    "preset_text",
+    "check_preset",
+    "report",
+    "run",
+]
 
 
 @dataclass
@@ -81,7 +90,7 @@ def preset_text(conv: Converted, out_name: str) -> str:
     order = [k for k in _section_order(Config) if k in settings]
     nnodes, nproc = settings["trainer.nnodes"].value, settings["trainer.nproc"].value
     lines = [
-        f"# Converted by `mcore-rl from-verl` from {conv.source} (trainer command at line {conv.line}),",
+        f"{HEADER}{conv.source} (trainer command at line {conv.line}),",
         f"# {c.strategy} actor; verl key names and defaults of verl 0.8.0.dev (mcore_rl/from_verl/verl_schema.yaml).",
         f"# The script's cluster: {nnodes} node(s) x {nproc} devices = {c.world}.",
         f"#   mcore-rl check {out_name} --nnodes {nnodes} --nproc-per-node {nproc}",
@@ -144,8 +153,7 @@ def run(args) -> int:
     """The `mcore-rl from-verl` command (argparse namespace: source, overrides, out, strict, model_config)."""
     conv = convert_launch(args.source, args.overrides)
     out = args.out or _default_out(conv)
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(preset_text(conv, out))
+    _write_preset(Path(out), preset_text(conv, out))
     print(f"preset written: {out}")
     print(report(conv))
     passed, message = check_preset(out, conv.conversion.world, args.model_config)
@@ -157,6 +165,21 @@ def run(args) -> int:
         print(f"check at {where}: FAILED - the preset is written as converted; fix it before training:\n  {message}")
     incomplete = any(r.status in ("not supported", "unknown") for r in c.rows.values())
     return 1 if args.strict and (incomplete or not passed) else 0
+
+
+HEADER = "# Converted by `mcore-rl from-verl` from "
+
+
+def _write_preset(path: Path, text: str) -> None:
+    """Atomically; a file that from-verl did not write is never replaced (it may be someone's preset)."""
+    if path.exists() and (path.is_dir() or not path.read_text(errors="replace").startswith(HEADER)):
+        raise ConversionError(
+            f"--out {path} exists and was not written by mcore-rl from-verl: give another --out, or move that file"
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _default_out(conv: Converted) -> str:

@@ -33,6 +33,10 @@ MODEL = "actor_rollout_ref.model."
 OB = "reward_model.reward_kwargs.overlong_buffer_cfg."
 
 
+class ConversionError(ValueError):
+    """A value the rules cannot read (a word where a number belongs); the message names the override."""
+
+
 @dataclass(frozen=True)
 class Known:
     """A verl key (or every key under a prefix ending in '.*') and what becomes of it here."""
@@ -463,10 +467,7 @@ ADDITIONS = {
             "num_layers_in_last_pipeline_stage",
             "moe_router_dtype",
             "moe_token_dispatcher_type",
-            "recompute_method",
-            "recompute_granularity",
-            "recompute_num_layers",
-            *FUSIONS,
+            *(f for f in FUSIONS if f != "attention_backend"),
         )
     },
 }
@@ -572,7 +573,34 @@ class VerlRun:
         return value
 
     def get(self, key: str) -> Any:
-        return self.overrides[key].value if self.given(key) else self.default(key)
+        """The script's value (a Hydra interpolation `${other.key}` of a known key followed), else verl's default."""
+        if not self.given(key):
+            return self.default(key)
+        value = self.overrides[key].value
+        m = re.fullmatch(r"\$\{([\w.]+)\}", value) if isinstance(value, str) else None
+        if m and m.group(1) != key and known_entry(m.group(1)) is not None:
+            return self.get(m.group(1))
+        return value
+
+    def as_int(self, key: str, fallback: Optional[int] = None) -> int:
+        return self._number(key, int, fallback)
+
+    def as_float(self, key: str, fallback: Optional[float] = None) -> float:
+        return self._number(key, float, fallback)
+
+    def _number(self, key: str, kind: type, fallback: Any) -> Any:
+        value = self.get(key)
+        if value is None or value == "":
+            if fallback is not None:
+                return fallback
+            raise ConversionError(f"{self.source(key)}: this key needs a number; give it one in the script")
+        try:
+            if isinstance(value, bool) or (kind is int and isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return kind(value)
+        except (TypeError, ValueError):
+            what = "an integer" if kind is int else "a number"
+            raise ConversionError(f"{self.source(key)}: expected {what}, got {value!r}; fix it in the script") from None
 
     def source(self, key: str) -> str:
         if self.given(key):
@@ -668,8 +696,8 @@ def _layout(run: VerlRun) -> None:
     run.set("actor.optim.use_distributed_optimizer", True, source=f"{source}; FSDP shards the optimizer state")
     run.mark(A + "strategy", "mapped", "actor.parallel", "FSDP -> data parallelism over the world (tp = pp = ep = 1)")
     for key in (F + "ulysses_sequence_parallel_size", A + "ulysses_sequence_parallel_size"):
-        sp = run.get(key) or 1
-        if int(sp) > 1:
+        sp = run.as_int(key, 1)
+        if sp > 1:
             run.mark(
                 key,
                 "not supported",
@@ -695,7 +723,7 @@ def ulysses(run: VerlRun) -> int:
     key = A + "ulysses_sequence_parallel_size"
     if not run.given(key):
         key = F + "ulysses_sequence_parallel_size"
-    return max(1, int(run.get(key) or 1))
+    return max(1, run.as_int(key, 1))
 
 
 def _offload(run: VerlRun) -> None:
@@ -828,7 +856,7 @@ def _micro_batches(run: VerlRun) -> None:
     dyn_key, budget_key = A + "use_dynamic_bsz", A + "ppo_max_token_len_per_gpu"
     sp = ulysses(run)
     if _truthy(run.get(dyn_key)):
-        budget = int(run.get(budget_key)) * sp
+        budget = run.as_int(budget_key) * sp
         rule = f" x ulysses {sp} (the SP group's budget, on one device here)" if sp > 1 else ""
         run.set(
             "actor.max_tokens_per_micro_batch",
@@ -844,16 +872,24 @@ def _micro_batches(run: VerlRun) -> None:
             run.out.settings["actor.max_tokens_per_forward_micro_batch"] = forward
         return
     run.mark(budget_key, "no effect in verl", "", "use_dynamic_bsz is false")
-    per_gpu, key = run.get(A + "ppo_micro_batch_size_per_gpu"), A + "ppo_micro_batch_size_per_gpu"
-    if per_gpu is None and run.given(A + "ppo_micro_batch_size"):
-        key = A + "ppo_micro_batch_size"
-        run.out.notes.append(
-            f"{key} is global in verl: divided by the data-parallel size at check time is not "
-            "done here; micro_batch_size = its value / world, set it by hand if the layout differs"
-        )
-        per_gpu = max(1, int(run.get(key)) // max(1, run.out.world))
+    key = A + "ppo_micro_batch_size_per_gpu"
     run.set("actor.max_tokens_per_micro_batch", None, dyn_key, source=f"{run.source(dyn_key)}: sequences a micro-batch")
-    run.set("actor.parallel.micro_batch_size", int(per_gpu or 1), key)
+    if run.get(key) is None and run.given(A + "ppo_micro_batch_size"):
+        key = A + "ppo_micro_batch_size"
+        dp = max(1, run.out.world // _model_parallel(run))
+        per_gpu = max(1, run.as_int(key) // dp)
+        run.set("actor.parallel.micro_batch_size", per_gpu, key, source=f"{run.source(key)} / dp {dp} (global in verl)")
+        return
+    run.set("actor.parallel.micro_batch_size", run.as_int(key, 1), key)
+
+
+def _model_parallel(run: VerlRun) -> int:
+    """tp x pp x cp of the actor as converted so far (the data-parallel size is world / this)."""
+    size = 1
+    for dim in ("tp", "pp", "cp"):
+        setting = run.out.settings.get(f"actor.parallel.{dim}")
+        size *= int(setting.value) if setting and setting.value else 1
+    return size
 
 
 def _forward_budget(run: VerlRun, sp: int) -> Optional[Setting]:
@@ -864,7 +900,7 @@ def _forward_budget(run: VerlRun, sp: int) -> Optional[Setting]:
         for k in given:
             run.mark(k, "no effect in verl", "", "log_prob_use_dynamic_bsz is false")
         return None
-    value = max(int(run.get(k)) for k in given) * sp
+    value = max(run.as_int(k) for k in given) * sp
     for k in given:
         run.mark(k, "mapped", "actor.max_tokens_per_forward_micro_batch")
     run.mark(use_key, "mapped", "actor.max_tokens_per_forward_micro_batch")
@@ -908,10 +944,10 @@ def _loss(run: VerlRun) -> None:
     _clips(run, loss, mode)
     for key, target in ((A + "tau_pos", "algo.tau_pos"), (A + "tau_neg", "algo.tau_neg")):
         if loss == "sapo":
-            run.set(target, float(run.get(key)), key)
+            run.set(target, run.as_float(key), key)
         else:
             run.mark(key, "no effect in verl", target, f"read by the sapo loss only ({mode} here)")
-    run.set("algo.entropy_coef", float(run.get(A + "entropy_coeff") or 0.0), A + "entropy_coeff")
+    run.set("algo.entropy_coef", run.as_float(A + "entropy_coeff", 0.0), A + "entropy_coeff")
     _kl(run)
     _advantages(run)
     _rollout_correction(run)
@@ -926,18 +962,17 @@ def _clips(run: VerlRun, loss: str, mode: str) -> None:
         for key in (ratio, low_key, high_key, c_key):
             run.mark(key, "no effect in verl", "", "the sapo loss has no clipping (a soft gate)")
         return
-    low = run.get(low_key) if run.get(low_key) is not None else run.get(ratio)
-    high = run.get(high_key) if run.get(high_key) is not None else run.get(ratio)
+    # verl: clip_ratio_low / _high when not null (their defaults are 0.2), else clip_ratio
     low_src = low_key if run.get(low_key) is not None else ratio
     high_src = high_key if run.get(high_key) is not None else ratio
-    run.set("algo.clip_low", float(low), low_src)
-    run.set("algo.clip_high", float(high), high_src)
+    run.set("algo.clip_low", run.as_float(low_src), low_src)
+    run.set("algo.clip_high", run.as_float(high_src), high_src)
     if ratio not in (low_src, high_src):
         run.mark(ratio, "no effect in verl", "", "clip_ratio_low / clip_ratio_high are set (verl's defaults are 0.2)")
     if loss == "grpo":
         run.set(
             "algo.dual_clip",
-            float(run.get(c_key)),
+            run.as_float(c_key),
             c_key,
             source=(f"{run.source(c_key)} - verl's vanilla loss always applies the dual clip"),
         )
@@ -954,7 +989,7 @@ def _clips(run: VerlRun, loss: str, mode: str) -> None:
 def _kl(run: VerlRun) -> None:
     use, coef, kind = A + "use_kl_loss", A + "kl_loss_coef", A + "kl_loss_type"
     if _truthy(run.get(use)):
-        run.set("algo.kl_coef", float(run.get(coef)), use, coef)
+        run.set("algo.kl_coef", run.as_float(coef), use, coef)
         name = str(run.get(kind))
         kl = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}.get(name)
         if kl is None:
@@ -1010,7 +1045,7 @@ def _rollout_correction(run: VerlRun) -> None:
         run.mark(key, "not supported", "algo.rollout_is", f"{mode}: off instead")
         return
     run.set("algo.rollout_is", mode, key)
-    run.set("algo.rollout_is_cap", float(run.get(cap)), cap)
+    run.set("algo.rollout_is_cap", run.as_float(cap), cap)
 
 
 def _routing_replay(run: VerlRun) -> None:
@@ -1032,17 +1067,21 @@ def _routing_replay(run: VerlRun) -> None:
 
 
 def _optim(run: VerlRun) -> None:
-    lr = float(run.get(A + "optim.lr"))
+    lr = run.as_float(A + "optim.lr")
     run.set("actor.optim.lr", lr, A + "optim.lr")
-    run.set("actor.optim.weight_decay", float(run.get(A + "optim.weight_decay")), A + "optim.weight_decay")
+    run.set("actor.optim.weight_decay", run.as_float(A + "optim.weight_decay"), A + "optim.weight_decay")
     clip_key = A + "optim.clip_grad" if run.strategy == "megatron" else A + "grad_clip"
-    run.set("actor.optim.clip_grad", float(run.get(clip_key)), clip_key)
+    run.set("actor.optim.clip_grad", run.as_float(clip_key), clip_key)
     other = A + "grad_clip" if run.strategy == "megatron" else A + "optim.clip_grad"
     run.mark(other, "no effect in verl", "", f"the {run.strategy} actor clips by {clip_key.split('.')[-1]}")
     betas = run.get(A + "optim.betas")
     if isinstance(betas, list) and len(betas) == 2:
-        run.set("actor.optim.adam_beta1", float(betas[0]), A + "optim.betas")
-        run.set("actor.optim.adam_beta2", float(betas[1]), A + "optim.betas")
+        try:
+            beta1, beta2 = float(betas[0]), float(betas[1])
+        except (TypeError, ValueError):
+            raise ConversionError(f"{run.source(A + 'optim.betas')}: expected two numbers") from None
+        run.set("actor.optim.adam_beta1", beta1, A + "optim.betas")
+        run.set("actor.optim.adam_beta2", beta2, A + "optim.betas")
     name = str(run.get(A + "optim.optimizer"))
     if name.lower() in ("adam", "adamw"):
         run.mark(A + "optim.optimizer", "mapped", "", "Megatron's Adam with decoupled weight decay (AdamW)")
@@ -1053,13 +1092,13 @@ def _optim(run: VerlRun) -> None:
 
 def _schedule(run: VerlRun, lr: float) -> None:
     steps_key, ratio_key = A + "optim.lr_warmup_steps", A + "optim.lr_warmup_steps_ratio"
-    steps = run.get(steps_key)
-    if steps is not None and int(steps) >= 0:
-        run.set("actor.optim.warmup_steps", int(steps), steps_key)
+    steps = run.as_int(steps_key, -1)
+    if steps >= 0:
+        run.set("actor.optim.warmup_steps", steps, steps_key)
         run.mark(ratio_key, "no effect in verl", "", "lr_warmup_steps is set")
     else:
         total = run.out.settings.get("trainer.steps")
-        ratio = float(run.get(ratio_key) or 0.0)
+        ratio = run.as_float(ratio_key, 0.0)
         warm = int(ratio * total.value) if total and total.value else 0
         run.set(
             "actor.optim.warmup_steps",
@@ -1071,13 +1110,13 @@ def _schedule(run: VerlRun, lr: float) -> None:
     if run.strategy == "megatron":
         key = A + "optim.lr_decay_style"
         style = str(run.get(key))
-        run.set("actor.optim.min_lr", float(run.get(A + "optim.min_lr") or 0.0), A + "optim.min_lr")
+        run.set("actor.optim.min_lr", run.as_float(A + "optim.min_lr", 0.0), A + "optim.min_lr")
     else:
         key = A + "optim.lr_scheduler_type"
         if run.given(A + "optim.warmup_style") and not run.given(key):
             key = A + "optim.warmup_style"
         style = str(run.get(key))
-        ratio = float(run.get(A + "optim.min_lr_ratio") or 0.0)
+        ratio = run.as_float(A + "optim.min_lr_ratio", 0.0)
         run.set(
             "actor.optim.min_lr",
             ratio * lr,
@@ -1089,7 +1128,7 @@ def _schedule(run: VerlRun, lr: float) -> None:
         style = "constant"
     run.set("actor.optim.decay_style", style, key)
     if run.given(A + "optim.lr_decay_steps") and run.get(A + "optim.lr_decay_steps") is not None:
-        run.set("actor.optim.decay_steps", int(run.get(A + "optim.lr_decay_steps")), A + "optim.lr_decay_steps")
+        run.set("actor.optim.decay_steps", run.as_int(A + "optim.lr_decay_steps"), A + "optim.lr_decay_steps")
 
 
 def _rollout(run: VerlRun) -> None:
@@ -1104,7 +1143,7 @@ def _rollout(run: VerlRun) -> None:
         run.set("rollout.engine", engine, R + "name")
     tp = _int(run.get(R + "tensor_model_parallel_size"), "rollout tp", run.out.notes) or 1
     run.set("rollout.tp", tp, R + "tensor_model_parallel_size")
-    dp = int(run.get(R + "data_parallel_size") or 1)
+    dp = run.as_int(R + "data_parallel_size", 1)
     world = run.out.world
     why = f"{tp} x {dp}: here world {world} / rollout.tp {tp} = {world // max(tp, 1)} replicas"
     run.mark(R + "data_parallel_size", "mapped", "", why)
@@ -1112,17 +1151,15 @@ def _rollout(run: VerlRun) -> None:
         (R + "expert_parallel_size", "experts are tensor-parallel in each replica"),
         (R + "pipeline_model_parallel_size", "each replica is tensor-parallel only"),
     ):
-        size = int(run.get(key) or 1)
+        size = run.as_int(key, 1)
         run.mark(key, "mapped" if size == 1 else "not supported", "", "1" if size == 1 else f"{size}: {what}")
-    run.set(
-        "rollout.gpu_memory_utilization", float(run.get(R + "gpu_memory_utilization")), R + "gpu_memory_utilization"
-    )
+    run.set("rollout.gpu_memory_utilization", run.as_float(R + "gpu_memory_utilization"), R + "gpu_memory_utilization")
     run.set("rollout.enforce_eager", _truthy(run.get(R + "enforce_eager")), R + "enforce_eager")
-    temperature = float(run.get(R + "temperature"))
+    temperature = run.as_float(R + "temperature")
     run.set("rollout.temperature", temperature, R + "temperature")
     run.set("algo.temperature", temperature, R + "temperature")
-    run.set("rollout.top_p", float(run.get(R + "top_p")), R + "top_p")
-    top_k = int(run.get(R + "top_k"))
+    run.set("rollout.top_p", run.as_float(R + "top_p"), R + "top_p")
+    top_k = run.as_int(R + "top_k")
     run.set("rollout.top_k", -1 if top_k <= 0 else top_k, R + "top_k")
     if not _truthy(run.get(R + "do_sample")):
         run.mark(R + "do_sample", "not supported", "", "false: training samples here")
@@ -1131,13 +1168,13 @@ def _rollout(run: VerlRun) -> None:
     _validation_sampling(run)
     bucket = R + "checkpoint_engine.update_weights_bucket_megabytes"
     if run.given(bucket):
-        run.set("rollout.sync_bucket_mb", float(run.get(bucket)), bucket)
+        run.set("rollout.sync_bucket_mb", run.as_float(bucket), bucket)
 
 
 def _validation_sampling(run: VerlRun) -> None:
     keys = [R + f"val_kwargs.{k}" for k in ("do_sample", "temperature", "n", "top_p", "top_k")]
-    greedy = not _truthy(run.get(keys[0])) or float(run.get(keys[1]) or 0) == 0
-    one = int(run.get(keys[2]) or 1) == 1
+    greedy = not _truthy(run.get(keys[0])) or run.as_float(keys[1], 0) == 0
+    one = run.as_int(keys[2], 1) == 1
     for key in keys:
         if greedy and one:
             run.mark(key, "not needed", "", "validation here is greedy pass@1, as these settings")
@@ -1160,14 +1197,14 @@ def _data(run: VerlRun) -> None:
     _one_file(run, "data.train_files", "data.train_path")
     _one_file(run, "data.val_files", "data.val_path")
     run.set("data.prompt_key", str(run.get("data.prompt_key")), "data.prompt_key")
-    run.set("data.max_prompt_len", int(run.get("data.max_prompt_length")), "data.max_prompt_length")
-    run.set("rollout.max_new_tokens", int(run.get("data.max_response_length")), "data.max_response_length")
+    run.set("data.max_prompt_len", run.as_int("data.max_prompt_length"), "data.max_prompt_length")
+    run.set("rollout.max_new_tokens", run.as_int("data.max_response_length"), "data.max_response_length")
     run.set("data.shuffle", _truthy(run.get("data.shuffle")), "data.shuffle")
     if run.get("data.seed") is not None:
-        run.set("data.seed", int(run.get("data.seed")), "data.seed")
-    samples = run.get("data.val_max_samples")
-    if samples is not None and int(samples) > 0:
-        run.set("trainer.val_prompts", int(samples), "data.val_max_samples")
+        run.set("data.seed", run.as_int("data.seed"), "data.seed")
+    samples = run.as_int("data.val_max_samples", -1)
+    if samples > 0:
+        run.set("trainer.val_prompts", samples, "data.val_max_samples")
     else:
         run.mark(
             "data.val_max_samples",
@@ -1238,16 +1275,16 @@ def _overlong(run: VerlRun, manager: str) -> None:
         for key in (length, factor, max_resp):
             run.mark(key, "no effect in verl", "", "overlong_buffer_cfg.enable is false")
         return
-    buffer = run.get(length)
-    if buffer is None:
+    buffer = run.as_int(length, 0)
+    if buffer <= 0:
         run.mark(enable, "not supported", "reward.overlong_buffer", "enabled without overlong_buffer_cfg.len: off")
         run.set("reward.overlong_buffer", 0, source=f"{run.source(enable)} without a length: off")
         return
-    run.set("reward.overlong_buffer", int(buffer), enable, length)
-    run.set("reward.overlong_penalty", float(run.get(factor) if run.get(factor) is not None else 1.0), factor)
-    response = int(run.get("data.max_response_length"))
+    run.set("reward.overlong_buffer", buffer, enable, length)
+    run.set("reward.overlong_penalty", run.as_float(factor, 1.0), factor)
+    response = run.as_int("data.max_response_length")
     if run.given(max_resp):
-        same = int(run.get(max_resp)) == response
+        same = run.as_int(max_resp) == response
         run.mark(
             max_resp,
             "mapped" if same else "not supported",
@@ -1263,9 +1300,9 @@ def _overlong(run: VerlRun, manager: str) -> None:
 
 def _trainer(run: VerlRun) -> None:
     steps_key, epochs_key = "trainer.total_training_steps", "trainer.total_epochs"
-    steps = run.get(steps_key)
-    if steps is not None:
-        run.set("trainer.steps", int(steps), steps_key)
+    steps = run.as_int(steps_key, -1)
+    if steps >= 0:
+        run.set("trainer.steps", steps, steps_key)
         run.mark(epochs_key, "not needed", "", "total_training_steps decides the steps")
     else:
         run.mark(
@@ -1276,9 +1313,9 @@ def _trainer(run: VerlRun) -> None:
             "train_batch_size); the dataset is not read here: set trainer.steps",
         )
         run.out.notes.append("trainer.total_training_steps is not set: trainer.steps stays at 100; set it by hand")
-    save = int(run.get("trainer.save_freq"))
+    save = run.as_int("trainer.save_freq")
     run.set("checkpoint.save_every", max(save, 0), "trainer.save_freq")
-    test = int(run.get("trainer.test_freq"))
+    test = run.as_int("trainer.test_freq")
     run.set("trainer.val_every", max(test, 0), "trainer.test_freq")
     if _truthy(run.get("trainer.val_before_train")):
         run.mark(
@@ -1309,9 +1346,9 @@ def _trainer(run: VerlRun) -> None:
         run.mark("trainer.resume_from_path", "no effect in verl", "", f"resume_mode={mode}")
     else:
         run.mark("trainer.resume_mode", "not supported", "checkpoint.resume", f"{mode}: auto instead")
-    keep = run.get("trainer.max_actor_ckpt_to_keep")
-    if keep is not None and int(keep) >= 1:
-        run.set("checkpoint.keep_last", int(keep), "trainer.max_actor_ckpt_to_keep")
+    keep = run.as_int("trainer.max_actor_ckpt_to_keep", 0)
+    if keep >= 1:
+        run.set("checkpoint.keep_last", keep, "trainer.max_actor_ckpt_to_keep")
     elif run.given("trainer.max_actor_ckpt_to_keep"):
         run.mark(
             "trainer.max_actor_ckpt_to_keep",

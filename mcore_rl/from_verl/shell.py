@@ -90,6 +90,19 @@ def _skip_dollar(text: str, i: int, line: int) -> int:
     raise ShellError(f"line {line}: the '${open_}' opened here is never closed")
 
 
+def _skip_heredocs(text: str, i: int, line: int, heredocs: list[tuple[str, bool]]) -> tuple[int, int]:
+    """Index and line after the bodies of the here-documents opened on the line that just ended."""
+    for delimiter, strip_tabs in heredocs:
+        while i < len(text):
+            end = text.find("\n", i)
+            end = len(text) if end < 0 else end
+            body_line = text[i:end]
+            i, line = end + 1, line + 1
+            if (body_line.lstrip("\t") if strip_tabs else body_line) == delimiter:
+                break
+    return i, line
+
+
 def split_commands(text: str) -> list[Command]:
     """The script's simple commands, as raw words (quotes and expansions not yet evaluated)."""
     commands: list[Command] = []
@@ -98,6 +111,7 @@ def split_commands(text: str) -> list[Command]:
     line = 1
     start_line = 1
     i = 0
+    heredocs: list[tuple[str, bool]] = []  # (delimiter, <<- strips leading tabs) of the current line
 
     def end_word():
         if word:
@@ -124,12 +138,21 @@ def split_commands(text: str) -> list[Command]:
             end_word()
             i += 1
             continue
+        if text.startswith("<<", i) and not text.startswith("<<<", i) and not word:  # a here-document
+            m = re.compile(r"<<(-?)[ \t]*(['\"]?)(\w+)\2").match(text, i)
+            if m:
+                heredocs.append((m.group(3), m.group(1) == "-"))
+                i = m.end()
+                continue
         redirect = c == "&" and (text[i - 1 : i] == ">" or text[i + 1 : i + 2] == ">")
         if not redirect and c in "\n;&|":
             end_command()
             if c == "\n":
                 line += 1
             i += 2 if text[i : i + 2] in ("&&", "||", ";;") else 1
+            if c == "\n" and heredocs:  # its body is text for the command, not commands
+                i, line = _skip_heredocs(text, i, line, heredocs)
+                heredocs.clear()
             if not words:
                 start_line = line
             continue

@@ -4,6 +4,9 @@
 NNODES=${NNODES:-2}; GPUS=${GPUS:-8}
 TP=2 PP=2
 lr=2e-6
+cat > /dev/null <<-'NOTES'
+	lr=9  # text of a here-document, not an assignment
+	NOTES
 python3 -m verl.trainer.main_ppo --config-path config --config-name ppo_megatron_trainer \
     algorithm.adv_estimator=grpo algorithm.norm_adv_by_std_in_grpo=False \
     data.train_files=data/gsm8k/train.parquet data.val_files=data/gsm8k/test.parquet \
