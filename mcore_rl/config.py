@@ -197,6 +197,8 @@ class CheckpointConfig:
     resume: str = "auto"  # auto | never | PATH
     save_hf: bool = True  # at the end, export the trained actor as a Hugging Face folder: RUN_DIR/hf
     move_old_run: bool = False  # a fresh start in a run_dir holding another run: move that run to previous_runs/
+    # resume from a checkpoint without CHECKSUMS.json (written by hand or by another tool): loaded unverified
+    trust_unverified: bool = False
 
 
 @dataclass

@@ -164,12 +164,29 @@ def _verify_share(directory: Path, manifest: dict[str, dict], rank: int, world: 
     return problems
 
 
-def verify_checkpoint(ckpt: "Checkpoint", rank: int = 0, world: int = 1, gather=None) -> list[str]:
+TRUST_FLAG = "checkpoint.trust_unverified=true"
+
+
+def unverifiable(ckpt: "Checkpoint") -> Optional[str]:
+    """Why a checkpoint cannot be verified (its CHECKSUMS.json is gone), or None. Every checkpoint this
+    project writes has one: without it a flipped byte would be trained on unnoticed."""
+    manifest_path = ckpt.path / CHECKSUMS
+    if manifest_path.is_file():
+        return None
+    return f"{manifest_path} is missing, so its files cannot be verified ({TRUST_FLAG} loads it unverified)"
+
+
+def verify_checkpoint(
+    ckpt: "Checkpoint", rank: int = 0, world: int = 1, gather=None, trust_unverified: bool = False
+) -> list[str]:
     """Collective when `gather` is given (every rank checks its share): the problems found, [] when it
-    verifies. A checkpoint written before checksums existed has no manifest and is taken as it is."""
+    verifies. One without a manifest is a problem, unless `trust_unverified` (then taken as it is)."""
     manifest_path = ckpt.path / CHECKSUMS
     problems = []
-    if manifest_path.is_file():
+    missing = unverifiable(ckpt)
+    if missing and not trust_unverified and rank == 0:
+        problems = [missing]
+    elif not missing:
         try:
             manifest = json.loads(manifest_path.read_text())
             problems = _verify_share(ckpt.path, manifest, rank, world)
@@ -525,6 +542,10 @@ def check_run_dir(cfg) -> None:
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"trainer.run_dir = {run_dir} is a file, not a directory: choose another trainer.run_dir")
     resume = resolve_resume(cfg)  # a bad checkpoint.resume fails here
+    if resume is not None and cfg.checkpoint.resume != "auto" and not cfg.checkpoint.trust_unverified:
+        missing = unverifiable(resume)  # the checksums themselves are checked by the ranks (their shares)
+        if missing:
+            raise ConfigError(f"checkpoint.resume = {cfg.checkpoint.resume}: {missing}")
     if not run_dir.is_dir():
         return
     check_lock_free(run_dir)
@@ -568,8 +589,9 @@ def resolve_verified_resume(cfg, log=None) -> Optional[Checkpoint]:
     chosen = resolve_resume(cfg)
     if chosen is None:
         return None
+    trust = cfg.checkpoint.trust_unverified
     if cfg.checkpoint.resume != "auto":
-        problems = verify_checkpoint(chosen, rank, world, gather)
+        problems = verify_checkpoint(chosen, rank, world, gather, trust)
         if problems:
             raise ConfigError(
                 f"checkpoint.resume = {cfg.checkpoint.resume}: {chosen.path} is damaged: {'; '.join(problems[:3])}; "
@@ -577,8 +599,10 @@ def resolve_verified_resume(cfg, log=None) -> Optional[Checkpoint]:
             )
         return chosen
     for ckpt in reversed(CheckpointManager(cfg.trainer.run_dir).complete()):
-        problems = verify_checkpoint(ckpt, rank, world, gather)
+        problems = verify_checkpoint(ckpt, rank, world, gather, trust)
         if not problems:
+            if trust and unverifiable(ckpt) and log is not None and rank == 0:
+                log.warning("checkpoint %s has no %s: loaded unverified (%s)", ckpt.path, CHECKSUMS, TRUST_FLAG)
             return ckpt
         if log is not None and rank == 0:
             log.warning("checkpoint %s skipped: %s", ckpt.path, "; ".join(problems[:3]))

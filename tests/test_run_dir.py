@@ -321,6 +321,49 @@ def test_damaged_newest_checkpoint_falls_back_and_names_the_file(tmp_path, caplo
     assert str(damaged) in str(err.value) and expected in str(err.value)
 
 
+def test_checkpoint_without_its_checksums_is_not_trusted_unless_asked(tmp_path, caplog):
+    """The newest checkpoint's CHECKSUMS.json deleted and a byte of its shard flipped: it used to be resumed
+    from silently. resume=auto falls back to the previous one with a warning; resume=PATH fails in the
+    pre-flight naming the flag; checkpoint.trust_unverified=true loads it (with a warning)."""
+    import logging
+
+    from mcore_rl.run_dir import CHECKSUMS, check_run_dir, resolve_verified_resume
+
+    run = tmp_path / "run"
+    manager = CheckpointManager(run, keep_last=3)
+
+    def write(tmp: Path) -> None:
+        (tmp / "actor").mkdir()
+        (tmp / "actor" / "__0_0.distcp").write_bytes(bytes(10_000))
+
+    for step in (2, 4):
+        manager.save(step, write)
+    newest = manager.step_dir(4)
+    (newest / CHECKSUMS).unlink()
+    with open(newest / "actor" / "__0_0.distcp", "r+b") as f:
+        f.seek(5000)
+        f.write(b"\x01")
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    log = logging.getLogger("test")
+    with caplog.at_level(logging.WARNING):
+        assert resolve_verified_resume(_cfg(run, "checkpoint.resume=auto"), log).step == 2
+    assert f"checkpoint {newest} skipped: {newest / CHECKSUMS} is missing" in caplog.text
+    assert "checkpoint.trust_unverified=true loads it unverified" in caplog.text
+    for check in (check_run_dir, resolve_verified_resume):  # the pre-flight, then the ranks
+        with pytest.raises(ConfigError) as err:
+            check(_cfg(run, f"checkpoint.resume={newest}"))
+        assert f"{newest / CHECKSUMS} is missing" in str(err.value)
+        assert "checkpoint.trust_unverified=true" in str(err.value)
+    caplog.clear()
+    trusted = "checkpoint.trust_unverified=true"
+    with caplog.at_level(logging.WARNING):
+        assert resolve_verified_resume(_cfg(run, "checkpoint.resume=auto", trusted), log).step == 4
+    assert "loaded unverified" in caplog.text
+    check_run_dir(_cfg(run, f"checkpoint.resume={newest}", trusted))
+    assert resolve_verified_resume(_cfg(run, f"checkpoint.resume={newest}", trusted)).step == 4
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before  # nothing changed
+
+
 # ---------------------------------------------------------------- disk full
 @pytest.fixture
 def small_filesystem(tmp_path):
