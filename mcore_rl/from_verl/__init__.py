@@ -129,19 +129,23 @@ def check_preset(path: str | os.PathLike, world: int, model_config: Optional[str
 
 
 def report(conv: Converted) -> str:
-    """The table of every key the script sets, by what became of it, then the notes."""
+    """The table of every key the script sets, by what became of it, then the notes. Unknown keys are part of
+    "not supported" (they are not carried over), marked as unknown."""
     c = conv.conversion
+    groups: dict[str, list] = {status: [] for status in STATUSES if status != "unknown"}
+    for row in c.rows.values():
+        groups["not supported" if row.status == "unknown" else row.status].append(row)
     lines = []
-    for status in STATUSES:
-        rows = [r for r in c.rows.values() if r.status == status]
+    for status, rows in groups.items():
         if not rows:
             continue
-        lines.append(f"{status} ({len(rows)}):")
-        for r in sorted(rows, key=lambda r: r.key.lstrip("+")):
+        unknown = sum(r.status == "unknown" for r in rows)
+        lines.append(f"{status} ({len(rows)}" + (f", {unknown} of them unknown keys" if unknown else "") + "):")
+        for r in sorted(rows, key=lambda r: (r.status == "unknown", r.key.lstrip("+~"))):
             shown = f"{r.key}={r.value}" if r.value != "" else r.key
             target = f" -> {r.target}" if r.target else ""
-            why = f": {r.why}" if r.why else ""
-            lines.append(f"  {shown}{target}{why}")
+            mark = "unknown key - " if r.status == "unknown" else ""
+            lines.append(f"  {shown}{target}: {mark}{r.why}" if r.why or mark else f"  {shown}{target}")
     notes = conv.shell_notes + c.notes
     if notes:
         lines.append(f"notes ({len(notes)}):")
