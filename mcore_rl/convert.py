@@ -64,6 +64,12 @@ def check_args(args: argparse.Namespace) -> None:
         )
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ConvertError(f"--out {args.out} is a file: give a directory")
+    held = sorted(os.listdir(args.out)) if os.path.isdir(args.out) else []
+    if held:  # an earlier export's shards and index would stay next to the new ones, and readers disagree
+        raise ConvertError(
+            f"--out {args.out} is not empty ({len(held)} entries, e.g. {', '.join(held[:3])}): write into a new "
+            f"or empty folder, or remove the old one first"
+        )
     for flag in ("tp", "pp", "ep", "etp"):
         value = getattr(args, flag)
         if value is not None and value < 1:

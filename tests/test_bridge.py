@@ -3,6 +3,8 @@ with the real conversion CLI (Megatron checkpoint written at TP2, read back at E
 
 import json
 import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -79,6 +81,32 @@ def test_tied_model_does_not_remap_a_later_untied_models_lm_head(monkeypatch):
     assert names == {"qwen2": {"model.embed_tokens.weight"}, "qwen3": {"lm_head.weight"}}
 
 
+def test_export_into_a_folder_with_an_earlier_export_leaves_no_stale_weights(tmp_path):
+    """RUN_DIR/hf written again (a resumed run's export): an earlier export's shards and index must go,
+    else an index reader (mbridge) loads the old weights while transformers loads the new model.safetensors."""
+    from safetensors.torch import load_file
+
+    from mcore_rl.models.hf_io import write_hf_folder
+
+    old = {f"w{i}": torch.full((64,), float(i)) for i in range(4)}
+    write_hf_folder(old.items(), tmp_path, max_shard_bytes=256)  # 4 shards + index
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    (tmp_path / "notes.txt").write_text("kept")
+    new = {name: t + 10 for name, t in old.items()}
+    assert write_hf_folder(new.items(), tmp_path) == ["model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors", "notes.txt"]
+    got = load_file(tmp_path / "model.safetensors")
+    assert all(torch.equal(got[name], t) for name, t in new.items())
+    write_hf_folder(old.items(), tmp_path, max_shard_bytes=256)  # and back to shards: no model.safetensors
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors*")) == [
+        "model-00001-of-00004.safetensors",
+        "model-00002-of-00004.safetensors",
+        "model-00003-of-00004.safetensors",
+        "model-00004-of-00004.safetensors",
+        "model.safetensors.index.json",
+    ]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "arch,read_layout",
@@ -119,6 +147,21 @@ def test_hf_to_megatron_to_hf_round_trip(tiny_arch_dir, tmp_path, arch, read_lay
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
     tok = AutoTokenizer.from_pretrained(hf_out)
     assert tok.eos_token == "<|im_end|>" and tok.chat_template
+
+    # Converting again into the folder that holds this export: refused before anything is read or written
+    # (the old shards and index used to stay, so index readers and transformers loaded different weights).
+    before = {p.name: p.read_bytes() for p in hf_out.iterdir()}
+    again = subprocess.run(
+        [sys.executable, "-m", "mcore_rl.cli", "convert", "mcore-to-hf", "--hf", model_dir, "--ckpt", str(mcore)]
+        + ["--out", str(hf_out), "--platform", "cpu"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert again.returncode == 2 and again.stderr.count("\n") == 1, again.stderr
+    assert again.stderr.startswith(f"mcore-rl convert: error: --out {hf_out} is not empty"), again.stderr
+    assert "write into a new or empty folder" in again.stderr
+    assert {p.name: p.read_bytes() for p in hf_out.iterdir()} == before
     ids = torch.tensor([tok("hello world")["input_ids"]])
     a = AutoModelForCausalLM.from_pretrained(hf_out, dtype=torch.float32).eval()
     b = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

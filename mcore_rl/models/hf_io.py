@@ -33,6 +33,14 @@ def _copy_side_files(source_dir: str, out_dir: str) -> None:
             shutil.copy2(f, out_dir)
 
 
+def _remove_stale_weights(out_dir: str, keep: set[str]) -> None:
+    """Weight files and index of an earlier export into the same folder (RUN_DIR/hf again after a resume):
+    left there, an index-reading loader would load the old shards and another the new ones."""
+    for name in os.listdir(out_dir):
+        if name not in keep and (name.endswith(".safetensors") or name == "model.safetensors.index.json"):
+            os.remove(os.path.join(out_dir, name))
+
+
 def write_hf_folder(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     out_dir: str | os.PathLike,
@@ -85,9 +93,11 @@ def write_hf_folder(
     for (tmp, names), dst in zip(shards, final):
         os.replace(os.path.join(out_dir, tmp), os.path.join(out_dir, dst))
         weight_map.update({n: dst for n in names})
+    index = os.path.join(out_dir, "model.safetensors.index.json")
     if total > 1:
-        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        with open(index, "w") as f:
             json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+    _remove_stale_weights(out_dir, keep=set(final) | ({os.path.basename(index)} if total > 1 else set()))
     if source_dir:
         _copy_side_files(source_dir, out_dir)
     if hf_config is not None:
