@@ -205,7 +205,12 @@ def test_actor_offload_takes_the_actor_and_reference_off_the_rollout_phase():
     assert items(p_on, "update")["reference parameters"] == 0 < items(p_off, "update")["reference parameters"]
     engine = lambda plan: sum(b for n, b in items(plan, "rollout").items() if n.startswith("engine"))
     assert engine(p_on) == engine(p_off)
-    assert any(n.startswith("actor.offload: host memory per rank") for n in p_on.notes)
+    (note,) = [n for n in p_on.notes if n.startswith("actor.offload: host memory per rank")]
+    from mcore_rl.megatron.host_chunks import pinned_bytes
+
+    pinned = pinned_bytes(st.params + st.optimizer) + pinned_bytes(ref)  # whole 64 MiB chunks, actor and reference
+    assert st.params + st.optimizer + ref <= pinned < st.params + st.optimizer + ref + 2 * 2**26
+    assert f"pinned in 64 MiB chunks: {pinned / 2**30:.1f} GiB per rank" in note, note
     # a misfit names the offload as a lever when it alone makes the plan fit (the preset on a 64 GB device)
     tight = load_config(preset)
     plan = plan_memory(tight, lay, dims, device_gib=64)

@@ -42,6 +42,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from mcore_rl.config import Config
+from mcore_rl.megatron.host_chunks import HOST_CHUNK_BYTES, pinned_bytes
 from mcore_rl.megatron.layout import Layout, ModelDims
 
 GIB = 1 << 30
@@ -461,10 +462,12 @@ def plan_memory(
     notes = []
     if cfg.actor.offload:
         ref = sp.total * DTYPE_BYTES[cfg.model.dtype] if cfg.algo.kl_coef > 0 else 0
+        pinned = pinned_bytes(st.params + st.optimizer) + pinned_bytes(ref)  # actor and reference: own chunks
         notes.append(
             f"actor.offload: host memory per rank {_gib(st.params + st.optimizer + ref)} GiB (actor parameters and "
             f"optimizer state during rollout, reference parameters outside their pass; gradients are released, "
-            f"not copied)"
+            f"not copied), pinned in {HOST_CHUNK_BYTES >> 20} MiB chunks: {_gib(pinned)} GiB per rank, "
+            f"beside the engine's own sleep backup"
         )
     if cfg.rollout.engine == "vllm":
         notes.append(

@@ -11,6 +11,9 @@ allocator's block; `Platform.empty_cache` then returns it to the device), which 
 Gradients (DDP's gradient buffers, the main parameters' `.grad`) are released without a copy and come back as
 zeros: `Actor.train_step` zeroes them before they are read again, so their content between steps is dead and
 copying it would cost host memory (4 bytes per parameter with fp32 gradient reduction) and transfer time.
+
+Host copies go into pinned chunks of one power-of-two size, not one pinned tensor per storage
+(mcore_rl/megatron/host_chunks.py: the caching host allocator's rounding would cost up to 2x).
 """
 
 from __future__ import annotations
@@ -20,14 +23,28 @@ from typing import Iterable, Optional
 
 import torch
 
+from mcore_rl.megatron.host_chunks import HOST_CHUNK_BYTES, chunk_bytes, layout
 from mcore_rl.platform import Platform
+
+
+@dataclass(frozen=True)
+class HostCopy:
+    """One storage's bytes on the host: views into the pinned chunks, in storage order."""
+
+    views: tuple[torch.Tensor, ...]
+
+    def numel(self) -> int:
+        return sum(v.numel() for v in self.views)
+
+    def is_pinned(self) -> bool:
+        return all(v.is_pinned() for v in self.views)
 
 
 @dataclass
 class _Held:
     storage: torch.UntypedStorage
     nbytes: int
-    host: Optional[torch.Tensor]  # uint8 [nbytes] host copy; None: released without a copy (comes back as zeros)
+    host: Optional[HostCopy]  # None: released without a copy (comes back as zeros)
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -46,10 +63,12 @@ class HostOffload:
     their host copies are taken once and kept; later offloads only release the device storages.
     """
 
-    def __init__(self, platform: Platform, read_only: bool = False):
+    def __init__(self, platform: Platform, read_only: bool = False, largest_chunk: int = HOST_CHUNK_BYTES):
         self.platform = platform
         self.read_only = read_only
+        self.largest_chunk = largest_chunk
         self._held: list[_Held] = []
+        self._chunks: list[torch.Tensor] = []  # the pinned host chunks the copies live in
         self.offloaded = False
 
     def _storages(self, kept: Iterable[torch.Tensor], gradients: Iterable[torch.Tensor]) -> list[_Held]:
@@ -64,7 +83,27 @@ class HostOffload:
                 found.setdefault(s.data_ptr(), s)
                 if is_kept:
                     keep.add(s.data_ptr())
-        return [_Held(s, s.nbytes(), _host_copy(self.platform, s) if key in keep else None) for key, s in found.items()]
+        copied = [s for key, s in found.items() if key in keep]
+        hosts = dict(zip((s.data_ptr() for s in copied), self._host_copies(copied)))
+        return [_Held(s, s.nbytes(), hosts.get(key)) for key, s in found.items()]
+
+    def _host_copies(self, storages: list[torch.UntypedStorage]) -> list[HostCopy]:
+        """Start copying each storage into fresh pinned chunks; per storage its host views, in order."""
+        sizes = [s.nbytes() for s in storages]
+        chunk = chunk_bytes(sum(sizes), self.largest_chunk)
+        places = layout(sizes, chunk)
+        count = max((pieces[-1][0] + 1 for pieces in places if pieces), default=0)
+        self._chunks = [self.platform.host_buffer(chunk) for _ in range(count)]
+        copies = []
+        for storage, pieces in zip(storages, places):
+            views, start, device = [], 0, _bytes_of(storage)
+            for index, offset, length in pieces:
+                view = self._chunks[index][offset : offset + length]
+                view.copy_(device[start : start + length], non_blocking=True)
+                views.append(view)
+                start += length
+            copies.append(HostCopy(tuple(views)))
+        return copies
 
     def offload(self, kept: Iterable[torch.Tensor], gradients: Iterable[torch.Tensor] = ()) -> int:
         """Copy the storages of `kept` to the host, release those of `kept` and `gradients` on the device;
@@ -86,25 +125,27 @@ class HostOffload:
             return 0
         for h in self._held:
             h.storage.resize_(h.nbytes)
-            view = _bytes_of(h.storage)
+            device = _bytes_of(h.storage)
             if h.host is None:
-                view.zero_()
-            else:
-                view.copy_(h.host, non_blocking=True)
+                device.zero_()
+                continue
+            start = 0
+            for view in h.host.views:
+                device[start : start + view.numel()].copy_(view, non_blocking=True)
+                start += view.numel()
         self.platform.synchronize()
         restored = sum(h.nbytes for h in self._held)
         if not self.read_only:
-            self._held = []  # the host copies go; the next offload copies the state as it is then
+            self._held, self._chunks = [], []  # the host copies go; the next offload copies the state as it is then
         self.offloaded = False
         return restored
 
     @property
     def host_bytes(self) -> int:
-        """Host memory held now for copies."""
+        """Bytes of the host copies held now."""
         return sum(h.host.numel() for h in self._held if h.host is not None)
 
-
-def _host_copy(platform: Platform, storage: torch.UntypedStorage) -> torch.Tensor:
-    host = platform.host_buffer(storage.nbytes())
-    host.copy_(_bytes_of(storage), non_blocking=True)
-    return host
+    @property
+    def pinned_bytes(self) -> int:
+        """Host memory the copies hold now: their whole chunks (host_chunks.pinned_bytes of host_bytes)."""
+        return sum(c.numel() for c in self._chunks)
