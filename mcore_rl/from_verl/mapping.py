@@ -1031,6 +1031,8 @@ def _advantages(run: VerlRun) -> None:
         + (" - gae needs a critic, which this project does not train" if estimator == "gae" else ""),
     )
     run.set("algo.adv_estimator", "grpo", source=f"{run.source(key)} is not supported: grpo instead")
+    if not run.given(key):
+        run.out.notes.append(f"{key} is not set: verl's default {estimator} is not supported here; grpo instead")
     run.mark(norm, "no effect in verl", "", "adv_estimator is not grpo")
 
 
