@@ -99,3 +99,22 @@ def test_numpy_product_shim_is_scoped():
     if in_force:
         assert mapping.np.product((3, 4)) == 12 and mapping.np.zeros is numpy.zeros
         assert not hasattr(numpy, "product")  # numpy itself unchanged
+
+
+def test_fp8_shim_does_not_stack_on_a_replaced_quantize_param_shard(monkeypatch):
+    """MindSpeed binds its own quantize_param_shard into megatron's distrib_optimizer (docs/devices.md, "Facts
+    outside the package index"); the megatron-core 0.12 shim must then leave that function in place, and wrap
+    megatron's own otherwise."""
+    from megatron.core import fp8_utils
+    from megatron.core.optimizer import distrib_optimizer
+
+    def mindspeeds(model_params, *args, **kwargs):  # stands for MindSpeed's warning-only replacement
+        return "theirs"
+
+    monkeypatch.setattr(distrib_optimizer, "quantize_param_shard", mindspeeds)
+    compat_megatron._shim_fp8_quantize()
+    assert distrib_optimizer.quantize_param_shard is mindspeeds
+    monkeypatch.setattr(distrib_optimizer, "quantize_param_shard", fp8_utils.quantize_param_shard)
+    compat_megatron._shim_fp8_quantize()
+    shimmed = distrib_optimizer.quantize_param_shard
+    assert shimmed is not fp8_utils.quantize_param_shard and shimmed([], None, None, None) is None
