@@ -695,10 +695,14 @@ def run_stage(stage: Stage, ctx, left_s: float) -> Result:
     return Result(stage.name, status, detail, time.perf_counter() - start)
 
 
+def summary_line(r: Result) -> str:
+    return f"{r.status:<4}  {r.stage:<10} {r.seconds:6.1f} s  {' '.join(r.detail.split())}"[:600]
+
+
 def summary(results: list[Result], platform: str, total_s: float) -> str:
     failed = [r.stage for r in results if r.status == "FAIL"]
     lines = [f"# GPU smoke suite on {platform}: {total_s:.0f} s of a {BUDGET_S} s budget"]
-    lines += [f"{r.status:<4}  {r.stage:<10} {r.seconds:6.1f} s  {' '.join(r.detail.split())}"[:600] for r in results]
+    lines += [summary_line(r) for r in results]
     lines.append(f"# result: {'FAIL (' + ', '.join(failed) + ')' if failed else 'no FAIL'}")
     return "\n".join(lines)
 
@@ -725,6 +729,9 @@ def dry_run(stages: list[Stage], platform: str) -> str:
     )
     if missing:
         lines.append(f"carried wheels for this Python missing from .whl/: {', '.join(missing)} (make gpu-wheels)")
+    absent = [m for m in ("megatron-core", "mbridge", "transformers") if env[m] == "absent"]
+    absent += ["a CUDA device"] if platform == "cuda" and env["cuda"] == "not available" else []
+    lines.append(f"missing here for --platform {platform}: {', '.join(absent) if absent else 'nothing'}")
     return "\n".join(lines)
 
 
@@ -765,7 +772,7 @@ def main(argv: list[str]) -> int:
         results = []
         for stage in stages:
             results.append(run_stage(stage, ctx, BUDGET_S - (time.perf_counter() - start)))
-            print(summary(results[-1:], args.platform, 0).splitlines()[1], flush=True)
+            print(summary_line(results[-1]), flush=True)
     text = summary(results, args.platform, time.perf_counter() - start)
     _write(args.out, text)
     return 1 if any(r.status == "FAIL" for r in results) else 0

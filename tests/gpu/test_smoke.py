@@ -41,6 +41,8 @@ def test_dry_run_prints_the_plan_the_carry_size_and_the_expected_time(tmp_path):
     tree, wheels = smoke_module.carry_bytes()
     assert f"carry: {(tree + wheels) / 2**20:.1f} MiB" in text and "fits in 64 MiB" in text
     assert tree + wheels <= 64 << 20
+    want = "nothing" if torch.cuda.is_available() else "a CUDA device"
+    assert f"missing here for --platform cuda: {want}" in text
 
 
 def test_carried_wheels_are_picked_per_python_and_a_missing_one_is_named(tmp_path):
