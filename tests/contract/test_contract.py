@@ -87,3 +87,11 @@ def test_checker_fails_when_a_fact_is_made_false(tmp_path, distribution, version
     assert len(failures) == 1 and f": {fact} (" in failures[0] and f"mcore_rl.{project}" in failures[0], failures
     # the unpatched copy of the same files passes: the failure is the patch's
     assert check_release(source(distribution, version), distribution, version) == []
+
+
+def test_a_release_checked_against_another_releases_row_fails():
+    """vLLM-Ascend 0.13.0's wheel against 0.11.0's row: the facts that changed between them fail, by name."""
+    failures = check_release(source("vllm-ascend", "0.13.0"), "vllm-ascend", "0.11.0")
+    changed = sorted(line.split(": ")[1].split(" (")[0] for line in failures)
+    assert changed == ["matrix_row", "moe_nz", "runner_base", "transpose_weight"], failures
+    assert any("mcore_rl.compat.vllm.reload_from_folder" in line for line in failures)
