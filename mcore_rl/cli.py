@@ -9,6 +9,7 @@ Bad input exits with status 2 and one line `mcore-rl: error: ...` naming the pro
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -18,8 +19,8 @@ from mcore_rl.compat import describe_versions
 from mcore_rl.config import Config, ConfigError, check_paths, load_config
 from mcore_rl.megatron.layout import Layout, LayoutError, ModelDims, validate_run
 from mcore_rl.models.tiny import ARCHS
-from mcore_rl.preflight import check_run_inputs
-from mcore_rl.run_dir import CheckpointWriteError, check_run_dir
+from mcore_rl.preflight import check_run_inputs, check_tokenizer
+from mcore_rl.run_dir import OutputWriteError, check_run_dir, write_failure
 
 EXIT_BAD_INPUT = 2
 
@@ -156,8 +157,10 @@ def cmd_plan(args) -> int:
     world, nnodes, nproc = _world(args, cfg)
     dims = model_dims(cfg, args.model_config)
     layout = validate_run(cfg, world, dims)
-    if args.device_memory is not None and args.device_memory <= 0:
-        raise ConfigError(f"--device-memory = {args.device_memory} must be > 0 GiB, e.g. --device-memory 80")
+    if args.device_memory is not None and not (0 < args.device_memory < math.inf):  # NaN fails both
+        raise ConfigError(
+            f"--device-memory = {args.device_memory} must be a finite number of GiB > 0, e.g. --device-memory 80"
+        )
     plan = plan_memory(cfg, layout, dims, args.device_memory)
     print(f"plan: {args.config}")
     print(describe(cfg, layout, nnodes, nproc))
@@ -194,6 +197,7 @@ def check_inputs(cfg: Config) -> None:
     """Load what a run reads first - reward function, tokenizer, datasets - so bad inputs fail here,
     in seconds and before any process starts, instead of on every rank after Megatron is up."""
     from mcore_rl.data import load_prompt_dataset
+    from mcore_rl.data.dataset import DatasetFileError
     from mcore_rl.rewards import resolve_reward_fn
 
     try:
@@ -207,9 +211,15 @@ def check_inputs(cfg: Config) -> None:
                 f"model.path = {cfg.model.path}: cannot load its tokenizer ({type(e).__name__}: {e}); "
                 f"the folder needs tokenizer files next to config.json"
             ) from e
-        paths = [cfg.data.train_path] + ([cfg.data.val_path] if cfg.trainer.val_every > 0 else [])
-        for path in paths:
-            load_prompt_dataset(path, tokenizer, cfg.data.max_prompt_len, cfg.data.prompt_key)
+        check_tokenizer(tokenizer, cfg.model.path)
+        paths = {"data.train_path": cfg.data.train_path}
+        if cfg.trainer.val_every > 0:
+            paths["data.val_path"] = cfg.data.val_path
+        for key, path in paths.items():
+            try:
+                load_prompt_dataset(path, tokenizer, cfg.data.max_prompt_len, cfg.data.prompt_key)
+            except DatasetFileError as e:  # says what the file is, not which setting names it
+                raise ValueError(f"{key} = {e}") from None
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise InputError(str(e)) from None
 
@@ -229,7 +239,7 @@ def cmd_train(args) -> int:
         watch = die_with_launcher()  # a kill -9 of `mcore-rl train` (or of torchrun) ends this worker too
         try:
             run(cfg)
-        except (TrainingHalted, ConfigError, CheckpointWriteError) as e:  # a clear reason, not a crash
+        except (TrainingHalted, ConfigError, OutputWriteError) as e:  # a clear reason, not a crash
             stopped = isinstance(e, StopRequested)
             line = f"mcore-rl: {'' if stopped else 'error: '}{e}"
             # stopped as asked: exit 0 here (torchrun reports no failure); the launcher exits 128 + signal
@@ -251,7 +261,9 @@ def cmd_train(args) -> int:
     layout = preflight(cfg, cfg.trainer.nproc, platform=platform)
     check_stack(cfg, platform, args.version_of)
     check_run_inputs(cfg)
-    check_run_dir(cfg)
+    from mcore_rl.megatron.memory_plan import checkpoint_bytes
+
+    check_run_dir(cfg, checkpoint_bytes(cfg, model_dims(cfg)))
     check_inputs(cfg)
     for warning in layout.warnings:
         print(f"mcore-rl: warning: {warning}", file=sys.stderr)
@@ -279,10 +291,16 @@ def cmd_train(args) -> int:
 def cmd_plot(args) -> int:
     from mcore_rl.plot import plot_run
 
+    if args.out is not None:
+        _output_dir(args.out)
+    out = Path(args.out) if args.out is not None else Path(args.run_dir) / "plots"
     try:
         paths = plot_run(args.run_dir, args.out)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    except OSError as e:  # a full disk, a read-only RUN_DIR/plots
+        reason, _ = write_failure(e, out)
+        raise ConfigError(f"the plots in {out} were not all written ({reason}): free space or give --out") from None
     print(f"{len(paths)} plots written; overview: {paths[0]}")
     return 0
 

@@ -427,11 +427,20 @@ def _read_yaml(path: str | os.PathLike) -> dict:
         raise ConfigError(
             f"config file {path} does not exist: pass the path of a YAML file, e.g. configs/tiny/gspo_cpu.yaml"
         )
-    with open(path) as f:
-        try:
-            data = yaml.load(f, Loader=_unique_key_loader())
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    try:
+        with open(path, "rb") as f:
+            text = f.read().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}): save it "
+            f"as UTF-8"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} is unreadable ({e.strerror}): check its permissions") from None
+    try:
+        data = yaml.load(text, Loader=_unique_key_loader())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -76,6 +76,23 @@ def check_args(args: argparse.Namespace) -> None:
             raise ConvertError(f"--{flag} = {value} must be >= 1")
     if args.max_shard_gb <= 0:
         raise ConvertError(f"--max-shard-gb = {args.max_shard_gb} must be > 0")
+    _check_model_and_layout(args)
+
+
+def _check_model_and_layout(args: argparse.Namespace) -> None:
+    """--hf is a supported architecture (and, as the weights' source, complete); the layout fits the processes
+    torchrun started (WORLD_SIZE) and the model."""
+    from mcore_rl.config import ConfigError, ParallelConfig
+    from mcore_rl.megatron.layout import LayoutError, validate_layout
+    from mcore_rl.preflight import check_model_type, check_weights
+
+    try:
+        (check_weights if args.direction == "hf-to-mcore" else check_model_type)(args.hf)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        parallel = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
+        validate_layout(parallel, world, args.hf, platform=None if args.platform == "auto" else args.platform)
+    except (ConfigError, LayoutError) as e:
+        raise ConvertError(str(e).replace("model.path = ", "--hf ")) from None
 
 
 def convert(args: argparse.Namespace) -> None:
@@ -107,7 +124,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> in
     try:
         check_args(args)
     except ConvertError as e:
-        print(f"{prog or 'mcore-rl convert'}: error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every process checks: say it once
+            print(f"{prog or 'mcore-rl convert'}: error: {e}", file=sys.stderr)
         return 2
     convert(args)
     return 0

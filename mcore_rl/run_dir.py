@@ -37,7 +37,12 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 _CHUNK = 16 << 20
 
 
-class CheckpointWriteError(OSError):
+class OutputWriteError(OSError):
+    """Writing a run's output (a checkpoint, the export, the plots) failed; the message says why, what was not
+    written and what is intact (raised on every rank)."""
+
+
+class CheckpointWriteError(OutputWriteError):
     """Writing a checkpoint failed (disk full, quota, I/O error); the previous checkpoint is intact."""
 
 
@@ -46,15 +51,21 @@ def _is_disk_full(exc: BaseException) -> bool:
     torch.save reports a short write)."""
     import errno
 
-    seen = set()
-    while exc is not None and id(exc) not in seen:
+    seen, todo = set(), [exc]
+    while todo:
+        exc = todo.pop()
+        if exc is None or id(exc) in seen:
+            continue
         seen.add(id(exc))
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
         text = str(exc)
         if "No space left on device" in text or "Disk quota exceeded" in text or "unexpected pos" in text:
             return True
-        exc = exc.__cause__ or exc.__context__
+        # torch.distributed.checkpoint's CheckpointException: {rank: exception} of every rank that failed
+        failures = getattr(exc, "failures", None)
+        todo += [e for e in failures.values() if isinstance(e, BaseException)] if isinstance(failures, dict) else []
+        todo += [exc.__cause__, exc.__context__]
     return False
 
 
@@ -68,15 +79,22 @@ def _free_bytes(path: Path) -> Optional[int]:
     return None
 
 
+def write_failure(exc: BaseException, path: Path) -> tuple[str, bool]:
+    """(why writing under `path` failed, in one line; whether the disk is full). A full disk reads
+    "[Errno 28] No space left on device: PATH, N MiB free there" however the writer reported it."""
+    if _is_disk_full(exc):
+        free = _free_bytes(path)
+        free_text = f", {free / 2**20:.1f} MiB free there" if free is not None else ""
+        return f"[Errno 28] No space left on device: {path}{free_text}", True
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", False
+
+
 def _write_error(exc: BaseException, step: int, tmp: Path, previous: Optional["Checkpoint"]) -> CheckpointWriteError:
     kept = f"the previous checkpoint {previous.path} is intact" if previous else "no earlier checkpoint exists"
-    if _is_disk_full(exc):
-        free = _free_bytes(tmp)
-        free_text = f", {free / 2**20:.1f} MiB free there" if free is not None else ""
-        reason = f"[Errno 28] No space left on device: {tmp}{free_text}"
+    reason, full = write_failure(exc, tmp)
+    if full:
         fix = "free space or set trainer.run_dir on a larger filesystem, then resume (checkpoint.resume=auto)"
     else:
-        reason = f"{type(exc).__name__}: {exc}"
         fix = "fix the cause, then resume (checkpoint.resume=auto)"
     return CheckpointWriteError(f"checkpoint step {step} was not written ({reason}); {kept}: {fix}")
 
@@ -164,6 +182,18 @@ def _verify_share(directory: Path, manifest: dict[str, dict], rank: int, world: 
     return problems
 
 
+def _marker_problem(path: Path) -> Optional[str]:
+    """Why the COMPLETE marker of a checkpoint is unusable (it is the JSON record _publish writes), or None."""
+    marker = path / MARKER
+    try:
+        record = json.loads(marker.read_text())
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise ValueError("not a record with an integer step")
+    except (OSError, ValueError) as e:
+        return f"{marker} is damaged ({type(e).__name__}: {e})"
+    return None
+
+
 TRUST_FLAG = "checkpoint.trust_unverified=true"
 
 
@@ -192,6 +222,8 @@ def verify_checkpoint(
             problems = _verify_share(ckpt.path, manifest, rank, world)
         except (OSError, ValueError, KeyError, TypeError) as e:
             problems = [f"{manifest_path} is unreadable ({type(e).__name__}: {e})"] if rank == 0 else []
+    marker_problem = _marker_problem(ckpt.path) if rank == 0 else None  # the marker is not in the manifest
+    problems += [marker_problem] if marker_problem else []
     if gather is not None:
         problems = [p for share in gather(problems) for p in share]
     return problems
@@ -279,8 +311,14 @@ class CheckpointManager:
         barrier()
         try:
             write_fn(tmp)
-        except Exception as e:  # this rank could not write its part: name the OS error and the path
-            raise _write_error(e, step, tmp, self.latest()) from e
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # this rank could not write its part (torch's CheckpointException is a
+            # BaseException): name the OS error and the path; the partial write is removed, it is never read
+            error = _write_error(e, step, tmp, self.latest())
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise error from e
         barrier()
         shares = gather(_checksum_share(tmp, rank, world))
         if rank == 0:
@@ -325,6 +363,12 @@ def resolve_resume(cfg) -> Optional[Checkpoint]:
         return CheckpointManager(cfg.trainer.run_dir, cfg.checkpoint.keep_last).latest()
     path = Path(resume)
     if is_complete(path):
+        problem = _marker_problem(path)
+        if problem:
+            raise ConfigError(
+                f"checkpoint.resume = {resume}: {problem}: resume from another checkpoint (checkpoint.resume=auto "
+                f"takes the newest that verifies)"
+            )
         m = _STEP_DIR.match(path.name)
         step = int(m.group(1)) if m else int(json.loads((path / MARKER).read_text())["step"])
         return Checkpoint(step, path)
@@ -533,14 +577,50 @@ def claim_run_dir(cfg, resume: Optional[Checkpoint], log=None) -> RunLock:
     return lock
 
 
-def check_run_dir(cfg) -> None:
-    """Pre-flight, before any process starts: the run directory is usable by this run (not a file, not
-    locked by another run, not another run's checkpoints unless moving them aside)."""
+def _existing_ancestor(path: Path) -> Path:
+    for p in (path, *path.parents):
+        if p.exists():
+            return p
+    return Path("/")
+
+
+def _check_writable(run_dir: Path, checkpoint_bytes: Optional[int]) -> None:
+    """The run directory (or the folder it will be made in) is a writable directory with room for one
+    checkpoint (`checkpoint_bytes`, from the memory plan: mcore_rl.megatron.memory_plan.checkpoint_bytes)."""
+    from mcore_rl.config import ConfigError
+
+    base = _existing_ancestor(run_dir)
+    if not base.is_dir():
+        raise ConfigError(
+            f"trainer.run_dir = {run_dir}: {base} is a file, not a directory: choose another trainer.run_dir"
+        )
+    for path in (base, base / "checkpoints"):
+        if path.is_dir() and not os.access(path, os.W_OK | os.X_OK):
+            st = os.statvfs(path)
+            why = "is on a read-only filesystem" if st.f_flag & os.ST_RDONLY else "is not writable by this user"
+            raise ConfigError(
+                f"trainer.run_dir = {run_dir}: {path} {why}: choose a writable trainer.run_dir (or remount it "
+                f"read-write)"
+            )
+    target = _existing_ancestor(run_dir / "checkpoints")  # may be a filesystem of its own
+    free = _free_bytes(target)
+    if checkpoint_bytes is not None and free is not None and free < checkpoint_bytes:
+        raise ConfigError(
+            f"trainer.run_dir = {run_dir}: no space left for a checkpoint: one needs ~{checkpoint_bytes / 2**20:.1f} "
+            f"MiB (weights and optimizer state), {free / 2**20:.1f} MiB are free on {target}: free space or choose a "
+            f"trainer.run_dir on a larger filesystem"
+        )
+
+
+def check_run_dir(cfg, checkpoint_bytes: Optional[int] = None) -> None:
+    """Pre-flight, before any process starts: the run directory is usable by this run (not a file, writable,
+    room for one checkpoint, not locked by another run, not another run's checkpoints unless moving them aside)."""
     from mcore_rl.config import ConfigError
 
     run_dir = Path(cfg.trainer.run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"trainer.run_dir = {run_dir} is a file, not a directory: choose another trainer.run_dir")
+    _check_writable(run_dir, checkpoint_bytes)
     resume = resolve_resume(cfg)  # a bad checkpoint.resume fails here
     if resume is not None and cfg.checkpoint.resume != "auto" and not cfg.checkpoint.trust_unverified:
         missing = unverifiable(resume)  # the checksums themselves are checked by the ranks (their shares)

@@ -14,11 +14,10 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
-import torch
-
-from mcore_rl.platform import collectives
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -75,16 +74,23 @@ class SkipCounter:
 
 def first_non_finite(named: Iterable[tuple[str, torch.Tensor]]) -> Optional[str]:
     """Name of the first tensor holding NaN or inf, or None."""
+    import torch  # here: the reward worker imports this module for Interrupted, and must start fast
+
     for name, tensor in named:
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             return name
     return None
 
 
-def check_weights_finite(named: Iterable[tuple[str, torch.Tensor]], what: str, group=None) -> None:
+def check_weights_finite(
+    named: Iterable[tuple[str, torch.Tensor]], what: str, group=None, fix: Optional[str] = None
+) -> None:
     """Collective over `group` (default: the whole job): raises TrainingHalted on every rank when any
-    rank's tensors hold NaN/inf, naming the first bad one, so nothing non-finite is used or written."""
+    rank's tensors hold NaN/inf, naming the first bad one, so nothing non-finite is used or written.
+    `fix` replaces the message's advice (which is about a run whose updates diverged)."""
     import torch.distributed as dist
+
+    from mcore_rl.platform import collectives
 
     bad = first_non_finite(named)
     found = [bad] if bad is not None else []
@@ -94,31 +100,43 @@ def check_weights_finite(named: Iterable[tuple[str, torch.Tensor]], what: str, g
             dist.all_gather_object(names, bad, group=group)
             found = [n for n in names if n is not None]
     if found:
-        raise TrainingHalted(
-            f"{what}: the weights hold NaN/inf (first: {found[0]}); nothing is written from them and the "
-            f"previous checkpoint is kept: resume from it with a lower actor.optim.lr (or fix what made the "
-            f"weights diverge)"
+        fix = fix or (
+            "nothing is written from them and the previous checkpoint is kept: resume from it with a lower "
+            "actor.optim.lr (or fix what made the weights diverge)"
         )
+        raise TrainingHalted(f"{what}: the weights hold NaN/inf (first: {found[0]}); {fix}")
 
 
 def reward_errors_stop(errors: int, total: int, max_rate: float) -> bool:
-    """Whether `errors` failed rewards of `total` stop the run (more than `max_rate` of them)."""
-    return errors / max(1, total) > max_rate
+    """Whether `errors` failed rewards of `total` stop the run: more than `max_rate` of them, or all of them
+    (whatever reward.max_error_rate allows, a step needs one scored sample)."""
+    return errors / max(1, total) > max_rate or (total > 0 and errors == total)
 
 
 def check_reward_errors(errors: int, total: int, first_error: Optional[str], max_rate: float, step: int) -> None:
     """Stop when more than `max_rate` of a batch's rewards failed (the same counts on every rank)."""
     rate = errors / max(1, total)
-    if reward_errors_stop(errors, total, max_rate):
+    if rate > max_rate:
         raise TrainingHalted(
             f"step {step}: the reward function failed on {errors} of {total} samples ({rate:.0%} > "
             f"reward.max_error_rate = {max_rate:.0%}); first error: {first_error}; fix the reward function "
             f"(or raise reward.max_error_rate)"
         )
+    if total and errors == total:
+        raise TrainingHalted(
+            f"step {step}: the reward function failed on all {total} samples, so there is nothing to train on "
+            f"(reward.max_error_rate = {max_rate:.0%}); first error: {first_error}; fix the reward function"
+        )
 
 
 STOP_FILE = "STOP"  # RUN_DIR/STOP: asks a run to stop like SIGTERM (what the Ray launcher writes)
 _STOP_FILE_CODE = 1000  # above every signal number
+
+
+class Interrupted(KeyboardInterrupt):
+    """A second SIGINT (Ctrl-C twice): stop at once. A checkpoint being written is not published (the newest
+    complete one stays the newest); raised by StopSignals' handler, so it is told apart from a
+    KeyboardInterrupt that a reward function raises."""
 
 
 class StopSignals:
@@ -147,15 +165,27 @@ class StopSignals:
         import signal
 
         if self.received and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+            raise Interrupted
         self.received = self.received or signum
         log.warning("received %s: stopping after the current step", signal.Signals(signum).name)
+
+    def ignore(self) -> None:
+        """The run is over (finished or stopping): later signals have nothing left to stop, and a KeyboardInterrupt
+        in the interpreter's exit handlers would only print tracebacks."""
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, signal.SIG_IGN)
 
     def agreed(self) -> Optional[str]:
         """Collective: the signal's name when any rank received one (then every rank stops), else None."""
         import signal
 
         import torch.distributed as dist
+
+        from mcore_rl.platform import collectives
 
         received = self.received
         if not received and self.stop_file is not None and os.path.exists(self.stop_file):

@@ -37,3 +37,7 @@ def score(response, ground_truth, data_source=None, extra=None):
 
 def always_raises(response, ground_truth, data_source=None, extra=None):
     raise ValueError("this reward always fails")
+
+
+def interrupts(response, ground_truth, data_source=None, extra=None):
+    raise KeyboardInterrupt  # a reward function's own KeyboardInterrupt: its failure, not a stop request

@@ -82,14 +82,20 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, Any]]:
             "(`mcore-rl make-task` writes one)"
         )
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        for batch_start, batch in _parquet_batches(pq.ParquetFile(path)):
-            for j, row in enumerate(batch.to_pylist()):
-                yield batch_start + j, row
+        yield from _parquet_rows(path)
     elif path.suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f):
+        with open(path, "rb") as f:
+            for i, raw in enumerate(f):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:  # counted like any malformed row
+                    yield (
+                        i,
+                        ValueError(
+                            f"not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start}; save the file as UTF-8)"
+                        ),
+                    )
+                    continue
                 if not line.strip():
                     continue
                 try:
@@ -102,11 +108,25 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, Any]]:
         )
 
 
-def _parquet_batches(pf) -> Iterator[tuple[int, Any]]:
+class DatasetFileError(ValueError):
+    """A dataset file that cannot be read at all (not parquet, truncated); the message starts with its path."""
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    import pyarrow
+    import pyarrow.parquet as pq
+
     start = 0
-    for batch in pf.iter_batches(batch_size=8192):
-        yield start, batch
-        start += batch.num_rows
+    try:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=8192):
+            for j, row in enumerate(batch.to_pylist()):
+                yield start + j, row
+            start += batch.num_rows
+    except (pyarrow.ArrowException, OSError) as e:  # pyarrow names neither the file nor what to do
+        raise DatasetFileError(
+            f"{path} is not a readable parquet file ({type(e).__name__}: {e}); write it again "
+            f"(`mcore-rl make-task` writes one) or give a .jsonl file"
+        ) from None
 
 
 def check_row(row: Any, prompt_key: str = "prompt") -> Optional[str]:

@@ -137,6 +137,12 @@ def total_params(dims: ModelDims) -> int:
     return stage_params(dims, whole)[0].total
 
 
+def checkpoint_bytes(cfg: Config, dims: ModelDims) -> int:
+    """Bytes of one checkpoint on disk: the weights in model.dtype plus the optimizer's fp32 state of every
+    parameter (main copy, exp_avg, exp_avg_sq), whatever the layout (mcore_rl.megatron.checkpoint)."""
+    return total_params(dims) * (DTYPE_BYTES[cfg.model.dtype] + (1 + ADAM_MOMENTS) * FP32)
+
+
 @dataclass(frozen=True)
 class Item:
     name: str

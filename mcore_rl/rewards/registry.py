@@ -84,12 +84,17 @@ class RewardBatch:
 
 def score_items(fn: RewardFn, items: list[tuple]) -> tuple[list[float], list[bool], int, Optional[str]]:
     """fn over (response, ground_truth, data_source, extra) items: (rewards, valid, errors, first error)."""
+    from mcore_rl.safety import Interrupted
+
     task, valid, errors, first_error = [], [], 0, None
     for text, truth, source, extra in items:
         try:
             task.append(check_reward_value(fn(text, truth, source, extra)))
             valid.append(True)
-        except Exception as e:  # counted; the sample is left out of its group and of the loss
+        except Interrupted:  # Ctrl-C twice (mcore_rl.safety.StopSignals): stop the run, not this call
+            raise
+        except (Exception, KeyboardInterrupt) as e:  # counted; the sample is left out of its group and of the
+            # loss (a KeyboardInterrupt that the function raises itself is its failure, not a stop request)
             errors += 1
             if first_error is None:
                 first_error = f"{type(e).__name__}: {e} (on response {text[:80]!r})"
@@ -100,6 +105,10 @@ def score_items(fn: RewardFn, items: list[tuple]) -> tuple[list[float], list[boo
 
 def _worker_main(conn, fn_spec) -> None:
     """The reward worker: resolve the function once, then score batches until the pipe closes."""
+    import signal
+
+    # A Ctrl-C reaches the trainer (which stops the run); this daemon ends with the pipe.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     fn = resolve_reward_fn(fn_spec) if isinstance(fn_spec, str) else fn_spec
     while True:
         try:
