@@ -146,7 +146,7 @@ def file_owner(relpath: str, world: int) -> int:
 
 
 def file_crc32(path: Path) -> str:
-    """CRC-32 (zlib) of a file, read in 16 MiB chunks; cost per GB in the README (benchmarks/checksum_speed.py)."""
+    """CRC-32 (zlib) of a file, read in 16 MiB chunks; cost per GB in docs/benchmarks.md (benchmarks/checksum_speed.py)."""
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):

@@ -2,7 +2,7 @@
 
 Parameter counts are checked against real models (the tiny HF checkpoint, the Qwen3 config's known
 size); the byte rules against hand-computed cases; the presets against the devices they name.
-The plan's agreement with measured peaks is benchmarks/memory_plan.py (README: "Memory plan").
+The plan's agreement with measured peaks is benchmarks/memory_plan.py (docs/benchmarks.md).
 """
 
 import json
