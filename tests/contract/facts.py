@@ -490,6 +490,26 @@ RELEASES: dict[tuple[str, str], dict[str, Any]] = {
         moe_nz=(True, True),
         worker_kv_bytes=False,
     ),
+    # the floor (compat.vllm.MIN_VLLM_ASCEND = 0.11.0rc1): rc0 still has its own Qwen3-MoE and no NZ switch
+    ("vllm-ascend", "0.11.0rc0"): dict(
+        _ASCEND,
+        matrix_row=(">=2.7.1", "2.7.1.dev20250724", None, False, False),  # no row of the matrix: below the floor
+        own_qwen3_moe=True,
+        runner_base=("LoRAModelRunnerMixin",),
+        transpose_weight=True,
+        moe_nz=(False, False),
+        nz_switch=False,
+        worker_wake_up=(("tags",), False),
+        worker_kv_bytes=False,
+    ),
+    ("vllm-ascend", "0.11.0rc1"): dict(
+        _ASCEND,
+        matrix_row=("2.7.1", "2.7.1", None, False, False),  # the 0.11 line of the matrix (its final release: 0.11.0)
+        runner_base=("LoRAModelRunnerMixin",),
+        transpose_weight=True,
+        moe_nz=(True, True),
+        worker_kv_bytes=False,
+    ),
     ("vllm-ascend", "0.13.0"): dict(_ASCEND_0_13, worker_kv_bytes=False),
     ("vllm-ascend", "0.18.0"): dict(_ASCEND_0_13, worker_kv_bytes=False),
     ("vllm-ascend", "0.23.0"): dict(_ASCEND_0_13, worker_kv_bytes=True),

@@ -95,3 +95,18 @@ def test_a_release_checked_against_another_releases_row_fails():
     changed = sorted(line.split(": ")[1].split(" (")[0] for line in failures)
     assert changed == ["matrix_row", "moe_nz", "runner_base", "transpose_weight"], failures
     assert any("mcore_rl.compat.vllm.reload_from_folder" in line for line in failures)
+
+
+def test_the_vllm_ascend_floor_is_the_first_release_with_its_facts():
+    """compat.vllm.MIN_VLLM_ASCEND is the oldest locked vLLM-Ascend whose Qwen3-MoE is vLLM's own on the fused MoE
+    with transpose_weight and the NZ switch (the rows above are checked against the wheels by test_release)."""
+    from packaging.version import Version
+
+    from mcore_rl.compat.vllm import MIN_VLLM_ASCEND
+
+    def usable(row):
+        return not row["own_qwen3_moe"] and row["transpose_weight"] and row["moe_nz"] == (True, True)
+
+    rows = sorted(((Version(v), row) for (d, v), row in RELEASES.items() if d == "vllm-ascend"), key=lambda r: r[0])
+    first = next(v for v, row in rows if usable(row))
+    assert str(first) == MIN_VLLM_ASCEND and not usable(dict(rows)[Version("0.11.0rc0")])
