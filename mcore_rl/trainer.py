@@ -259,6 +259,37 @@ class Trainer:
             )
         return out
 
+    def _engine_scores(self, probe) -> list:
+        return self.engine.score(probe.sequences, probe.prompt_lens, probe.temperature)
+
+    def _calibration(self, scored: list) -> dict:
+        """The engine/actor log-prob gap at the initial weights on the first step's own sequences (`scored`: the
+        engine's, taken before the update): the run's calibration of the sync tolerances; above them every
+        verification would fail (a warning says so)."""
+        from mcore_rl.rollout.weight_sync import default_tolerance, log_prob_gap
+
+        cfg, probe = self.cfg, self.probe
+        reference = self.actor.probe_log_probs(probe.sequences, probe.prompt_lens, probe.temperature)
+        tol = default_tolerance(cfg.model.dtype, cfg.rollout.verify_tolerance, cfg.rollout.verify_high_tolerance)
+        gap = log_prob_gap(scored, reference, tol.quantile)
+        if self.rank == 0 and not gap.within(tol):  # within: the metrics carry it (no line on the first screen)
+            log.warning(
+                "sync calibration (initial weights, %d rollout tokens): engine vs actor log-probs mean %.3g, q%g %.3g "
+                "above the tolerance %g / %g before any update: raise rollout.verify_tolerance / "
+                "rollout.verify_high_tolerance above this gap, or every verification fails",
+                gap.count,
+                gap.mean,
+                tol.quantile,
+                gap.high,
+                tol.mean,
+                tol.high,
+            )
+        return {
+            "sync/calibration_mean_diff": gap.mean,
+            "sync/calibration_high_diff": gap.high,
+            "sync/calibration_max_diff": gap.worst,
+        }
+
     def old_policy_pass(self, micro_batches) -> float:
         """Fill each micro-batch's old_log_prob (and entropy); R2 records the routes the update replays.
         Returns the summed entropy over response tokens. Not run when the update is exactly on-policy
@@ -272,7 +303,7 @@ class Trainer:
     def train_step(self) -> dict:
         from mcore_rl.algos import group_advantages
         from mcore_rl.batch import plan_mini_batches
-        from mcore_rl.rollout.weight_sync import verify_due
+        from mcore_rl.rollout.weight_sync import shared_probe, verify_due
         from mcore_rl.safety import check_reward_errors, reward_errors_stop
         from mcore_rl.step_data import ExchangeStats, first_reward_error, local_mini_batches
 
@@ -289,8 +320,13 @@ class Trainer:
                 seed=cfg.trainer.seed * 1_000_003 + self.step * 7919,
                 stats=exchanged,
             )
+        if self.step == 0 or verify_due(self.step + 1, cfg.rollout.verify_every):
+            self.probe = shared_probe(local.groups, self.probe)  # the step's own sequences, not random ids
+        # the initial weights' gap: the engine scores now, awake; the actor once it is back on the device
+        calibration = self._engine_scores(self.probe) if self.step == 0 else None
         with timer("to_training"):
             self.to_training()  # the engine's memory to the actor's passes (offload: the actor's state back)
+        calibration_metrics = self._calibration(calibration) if calibration is not None else {}
         max_rate = cfg.reward.max_error_rate
         stopping = reward_errors_stop(meta.errors, meta.size, max_rate)  # the same on every rank
         first_error = first_reward_error(scored.first_error) if stopping else scored.first_error
@@ -363,6 +399,7 @@ class Trainer:
             **{(k if k.startswith("routing/") else f"train/{k}"): float(np.mean(v)) for k, v in update.items()},
             "train/skipped_steps": float(np.sum(update.get("skipped_steps", [0.0]))),
             **sync_metrics,
+            **calibration_metrics,
         }
         if entropy_sum is not None:
             metrics["train/entropy_old"] = entropy_sum / max(1, sum(meta.loss_tokens))

@@ -54,6 +54,8 @@ ALLOWED = {
     "(every sample to every rank; the trainer moves step data with mcore_rl.step_data instead)",
     ("rollout/weight_sync.py", "_worst_tensors", "all_gather_object"): "object gather: names of the worst "
     "tensors for an error message",
+    ("rollout/weight_sync.py", "shared_probe", "broadcast_object_list"): "object broadcast: rank 0's few rollout "
+    "sequences, the probe every rank scores after the next sync",
     ("rollout/vllm_engine.py", "_gather", "all_gather_object"): "object gather: generations of the TP ranks",
     ("megatron/logprobs.py", "_all_reduce", "all_reduce"): "vocabulary-parallel log-prob reductions "
     "(max / sums of [tokens] tensors in the compute dtype on the device)",

@@ -170,6 +170,10 @@ def test_short_run(tiny_arch_dir, task, tmp_path, preset, arch, extra):
     assert all(0.0 <= r["reward/mean"] <= 1.0 for r in rows)
     assert "val/reward_mean" in rows[1] and "sync/verify_max_diff" in rows[1]
     assert rows[1]["sync/verify_max_diff"] <= 1e-4  # the engine samples from the trained policy
+    # the calibration: the engine/actor gap at the initial weights on step 1's own rollout sequences, logged once
+    assert rows[0]["sync/calibration_max_diff"] <= 1e-4 and "sync calibration" not in out  # within: no line
+    assert 0 <= rows[0]["sync/calibration_high_diff"] <= rows[0]["sync/calibration_max_diff"]
+    assert not any("sync/calibration_mean_diff" in r for r in rows[1:])
     if "algo.kl_coef" in extra:
         assert all("train/kl_ref" in r for r in rows) and rows[0]["train/kl_ref"] == pytest.approx(0.0, abs=1e-6)
         assert rows[-1]["train/kl_ref"] > 0  # the policy moved away from the reference

@@ -138,6 +138,45 @@ def test_rebuild_that_cannot_fix_it_raises(tiny_model_dir, actor_dir):
         verify_sync(engine, reference_fn(actor), ProbeBatch.random(128), tol=1e-3, fallback="rebuild")
 
 
+def _sample(prompt, response):
+    from mcore_rl.rollout.base import RolloutSample
+
+    return RolloutSample(prompt, response, torch.zeros(len(response)), "stop")
+
+
+def test_probe_is_the_steps_own_sequences():
+    """One sample of each prompt before a second of any, responses only, at most PROBE_SEQUENCES; alone (world 1)
+    the shared probe is this rank's, and a rollout without a response keeps the fallback."""
+    from mcore_rl.rollout.weight_sync import PROBE_SEQUENCES, shared_probe
+
+    groups = [
+        [_sample([1, 2], [3, 4]), _sample([1, 2], [5])],
+        [_sample([7], []), _sample([7], [8, 9, 10])],  # the empty response is skipped
+        [_sample([11, 12, 13], [14]), _sample([11, 12, 13], [15])],
+    ]
+    probe = ProbeBatch.from_samples(groups, num_seqs=4, temperature=1.0)
+    assert probe.sequences == [[1, 2, 3, 4], [11, 12, 13, 14], [1, 2, 5], [7, 8, 9, 10]]
+    assert probe.prompt_lens == [2, 3, 2, 1]
+    many = [[_sample([1], [2])] * 2 for _ in range(10)]
+    assert len(ProbeBatch.from_samples(many).sequences) == PROBE_SEQUENCES == 8
+    fallback = ProbeBatch.random(128, seed=1)
+    assert shared_probe(groups, fallback).sequences[:2] == [[1, 2, 3, 4], [11, 12, 13, 14]]
+    assert shared_probe([[_sample([1], [])]], fallback) is fallback
+
+
+def test_log_prob_gap_against_a_plain_computation():
+    from mcore_rl.rollout.weight_sync import log_prob_gap
+
+    g = torch.Generator().manual_seed(0)
+    actor = [torch.randn(n, generator=g) for n in (3, 5, 1)]
+    engine = [a + torch.randn(a.shape, generator=g) * 0.1 for a in actor]
+    gap = log_prob_gap(engine, actor, 0.5)
+    flat = torch.cat([(e - a).abs() for e, a in zip(engine, actor)])
+    assert gap.count == 9 and gap.worst == pytest.approx(float(flat.max()))
+    assert gap.mean == pytest.approx(float(flat.mean())) and gap.high == pytest.approx(float(flat.median()))
+    assert log_prob_gap([torch.tensor([float("nan")])], [torch.zeros(1)], 0.5).worst == float("inf")
+
+
 def test_verify_due():
     assert [verify_due(k, 2) for k in (1, 2, 3, 4)] == [False, True, False, True]
     assert not any(verify_due(k, 0) for k in range(1, 5))

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.platform import collectives
-from mcore_rl.rollout.base import RolloutEngine
+from mcore_rl.rollout.base import RolloutEngine, RolloutSample
 
 log = logging.getLogger(__name__)
 
@@ -211,6 +211,9 @@ def _check_complete(engine: Optional[RolloutEngine], seen: set[str], group) -> N
         )
 
 
+PROBE_SEQUENCES = 8  # rollout sequences a verification scores (every rank the same ones)
+
+
 @dataclass
 class ProbeBatch:
     """Fixed sequences scored by engine and actor after a sync (log-probs of positions >= prompt_len)."""
@@ -229,10 +232,35 @@ class ProbeBatch:
         seed: int = 0,
         temperature: float = 1.0,
     ) -> "ProbeBatch":
-        """Uniformly random token ids: every token of the vocabulary and, in an MoE, many experts get exercised."""
+        """Uniformly random token ids: the probe before any rollout exists (a resumed run's first sync). The
+        tolerances come from gaps on natural text, so once a step has rolled out its own sequences are the probe
+        (`from_samples`, `shared_probe`)."""
         gen = torch.Generator().manual_seed(seed)
         seqs = torch.randint(0, vocab_size, (num_seqs, prompt_len + response_len), generator=gen)
         return cls([s.tolist() for s in seqs], [prompt_len] * num_seqs, temperature)
+
+    @classmethod
+    def from_samples(
+        cls, groups: list[list[RolloutSample]], num_seqs: int = PROBE_SEQUENCES, temperature: float = 1.0
+    ) -> Optional["ProbeBatch"]:
+        """Up to `num_seqs` of the step's own sequences (prompt + response), one sample of each prompt before a
+        second of any, those with a response only; None when there is none."""
+        width = max((len(g) for g in groups), default=0)
+        picked = [g[j] for j in range(width) for g in groups if j < len(g) and g[j].response_ids][:num_seqs]
+        if not picked:
+            return None
+        return cls([s.prompt_ids + s.response_ids for s in picked], [len(s.prompt_ids) for s in picked], temperature)
+
+
+def shared_probe(groups: list[list[RolloutSample]], fallback: ProbeBatch, group=None) -> ProbeBatch:
+    """The probe every rank scores after the next sync: rank 0's `ProbeBatch.from_samples` of its share of the
+    step's rollout (the actor's forward is collective: every rank must pass the same sequences), else `fallback`."""
+    mine = ProbeBatch.from_samples(groups, temperature=fallback.temperature)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return mine or fallback
+    box = [mine]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return box[0] or fallback
 
 
 @dataclass
@@ -304,9 +332,17 @@ def _compare(
     """Mean, tol.quantile and max of |engine - actor| (fp32) over the probe tokens, agreed over the group (the
     quantile is the largest of the ranks' own: replicas are checked separately)."""
     reference = reference_logprob_fn(probe.sequences, probe.prompt_lens, probe.temperature)
+    scored = engine.score(probe.sequences, probe.prompt_lens, probe.temperature) if engine is not None else None
+    return log_prob_gap(scored, reference, tol.quantile, group)
+
+
+def log_prob_gap(
+    scored: Optional[list[torch.Tensor]], reference: list[torch.Tensor], quantile: float, group=None
+) -> "_Diffs":
+    """Mean, `quantile` and max of |engine - actor| (fp32) over the tokens of `scored` (the engine's log-probs of
+    the probe, None on a rank without an engine) against `reference` (the actor's), agreed over the group."""
     diffs = []
-    if engine is not None:
-        scored = engine.score(probe.sequences, probe.prompt_lens, probe.temperature)
+    if scored is not None:
         for i, (ours, ref) in enumerate(zip(scored, reference)):
             if ours.shape != ref.shape:
                 raise ValueError(
@@ -318,7 +354,7 @@ def _compare(
             diffs.append(torch.where(torch.isfinite(diff), diff, torch.full_like(diff, float("inf"))))
     local = torch.cat(diffs) if diffs else torch.zeros(0)
     worst = float(local.max()) if local.numel() else 0.0
-    high = float(torch.quantile(local, tol.quantile)) if local.numel() else 0.0
+    high = float(torch.quantile(local, quantile)) if local.numel() else 0.0
     total = math.fsum(local.tolist())
     worst, high = collectives.max_floats([worst, high], group)
     total = collectives.sum_floats([total], group)[0]
