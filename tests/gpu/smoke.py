@@ -287,11 +287,16 @@ def _tokens(batch: int = 4, seq: int = 16, seed: int = 0):
 
 
 def _hf(ctx):
-    import torch
-    from transformers import AutoModelForCausalLM
+    """The Hugging Face model of the tiny checkpoint in fp32, built the way the embedded engine builds it (from its
+    config, the safetensors copied in): `from_pretrained` after Megatron's CPU adaptation leaves rotary `inv_freq`
+    uninitialised (mcore_rl/rollout/embedded.py), so on CPU the reference would depend on the stage order."""
+    from mcore_rl.rollout.embedded import EmbeddedEngine
 
     model, _ = _tiny_paths(ctx)
-    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(ctx["device"]).eval()
+    engine = EmbeddedEngine(
+        model, dtype="float32", device=ctx["device"], return_routed_experts=False, share_weights=False
+    )
+    return engine.model
 
 
 def _full_logits(head, mb):
