@@ -63,7 +63,7 @@ STAGES = (
     Stage("replay", 60, 5, "routing replay with the embedded engine: R3 (engine routes) and R2 (recorded)"),
     Stage("checkpoint", 60, 5, "save, train on, load: parameters and optimizer state back bit-exact"),
     Stage("gspo", 120, 30, "a short GSPO run on the tiny task (the smoke config): reward rises"),
-    Stage("memory", 90, 30, "the memory config's peak device memory vs `mcore-rl plan` (within 15%)"),
+    Stage("memory", 90, 45, "the memory config's peak device memory vs `mcore-rl plan` (within 15%)"),
     Stage("vllm", 30, 0, "vLLM engine sync + verification (SKIP: not installed)"),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
