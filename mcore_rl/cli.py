@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from mcore_rl.compat import describe_versions
-from mcore_rl.config import Config, ConfigError, check_paths, load_config
+from mcore_rl.config import CONFIG_WARNED_ENV, Config, ConfigError, check_paths, load_config
 from mcore_rl.megatron.layout import Layout, LayoutError, ModelDims, validate_run
 from mcore_rl.models.tiny import ARCHS
 from mcore_rl.preflight import check_run_inputs, check_tokenizer
@@ -283,6 +283,7 @@ def cmd_train(args) -> int:
     print(f"mcore-rl: {cfg.trainer.nproc} process(es) on {platform}: {' '.join(cmd[1:])}", flush=True)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # without it every rank spins all cores (0.5 s stalls on small CPUs)
+    env[CONFIG_WARNED_ENV] = "1"  # the config's warnings were printed here: rank 0 need not repeat them
     from mcore_rl.supervise import run_supervised
 
     return run_supervised(cmd, env)  # SIGTERM/SIGINT reach every worker; nothing is left running

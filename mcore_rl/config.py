@@ -450,6 +450,9 @@ def _read_yaml(path: str | os.PathLike) -> dict:
     return data
 
 
+CONFIG_WARNED_ENV = "MCORE_RL_CONFIG_WARNED"  # set by the launcher for its workers once it printed the warnings
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = (), validate: bool = True) -> Config:
     """YAML file (or defaults when `path` is None) + dotted overrides -> a validated Config."""
     data = _read_yaml(path) if path is not None else {}
@@ -458,7 +461,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     cfg = _build(Config, data)
     if validate:
         warnings = validate_config(cfg)
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank loads the config: warn once
+        # under torchrun every rank loads the config: warn once (not at all when `mcore-rl train` already did)
+        if os.environ.get("RANK", "0") == "0" and not os.environ.get(CONFIG_WARNED_ENV):
             for warning in warnings:
                 log.warning("config: %s", warning)
     return cfg

@@ -46,12 +46,25 @@ CASES = [
         True,
     ),
     (GATHER, FutureWarning, "torch.distributed.c10d_logger", True),
+    # sequence parallelism (TP > 1) reduce-scatters through the same deprecated name
+    (
+        "`torch.distributed.reduce_scatter_tensor` is deprecated. Please use `torch.distributed.reduce_scatter_single` "
+        "instead.",
+        FutureWarning,
+        "torch.distributed.c10d_logger",
+        True,
+    ),
     # not known: another message of the same module, the same message from elsewhere or of another category
     ("Transformer Engine is too old: upgrade it", UserWarning, "megatron.core.optimizer", False),
     (APEX_NORM, UserWarning, "mcore_rl.megatron.actor", False),
     (APEX_NORM, DeprecationWarning, "megatron.core.models.backends", False),
     (GATHER, UserWarning, "torch.distributed.c10d_logger", False),
-    ("`torch.distributed.reduce_scatter_tensor` is deprecated.", FutureWarning, "torch.distributed", False),
+    (
+        "`torch.distributed.reduce_op` is deprecated, please use `torch.distributed.ReduceOp` instead",
+        FutureWarning,
+        "torch.distributed",
+        False,
+    ),
 ]
 
 
@@ -61,6 +74,22 @@ def shown(message: str, category: type[Warning], module: str) -> bool:
         hide_known_warnings()
         warnings.warn_explicit(message, category, f"/site-packages/{module.replace('.', '/')}.py", 1, module=module)
     return len(caught) == 1
+
+
+SP_CONNECTIONS = (
+    "When using sequence parallelism it is recommended to set the environment variable "
+    "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup"
+)
+
+
+@pytest.mark.parametrize("platform, hidden", [("cpu", True), ("cuda", False), ("npu", False)])
+def test_device_advice_is_hidden_on_cpu_only(platform, hidden):
+    module = "megatron.core.tensor_parallel.layers"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hide_known_warnings(platform)
+        warnings.warn_explicit(SP_CONNECTIONS, UserWarning, "/site-packages/megatron/core/x.py", 1, module=module)
+    assert (len(caught) == 0) == hidden
 
 
 @pytest.mark.parametrize("message, category, module, hidden", CASES)

@@ -80,8 +80,9 @@ def init_parallel(parallel: ParallelConfig, platform: Platform, hf_config, seed:
     Returns the layout bound to this process's ranks and groups.
     """
     layout = validate_layout(parallel, _world_size(), hf_config, platform=platform.name)
-    for warning in layout.warnings:
-        logger.warning("layout: %s", warning)
+    if os.environ.get("RANK", "0") == "0":  # every rank reaches the same verdict: say it once
+        for warning in layout.warnings:
+            logger.warning("layout: %s", warning)
     platform.adapt_megatron()
     compat_megatron.apply_shims()
     platform.init_distributed()

@@ -3,7 +3,7 @@
 Megatron-Core, mbridge and torch warn at import and start-up about what they fall back to or will change:
 Transformer Engine / Apex not installed (one warning per Megatron module that looks for them, on every rank),
 Megatron's own default `cuda_graph_scope="full"` being deprecated, torch's deprecation of
-`all_gather_into_tensor`. The 2-process CPU demo printed 36 such lines of its 43 before the first step.
+`all_gather_into_tensor` and `reduce_scatter_tensor`. The 2-process CPU demo printed 36 such lines of its 43 before the first step.
 `hide_known_warnings` filters exactly those - by category, module and message - in this process, and has to run
 before Megatron is imported (most are raised at import time); every other warning and every error still shows.
 `fallback_notice` is the one line that replaces them: what is absent and what that means on this platform.
@@ -48,6 +48,23 @@ KNOWN_WARNINGS: tuple[KnownWarning, ...] = (
         r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
         "torch 2.13 deprecates the gather every Megatron release calls; it still works",
     ),
+    KnownWarning(
+        FutureWarning,
+        r"torch\.distributed",
+        r"`torch\.distributed\.reduce_scatter_tensor` is deprecated",
+        "torch 2.13 deprecates the reduce-scatter Megatron's sequence parallelism calls; it still works",
+    ),
+)
+
+# Warnings that give advice only a device can take: hidden on CPU, shown elsewhere.
+CPU_ONLY_WARNINGS: tuple[KnownWarning, ...] = (
+    KnownWarning(
+        UserWarning,
+        r"megatron\.core\.tensor_parallel\.layers",
+        r"When using sequence parallelism it is recommended to set the environment variable "
+        r"CUDA_DEVICE_MAX_CONNECTIONS",
+        "a CUDA stream setting; no CUDA stream exists on CPU",
+    ),
 )
 
 _NAMES = {"te": "Transformer Engine", "apex": "Apex"}
@@ -59,9 +76,10 @@ def verbose_requested(cfg_verbose: bool, env: Optional[dict] = None) -> bool:
     return cfg_verbose or env.get(VERBOSE_ENV, "").strip().lower() not in ("", "0", "false", "no")
 
 
-def hide_known_warnings() -> None:
-    """Install the KNOWN_WARNINGS filters in this process (idempotent: warnings replaces an equal filter)."""
-    for known in KNOWN_WARNINGS:
+def hide_known_warnings(platform: Optional[str] = None) -> None:
+    """Install the KNOWN_WARNINGS filters (and CPU_ONLY_WARNINGS on platform "cpu") in this process
+    (idempotent: warnings replaces an equal filter)."""
+    for known in KNOWN_WARNINGS + (CPU_ONLY_WARNINGS if platform == "cpu" else ()):
         warnings.filterwarnings("ignore", message=known.message, category=known.category, module=known.module)
 
 
@@ -95,5 +113,5 @@ def quiet_startup(platform: str, verbose: bool) -> Optional[str]:
     """Hide the known warnings unless `verbose`; the line to show instead (None: nothing to say)."""
     if verbose:
         return None
-    hide_known_warnings()
+    hide_known_warnings(platform)
     return fallback_notice(platform, *installed_fallbacks())
