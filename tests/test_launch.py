@@ -169,7 +169,7 @@ after_import = "torch" in sys.modules
 worker = module.RankWorker()
 port = worker.free_port()
 after_port = "torch" in sys.modules
-worker.run({"ASCEND_RT_VISIBLE_DEVICES": "3,5"}, None, "mcore_rl.safety:StopRequested")
+worker.run({"ASCEND_RT_VISIBLE_DEVICES": "3,5"}, None, "torch:is_tensor")  # the entry loads torch
 print(port > 0, after_import, after_port, seen.get("torch"))
 """
 
