@@ -82,6 +82,24 @@ def test_bad_arguments_fail_fast_and_no_gpu_still_writes_the_summary(tmp_path):
     assert all(l.startswith("SKIP") for l in lines[1:]), lines
 
 
+def test_a_stage_past_its_budget_or_raising_fails_and_the_next_one_runs(monkeypatch):
+    import time
+
+    calls = []
+    monkeypatch.setitem(smoke_module.STAGE_FNS, "env", lambda ctx: time.sleep(5))
+    monkeypatch.setitem(smoke_module.STAGE_FNS, "nccl", lambda ctx: 1 / 0)
+    monkeypatch.setitem(smoke_module.STAGE_FNS, "parity", lambda ctx: calls.append(1) or "fine")
+    stages = [smoke_module.Stage(n, 1, 0, "") for n in ("env", "nccl", "parity")]
+    ctx = {"platform": "cuda"}
+    results = [smoke_module.run_stage(s, ctx, 100) for s in stages]
+    assert [r.status for r in results] == ["FAIL", "FAIL", "PASS"] and calls == [1]
+    assert "ran past its 1 s budget" in results[0].detail and results[0].seconds < 3
+    assert "ZeroDivisionError" in results[1].detail
+    assert smoke_module.run_stage(stages[2], ctx, 0.5).status == "SKIP"  # the suite's budget spent
+    text = smoke_module.summary(results, "cuda", 2.0)
+    assert text.splitlines()[1].startswith("FAIL  env") and text.endswith("# result: FAIL (env, nccl)")
+
+
 @pytest.mark.gpu
 def test_smoke_suite_on_the_gpu(tmp_path):
     out = tmp_path / "summary.txt"
