@@ -224,6 +224,17 @@ def check_inputs(cfg: Config) -> None:
         raise InputError(str(e)) from None
 
 
+def check_resume(cfg: Config) -> None:
+    """A resume whose config changes what the checkpoint cannot follow (world size, data, seed, model)
+    fails here, before any process starts (mcore_rl.resume_changes; the trainer logs the applied ones)."""
+    from mcore_rl.resume_changes import check_resume_changes
+    from mcore_rl.run_dir import resolve_resume
+
+    resume = resolve_resume(cfg)
+    if resume is not None:
+        check_resume_changes(cfg, resume.path)
+
+
 def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)  # a bad config fails before torch is imported
     from mcore_rl.platform.library_warnings import hide_known_warnings, verbose_requested
@@ -264,6 +275,7 @@ def cmd_train(args) -> int:
     from mcore_rl.megatron.memory_plan import checkpoint_bytes
 
     check_run_dir(cfg, checkpoint_bytes(cfg, model_dims(cfg)))
+    check_resume(cfg)
     check_inputs(cfg)
     for warning in layout.warnings:
         print(f"mcore-rl: warning: {warning}", file=sys.stderr)

@@ -607,6 +607,20 @@ def _check_ranges(cfg: Config) -> None:
     )
 
 
+def _no_effect_with_embedded(r: RolloutConfig) -> list[str]:
+    """vLLM's keys set with the embedded engine: a warning each (like other keys without effect), so a
+    value the user meant for vLLM is not silently dropped."""
+    if r.engine != "embedded":
+        return []
+    defaults = RolloutConfig()
+    return [
+        f"rollout.{key} = {getattr(r, key)} has no effect with rollout.engine=embedded (it generates with the "
+        f"actor's own weights and layout, without a KV cache pool): remove it, or set rollout.engine=vllm"
+        for key in ("tp", "gpu_memory_utilization", "kv_cache_gb")
+        if getattr(r, key) != getattr(defaults, key)
+    ]
+
+
 def _check_combinations(cfg: Config) -> list[str]:
     a, r, o = cfg.algo, cfg.rollout, cfg.actor.optim
     warnings: list[str] = []
@@ -695,6 +709,12 @@ def _check_combinations(cfg: Config) -> list[str]:
             "actor.offload on platform=cpu copies the actor's state between two places in the same memory: it "
             "saves nothing there (it is for devices whose memory the rollout engine needs)"
         )
+    _require(
+        cfg.trainer.run_dir.strip() != "",
+        f"trainer.run_dir = {cfg.trainer.run_dir!r} is empty: checkpoints, metrics and plots would land in the "
+        f"working directory; set it, e.g. trainer.run_dir=runs/my_run",
+    )
+    warnings += _no_effect_with_embedded(r)
     _require(
         re.fullmatch(r"task|math|[\w.]+:\w+", cfg.reward.fn) is not None,
         f"reward.fn = {cfg.reward.fn!r}: use 'task', 'math' or 'package.module:function'",

@@ -92,6 +92,12 @@ class Trainer:
         self.world = dist.get_world_size()
         self.run_dir = Path(cfg.trainer.run_dir)
         resume = resolve_verified_resume(cfg, log)  # the newest checkpoint whose checksums verify
+        if resume is not None:  # refused changes stop here too, for launchers without the pre-flight
+            from mcore_rl.resume_changes import check_resume_changes, describe
+
+            applied = check_resume_changes(cfg, resume.path)
+            if applied and dist.get_rank() == 0:
+                log.info("resuming from %s with changed settings, applied: %s", resume.path, describe(applied))
         # One run per run directory: locked for the life of the run, another run's checkpoints refused.
         self.run_lock = claim_run_dir_collective(cfg, resume, log)
         if self.rank == 0:
@@ -434,6 +440,8 @@ class Trainer:
             )
 
     def save(self) -> None:
+        from mcore_rl.resume_changes import CONFIG_FILE
+
         if self.offload:
             self.to_training()  # the actor's state on the device for the writer
         self.actor.check_weights_finite(f"not writing checkpoint step {self.step}")
@@ -447,6 +455,8 @@ class Trainer:
                 "skips": self.skips.state_dict(),
             }
             torch.save(state, tmp_dir / f"trainer_state_rank{self.rank}.pt")
+            if self.rank == 0:  # what a resume compares its config with (mcore_rl.resume_changes)
+                save_config(self.cfg, tmp_dir / CONFIG_FILE)
 
         ckpt = self.ckpt.save(self.step, write, meta={"step": self.step})
         if self.rank == 0:

@@ -234,3 +234,33 @@ def test_kv_cache_gb_on_npu_warns_that_vllm_ascend_ignores_it():
     assert not any(
         "kv_cache_gb" in w for w in validate_config(load_config(None, ["platform=cuda", *args], validate=False))
     )
+
+
+def test_vllm_keys_with_the_embedded_engine_warn_that_they_have_no_effect():
+    """rollout.tp / gpu_memory_utilization / kv_cache_gb used to be accepted silently with the embedded
+    engine; like other keys without effect (kv_cache_gb on vLLM-Ascend) each gets a warning with the fix."""
+    from mcore_rl.config import validate_config
+
+    keys = ["rollout.tp=2", "rollout.gpu_memory_utilization=0.8", "rollout.kv_cache_gb=8"]
+    warned = validate_config(load_config(None, ["rollout.engine=embedded", *keys], validate=False))
+    for key in keys:
+        name, value = key.split("=")
+        assert any(
+            w.startswith(f"{name} = {value}")
+            and "no effect with rollout.engine=embedded" in w
+            and "rollout.engine=vllm" in w
+            for w in warned
+        ), (key, warned)
+    assert not any(
+        "no effect" in w for w in validate_config(load_config(None, ["rollout.engine=embedded"], validate=False))
+    )
+    vllm = validate_config(load_config(None, ["rollout.engine=vllm", "platform=cuda", *keys], validate=False))
+    assert not any("no effect" in w for w in vllm)
+
+
+@pytest.mark.parametrize("run_dir", ["", "  "])
+def test_an_empty_run_dir_is_refused(run_dir):
+    from mcore_rl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="trainer.run_dir = .* is empty: .* set it, e.g. trainer.run_dir=runs/my_run"):
+        load_config(None, [f"trainer.run_dir={run_dir}"])

@@ -9,6 +9,7 @@ from mcore_rl.config import RewardConfig
 from mcore_rl.rewards import OverlongPenalty, RewardScorer, resolve_reward_fn
 from mcore_rl.rewards import math as math_reward
 from mcore_rl.rewards import task as task_reward
+from tests.torchrun_util import REPO
 
 
 @pytest.mark.parametrize(
@@ -158,3 +159,17 @@ def test_reward_that_never_returns_times_out_in_its_worker(tmp_path, monkeypatch
         assert out.valid == [True, True] and out.rewards == [1.0, 1.0]
     finally:
         scorer.close()
+
+
+@pytest.mark.parametrize("timeout_s", [0.0, 30.0], ids=["in-process", "worker"])
+def test_a_reward_that_calls_sys_exit_is_a_reward_error(timeout_s, monkeypatch):
+    """sys.exit(0) in the reward ended the trainer with status 0 (timeout_s = 0: in its process) and no
+    checkpoint: it is a reward error like any other exception, in this process and in the worker."""
+    monkeypatch.setenv("PYTHONPATH", f"{REPO}:{os.environ.get('PYTHONPATH', '')}")  # the spawned worker imports it
+    scorer = RewardScorer("tests.faulty_reward:exits", max_new_tokens=8, timeout_s=timeout_s)
+    try:
+        out = scorer(["a", "b"], ["1"] * 2, ["s"] * 2)
+    finally:
+        scorer.close()
+    assert out.valid == [False, False] and out.errors == 2
+    assert out.first_error == "SystemExit: it called sys.exit(0) (on response 'a')"

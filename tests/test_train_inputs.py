@@ -93,6 +93,7 @@ def train(*overrides):
         ("data.train_path={malformed}", "rows are malformed"),
         ("data.train_path={empty}", "is empty"),
         ("trainer.run_dir={file}", "is a file, not a directory"),
+        ("trainer.run_dir=", "trainer.run_dir = '' is empty"),
         ("checkpoint.resume={root}/no_such_checkpoint", "is not a complete checkpoint"),
         ("actor.optim.lr=.inf", "actor.optim.lr = inf is not a finite number"),
         ("rollout.temperature=.inf algo.temperature=.inf", "is not a finite number"),

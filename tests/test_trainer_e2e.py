@@ -342,12 +342,20 @@ def test_bad_rewards_and_non_finite_updates_are_never_applied(tiny_model_dir, ta
     assert all(torch.isfinite(t).all() for t in hf.values())
 
     # Continuing it (checksums of the real Megatron checkpoint verified) with a reward that fails on
-    # every sample stops at once with the first error, instead of training on nothing to the end.
+    # every sample stops at once with the first error, instead of training on nothing to the end. The
+    # reward calls sys.exit(0) in the trainer's own process (timeout_s = 0): that used to end the run with
+    # status 0, no checkpoint and no export; it is a reward error like any other.
+    saved = {p: p.read_bytes() for p in (run_dir / "checkpoints").rglob("*") if p.is_file()}
     args = overrides(
         tiny_model_dir,
         task,
         run_dir,
-        **{"reward.fn": "tests.faulty_reward:always_raises", "trainer.val_every": 0, "trainer.steps": 6},
+        **{
+            "reward.fn": "tests.faulty_reward:exits",
+            "reward.timeout_s": 0,
+            "trainer.val_every": 0,
+            "trainer.steps": 6,
+        },
     )
     proc = subprocess.run(
         train_cmd("gspo_cpu.yaml", args),
@@ -360,7 +368,8 @@ def test_bad_rewards_and_non_finite_updates_are_never_applied(tiny_model_dir, ta
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1 and "resumed from" in out and "step_00000004" in out, out[-5000:]
     assert "mcore-rl: error: step 5: the reward function failed on 16 of 16 samples" in out, out[-5000:]
-    assert "first error: ValueError: this reward always fails" in out
+    assert "first error: SystemExit: it called sys.exit(0)" in out
+    assert {p: p.read_bytes() for p in (run_dir / "checkpoints").rglob("*") if p.is_file()} == saved
     # the worker's line comes last, once; torchrun's ChildFailedError report is in the run's log file
     assert proc.stderr.strip().splitlines()[-1].startswith("mcore-rl: error: step 5: the reward function"), out[-3000:]
     assert out.count("mcore-rl: error:") == 1 and "ChildFailedError" not in out
@@ -487,3 +496,27 @@ def test_kill_9_of_the_launcher_alone_ends_the_job(tiny_model_dir, task, tmp_pat
     assert CheckpointManager(run_dir).latest().step == 1  # step 2 was being written: never published
     assert not (run_dir / "hf").exists()
     RunLock.acquire(run_dir).release()  # free: no process of the dead job holds it
+
+    # Resuming it with changed settings of every applied class (mcore_rl.resume_changes): the new learning
+    # rate is used (it used to stay the checkpoint's 1e-3), the layout changes from EP2 to EP1 x DP2.
+    changed = {
+        "actor.optim.lr": 5e-4,  # optimizer
+        "trainer.steps": 2,  # schedule
+        "data.prompts_per_step": 2,  # batch
+        "algo.clip_high": 5e-4,  # loss options
+        "actor.parallel.ep": 1,  # layout
+    }
+    out = run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, run_dir, **changed))
+    assert "resumed from" in out and "step_00000001" in out, out[-3000:]
+    line = next((x for x in out.splitlines() if "with changed settings, applied:" in x), out[-3000:])
+    for part in (
+        "optimizer: actor.optim.lr 0.001 -> 0.0005",
+        "schedule: trainer.steps 50 -> 2",
+        "batch: data.prompts_per_step 4 -> 2",
+        "loss options: algo.clip_high 0.0004 -> 0.0005",
+        "layout: actor.parallel.ep 2 -> 1",
+    ):
+        assert part in line, line
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["train/lr"] == 1e-3 and rows[1]["train/lr"] == 5e-4
+    assert CheckpointManager(run_dir).latest().step == 2 and (run_dir / "hf").is_dir()

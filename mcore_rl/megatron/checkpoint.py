@@ -10,7 +10,9 @@ Traps handled here (docs/megatron-on-cpu.md records how each was found):
   * the distributed optimizer is saved reshardable ("fully_reshardable" from megatron-core 0.15,
     "fully_sharded_model_space" before; compat.megatron) so that a checkpoint written at one DP size loads
     at another;
-  * `extra` is stored as common (rank-0) state: it must be identical on every rank.
+  * `extra` is stored as common (rank-0) state: it must be identical on every rank;
+  * loading restores the saving run's hyper-parameters (the param groups' lr, betas, eps, max_lr, and the
+    scheduler's shape): this run's are put back after the load, so a resume with a changed lr uses it.
 """
 
 from __future__ import annotations
@@ -96,6 +98,42 @@ def _tolerate_absent_state_keys(optimizer) -> None:
         opt._mcore_rl_tolerant = True
 
 
+# The schedule's shape; its position (num_steps) comes from the checkpoint.
+_SCHEDULE_FIELDS = (
+    "init_lr",
+    "max_lr",
+    "min_lr",
+    "lr_warmup_steps",
+    "lr_decay_steps",
+    "lr_decay_style",
+    "start_wd",
+    "end_wd",
+    "wd_incr_steps",
+    "wd_incr_style",
+)
+
+
+def _settings(actor) -> tuple[list[dict], dict]:
+    """This run's optimizer hyper-parameters (param groups without their params) and schedule shape."""
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in actor.optimizer.param_groups]
+    schedule = {k: getattr(actor.scheduler, k) for k in _SCHEDULE_FIELDS if hasattr(actor.scheduler, k)}
+    return groups, schedule
+
+
+def _apply_settings(actor, settings: tuple[list[dict], dict]) -> None:
+    """After a load: this run's config wins over the checkpoint's hyper-parameters (torch's and Megatron's
+    loads restore lr, betas, eps, max_lr ... of the run that saved), the state (Adam moments, step count)
+    stays the checkpoint's. mcore_rl.resume_changes decides which changes may reach this point."""
+    groups, schedule = settings
+    current = actor.optimizer.param_groups
+    if len(current) == len(groups):
+        for group, fresh in zip(current, groups):
+            group.update(fresh)
+    for key, value in schedule.items():
+        setattr(actor.scheduler, key, value)
+    actor.scheduler.step(increment=0)  # this step's lr and weight decay from the new shape
+
+
 def save_checkpoint(actor, directory: str, extra: Optional[dict[str, Any]] = None) -> None:
     from megatron.core import dist_checkpointing
 
@@ -123,6 +161,7 @@ def load_checkpoint(actor, directory: str, load_optimizer: bool = True) -> dict[
         raise ValueError(
             f"{directory} holds no optimizer state (e.g. converted from HF): load it with load_optimizer=False"
         )
+    settings = _settings(actor) if with_optimizer and actor.scheduler is not None else None
     if with_optimizer:
         _prime_adam_state(actor.optimizer)
         _tolerate_absent_state_keys(actor.optimizer)
@@ -135,4 +174,6 @@ def load_checkpoint(actor, directory: str, load_optimizer: bool = True) -> dict[
         _unalias_steps(actor.optimizer)
         if actor.scheduler is not None and "scheduler" in common:
             actor.scheduler.load_state_dict(common["scheduler"])
+        if settings is not None:
+            _apply_settings(actor, settings)
     return dict(common.get("extra", {}))

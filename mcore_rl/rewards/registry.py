@@ -93,11 +93,17 @@ def score_items(fn: RewardFn, items: list[tuple]) -> tuple[list[float], list[boo
             valid.append(True)
         except Interrupted:  # Ctrl-C twice (mcore_rl.safety.StopSignals): stop the run, not this call
             raise
-        except (Exception, KeyboardInterrupt) as e:  # counted; the sample is left out of its group and of the
-            # loss (a KeyboardInterrupt that the function raises itself is its failure, not a stop request)
+        except (Exception, KeyboardInterrupt, SystemExit) as e:  # counted; the sample is left out of its group
+            # and of the loss (a KeyboardInterrupt that the function raises itself is its failure, not a stop
+            # request; a sys.exit() in it would end the trainer with status 0 and no checkpoint, timeout_s = 0)
             errors += 1
             if first_error is None:
-                first_error = f"{type(e).__name__}: {e} (on response {text[:80]!r})"
+                what = (
+                    f"SystemExit: it called sys.exit({e.code!r})"
+                    if isinstance(e, SystemExit)
+                    else f"{type(e).__name__}: {e}"
+                )
+                first_error = f"{what} (on response {text[:80]!r})"
             task.append(0.0)
             valid.append(False)
     return task, valid, errors, first_error
