@@ -31,6 +31,7 @@ RoutingReplayMode = Literal["r2", "r3"]
 EngineName = Literal["embedded", "vllm"]
 VerifyFallback = Literal["rebuild", "error"]
 OldLogProbPass = Literal["auto", "always"]
+DynamicSamplingAtCap = Literal["train", "error"]  # at the round cap: train on the groups there are, or stop
 
 # Keys that existed once: loading a config that still sets one names what replaced it.
 REMOVED_KEYS = {
@@ -132,6 +133,15 @@ class AlgoConfig:
     # own, detached, and no separate forward pass runs; always: a separate old-policy pass every step.
     old_log_prob_pass: OldLogProbPass = "auto"
     routing_replay: Optional[RoutingReplayMode] = None  # None: off
+    # DAPO dynamic sampling (docs/dynamic-sampling.md): groups whose rewards are all equal carry no advantage;
+    # they are dropped and more prompts generated, until the step has data.prompts_per_step groups with signal
+    # or dynamic_sampling_max_rounds generation rounds (the first included) ran; then `dynamic_sampling_at_cap`.
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_rounds: int = 8
+    dynamic_sampling_at_cap: DynamicSamplingAtCap = "train"
+    # DAPO overlong filtering: samples cut by rollout.max_new_tokens are masked out of the loss (they still
+    # count in their group's advantage baseline); the linear overlong penalty is reward.overlong_buffer.
+    overlong_filtering: bool = False
 
     @property
     def old_from_update(self) -> bool:
@@ -533,6 +543,7 @@ def _check_ranges(cfg: Config) -> None:
     positive_ints = {
         "algo.ppo_epochs": a.ppo_epochs,
         "algo.mini_batches": a.mini_batches,
+        "algo.dynamic_sampling_max_rounds": a.dynamic_sampling_max_rounds,
         "rollout.n": r.n,
         "rollout.max_new_tokens": r.max_new_tokens,
         "rollout.tp": r.tp,

@@ -1,7 +1,9 @@
 """Per-step metrics on rank 0: JSONL (crash-safe), TensorBoard, optional W&B, and a progress line.
 
 Metric names are flat strings, "section/name"; the plot groups them by name. The trainer logs:
-  reward/{mean,std,errors}, val/reward_mean, response/{length_mean,length_max,clip_ratio},
+  reward/{mean,std,errors} (every sample generated in the step, all rounds), val/reward_mean,
+  groups/{all_correct,all_wrong} (fractions of the step's generated groups; with algo.dynamic_sampling also
+  groups/{kept,dropped,rounds}: docs/dynamic-sampling.md), response/{length_mean,length_max,clip_ratio},
   train/{loss,pg_loss,kl_ref,approx_kl_old,entropy_old,clipfrac_upper,clipfrac_lower,dual_clipfrac,grad_norm,skipped_steps,update_successful,
   lr,rollout_mismatch_k3,is_weight_mean}, routing/{token_mismatch,expert_mismatch}, perf/{tokens_per_s,
   rollout_tokens_per_s,step_seconds}, time/{rollout,to_training,old_logprob,ref_logprob,update,sync}, sync/{seconds,gb_per_s,

@@ -26,7 +26,7 @@ no device memory is touched while the engine may still hold its KV cache.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import torch
@@ -74,6 +74,11 @@ class StepMeta:
     @property
     def errors(self) -> int:
         return int((~self.valid).sum())
+
+    def without_truncated(self) -> "StepMeta":
+        """The same samples with the truncated ones out of the loss (algo.overlong_filtering): no loss tokens,
+        as a failed reward has; their rewards stay (the group advantages are taken before)."""
+        return replace(self, valid=self.valid & ~self.truncated)
 
     def sample_nbytes(self, index: int) -> int:
         """Bytes of sample `index` on the wire: tokens int32, rollout log-probs float32, routes int16."""
@@ -193,7 +198,7 @@ def exchange_meta(
         dist.all_reduce(ints)
         dist.all_reduce(floats)
     if stats is not None:
-        stats.meta_bytes = meta_nbytes(ints.shape[0], world)
+        stats.meta_bytes += meta_nbytes(ints.shape[0], world)  # summed over a step's rounds
     return meta_from_tensors(ints, floats)
 
 

@@ -41,6 +41,7 @@ from mcore_rl.compat import describe_versions
 from mcore_rl.config import Config, save_config
 
 log = logging.getLogger("mcore_rl.trainer")
+CAP_WARN_EVERY = 50  # steps between dynamic sampling's round-cap warnings
 
 
 class PhaseTimer:
@@ -148,6 +149,7 @@ class Trainer:
         self.step = 0
         self.skips = SkipCounter(cfg.trainer.max_consecutive_skips)
         self.last_applied: list[bool] = []
+        self.cap_steps, self.cap_warned = 0, 0  # dynamic sampling: steps at the round cap, last step warned
         self.stop_signals = StopSignals(self.run_dir / STOP_FILE)
         self.stop_signals.install()
         if resume is not None:
@@ -306,39 +308,96 @@ class Trainer:
             mb.old_log_prob, mb.entropy = out[0], out[1]
         return self.actor.masked_sum([mb.entropy for mb in micro_batches], micro_batches)
 
+    def _check_rewards(self, meta, scored) -> None:
+        """Stop when too many of a round's rewards failed (the same decision on every rank)."""
+        from mcore_rl.safety import check_reward_errors, reward_errors_stop
+        from mcore_rl.step_data import first_reward_error
+
+        max_rate = self.cfg.reward.max_error_rate
+        stopping = reward_errors_stop(meta.errors, meta.size, max_rate)  # the same on every rank
+        first_error = first_reward_error(scored.first_error) if stopping else scored.first_error
+        check_reward_errors(meta.errors, meta.size, first_error, max_rate, self.step + 1)
+
+    def generate_step(self, stats):
+        """The step's rollout: one round, or with algo.dynamic_sampling rounds until data.prompts_per_step groups
+        carry reward signal (mcore_rl.dynamic_sampling). Each round takes the sampler's next prompts."""
+        from mcore_rl.dynamic_sampling import collect, round_seed, single_round, split_unit
+
+        cfg, a = self.cfg, self.cfg.algo
+        step_seed = cfg.trainer.seed * 1_000_003 + self.step * 7919
+
+        def generate(round_index: int):
+            examples = [self.train_set[i] for i in self.sampler.next_batch()]
+            seed = round_seed(step_seed, round_index)
+            local, meta, scored = self.rollout(examples, cfg.rollout.n, cfg.rollout.temperature, seed, stats)
+            self._check_rewards(meta, scored)
+            return local, meta
+
+        if not a.dynamic_sampling:
+            return single_round(*generate(0), cfg.rollout.n)
+        fixed = None if cfg.actor.max_tokens_per_micro_batch else cfg.actor.parallel.micro_batch_size
+        unit = split_unit(a.mini_batches, self.actor.layout.dp, fixed)
+        selection = collect(
+            generate,
+            cfg.data.prompts_per_step,
+            cfg.rollout.n,
+            a.dynamic_sampling_max_rounds,
+            unit,
+            a.dynamic_sampling_at_cap,
+            self.step + 1,
+        )
+        self._warn_at_cap(selection.short)
+        return selection
+
+    def _warn_at_cap(self, short) -> None:
+        """The round cap's warning: the first time, then at most every CAP_WARN_EVERY steps with a count (a
+        solved task hits the cap every step; groups/kept in the metrics has every step)."""
+        if short is None:
+            return
+        self.cap_steps += 1
+        if self.rank == 0 and (self.cap_steps == 1 or self.step + 1 - self.cap_warned >= CAP_WARN_EVERY):
+            since = f" ({self.cap_steps} steps at the cap so far)" if self.cap_steps > 1 else ""
+            log.warning("%s%s", short, since)
+            self.cap_warned = self.step + 1
+
+    def _filter_overlong(self, meta):
+        """algo.overlong_filtering: truncated samples out of the loss; a step left with no loss token stops."""
+        from mcore_rl.safety import TrainingHalted
+
+        filtered = meta.without_truncated()
+        if sum(filtered.loss_tokens) == 0:
+            raise TrainingHalted(
+                f"step {self.step + 1}: every sample was cut by rollout.max_new_tokens = "
+                f"{self.cfg.rollout.max_new_tokens} and algo.overlong_filtering masks them all out of the loss: "
+                f"raise rollout.max_new_tokens or set algo.overlong_filtering=false"
+            )
+        return filtered
+
     def train_step(self) -> dict:
         from mcore_rl.algos import group_advantages
         from mcore_rl.batch import plan_mini_batches
         from mcore_rl.rollout.weight_sync import shared_probe, verify_due
-        from mcore_rl.safety import check_reward_errors, reward_errors_stop
-        from mcore_rl.step_data import ExchangeStats, first_reward_error, local_mini_batches
+        from mcore_rl.step_data import ExchangeStats, local_mini_batches
 
         cfg, timer, layout = self.cfg, PhaseTimer(), self.actor.layout
         step_start = time.perf_counter()
-        examples = [self.train_set[i] for i in self.sampler.next_batch()]
         exchanged = ExchangeStats()
         self.to_rollout()
         with timer("rollout"):
-            local, meta, scored = self.rollout(
-                examples,
-                cfg.rollout.n,
-                cfg.rollout.temperature,
-                seed=cfg.trainer.seed * 1_000_003 + self.step * 7919,
-                stats=exchanged,
-            )
+            selection = self.generate_step(exchanged)
+        local, meta = selection.local, selection.meta
         if self.step == 0 or verify_due(self.step + 1, cfg.rollout.verify_every):
-            self.probe = shared_probe(local.groups, self.probe)  # the step's own sequences, not random ids
+            # the step's own sequences (of its first round), not random ids
+            self.probe = shared_probe(selection.first_round.groups, self.probe)
         # the initial weights' gap: the engine scores now, awake; the actor once it is back on the device
         calibration = self._engine_scores(self.probe) if self.step == 0 else None
         with timer("to_training"):
             self.to_training()  # the engine's memory to the actor's passes (offload: the actor's state back)
         calibration_metrics = self._calibration(calibration) if calibration is not None else {}
-        max_rate = cfg.reward.max_error_rate
-        stopping = reward_errors_stop(meta.errors, meta.size, max_rate)  # the same on every rank
-        first_error = first_reward_error(scored.first_error) if stopping else scored.first_error
-        check_reward_errors(meta.errors, meta.size, first_error, max_rate, self.step + 1)
         # failed rewards (meta.valid False): out of their group and the loss
         advantages = group_advantages(meta.rewards, cfg.rollout.n, cfg.algo.adv_estimator, valid=meta.valid)
+        if cfg.algo.overlong_filtering:  # after the advantages: truncated samples still count in their group
+            meta = self._filter_overlong(meta)
         plans = plan_mini_batches(
             meta.lengths,
             meta.loss_tokens,
@@ -387,19 +446,22 @@ class Trainer:
         self.last_applied = [bool(v) for v in update.get("update_successful", [])]
         response_lengths = meta.response_lengths.float()
         num_tokens = int(response_lengths.sum())
+        generated_tokens = sum(int(m.response_lengths.sum()) for m in selection.generated)
         elapsed = time.perf_counter() - step_start
-        scored_rewards = meta.rewards[meta.valid]
+        # the rewards of every sample generated this step (all rounds): what the policy earns on fresh prompts
+        scored_rewards = torch.cat([m.rewards[m.valid] for m in selection.generated])
         metrics = {
             "reward/mean": float(scored_rewards.mean()) if len(scored_rewards) else 0.0,
             "reward/std": float(scored_rewards.std()) if len(scored_rewards) > 1 else 0.0,
-            "reward/errors": meta.errors,
+            "reward/errors": sum(m.errors for m in selection.generated),
+            **selection.metrics(cfg.rollout.n, cfg.algo.dynamic_sampling),
             "response/length_mean": float(response_lengths.mean()),
             "response/length_max": float(response_lengths.max()),
             "response/clip_ratio": float(meta.truncated.float().mean()),
             # this rank's step-data traffic: its part of the metadata all-reduce + the samples it received
             "perf/step_data_bytes": exchanged.meta_bytes + exchanged.received_bytes,
             "perf/tokens_per_s": num_tokens / max(elapsed, 1e-9),
-            "perf/rollout_tokens_per_s": num_tokens / max(timer.seconds["rollout"], 1e-9),
+            "perf/rollout_tokens_per_s": generated_tokens / max(timer.seconds["rollout"], 1e-9),
             "perf/step_seconds": elapsed,
             **{f"time/{k}": v for k, v in timer.seconds.items()},
             **{(k if k.startswith("routing/") else f"train/{k}"): float(np.mean(v)) for k, v in update.items()},

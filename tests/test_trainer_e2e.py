@@ -520,3 +520,36 @@ def test_kill_9_of_the_launcher_alone_ends_the_job(tiny_model_dir, task, tmp_pat
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2] and rows[0]["train/lr"] == 1e-3 and rows[1]["train/lr"] == 5e-4
     assert CheckpointManager(run_dir).latest().step == 2 and (run_dir / "hf").is_dir()
+
+def test_dynamic_sampling_resumes_exactly_after_steps_with_extra_rounds(tiny_model_dir, task, tmp_path):
+    """algo.dynamic_sampling with a reward whose groups are all-equal for about half the prompts
+    (tests/dapo_reward.py) and rollout routing replay (R3: the engine's routes travel with the kept samples):
+    steps need extra generation rounds. 4 steps straight == 2 steps, then resumed to 4 (the sampler's position
+    after the extra rounds comes from the checkpoint): weights and every metric bit for bit."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    extra = {
+        "algo.dynamic_sampling": "true",
+        "algo.routing_replay": "r3",
+        "reward.fn": "tests.dapo_reward:score",
+        "trainer.val_every": 0,
+    }
+    run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, straight, **extra))
+    rows = read_metrics(straight)
+    assert all(r["groups/kept"] == 4 for r in rows), [r.get("groups/kept") for r in rows]
+    rounds = [r["groups/rounds"] for r in rows]
+    assert rounds[2] > 1 or rounds[3] > 1, rounds  # the resumed steps needed extra rounds
+    assert all(r["groups/dropped"] == 4 * n - 4 for r, n in zip(rows, rounds))
+    assert all(r["groups/all_correct"] > 0 for r in rows)
+
+    run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, resumed, **extra, **{"trainer.steps": 2}))
+    out = run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, resumed, **extra))
+    assert "resumed from" in out and "step_00000002" in out, out[-3000:]
+    a, b = load_hf(straight), load_hf(resumed)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name} differs after resume"
+    rows_b = read_metrics(resumed)
+    assert [r["step"] for r in rows_b] == [1, 2, 3, 4]
+    for ra, rb in zip(rows, rows_b):
+        keep = lambda r: {k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)}
+        assert keep(ra) == keep(rb), f"step {ra['step']} metrics differ"
