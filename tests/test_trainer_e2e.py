@@ -521,6 +521,7 @@ def test_kill_9_of_the_launcher_alone_ends_the_job(tiny_model_dir, task, tmp_pat
     assert [r["step"] for r in rows] == [1, 2] and rows[0]["train/lr"] == 1e-3 and rows[1]["train/lr"] == 5e-4
     assert CheckpointManager(run_dir).latest().step == 2 and (run_dir / "hf").is_dir()
 
+
 def test_dynamic_sampling_resumes_exactly_after_steps_with_extra_rounds(tiny_model_dir, task, tmp_path):
     """algo.dynamic_sampling with a reward whose groups are all-equal for about half the prompts
     (tests/dapo_reward.py) and rollout routing replay (R3: the engine's routes travel with the kept samples):
