@@ -52,6 +52,74 @@ def test_sigterm_reaches_every_worker_and_leftovers_are_stopped(tmp_path):
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
+# A stand-in for a torchrun worker that ties itself to its launcher, starts a long-lived helper (like a
+# reward worker) and then trains forever.
+TIED_WORKER = """
+import os, subprocess, sys, time
+from mcore_rl.supervise import die_with_launcher
+out, i = sys.argv[1], sys.argv[2]
+watch = die_with_launcher()
+helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+open(os.path.join(out, f"helper{i}"), "w").write(str(helper.pid))
+open(os.path.join(out, f"ready{i}"), "w").write(str(os.getpid()))
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_kill_9_of_the_launcher_takes_torchrun_the_workers_and_their_helpers(tmp_path):
+    """The launcher's death (kill -9: no handler runs) used to leave the job running unwatched: torchrun
+    dies with it (parent-death signal), each worker with torchrun, and each worker's reaper kills what it started."""
+    code = f"from mcore_rl.supervise import run_supervised; import sys; sys.exit(run_supervised({[sys.executable, '-c', FAKE_LAUNCHER, str(tmp_path), TIED_WORKER]!r}, grace_s=2))"
+    sup = subprocess.Popen([sys.executable, "-c", code], cwd=os.getcwd())
+    deadline = time.time() + 60
+    while not all((tmp_path / f"ready{i}").exists() for i in range(2)):
+        assert time.time() < deadline and sup.poll() is None, "workers did not start"
+        time.sleep(0.05)
+    started = psutil.Process(sup.pid).children(recursive=True)
+    pids = {p.pid for p in started}
+    helpers = [int((tmp_path / f"helper{i}").read_text()) for i in range(2)]
+    assert set(helpers) <= pids and len(started) >= 7  # torchrun, 2 workers, 2 reapers, 2 helpers
+    sup.send_signal(signal.SIGKILL)
+    sup.wait()
+    try:
+        _, alive = psutil.wait_procs(started, timeout=10)
+        assert not alive, [(p.pid, p.cmdline()[:3]) for p in alive]
+    finally:
+        for proc in started:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+ENDING_WORKER = """
+import subprocess, sys
+from mcore_rl.supervise import die_with_launcher
+watch = die_with_launcher()
+quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # the test reads this worker's output to its end
+helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], **quiet)
+print(watch.reaper.pid, helper.pid, flush=True)
+watch.release()
+"""
+
+
+def test_a_worker_that_ends_on_its_own_is_left_to_the_launcher(tmp_path):
+    """release(): the reaper exits and leaves the group alone (leftovers after a clean end are the
+    launcher's to stop, after their grace period), unlike after a kill."""
+    proc = subprocess.run(
+        [sys.executable, "-c", ENDING_WORKER], capture_output=True, text=True, start_new_session=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    reaper, helper = map(int, proc.stdout.split())
+    try:
+        time.sleep(1)
+        assert not psutil.pid_exists(reaper) or psutil.Process(reaper).status() == psutil.STATUS_ZOMBIE
+        assert psutil.Process(helper).status() != psutil.STATUS_ZOMBIE  # not killed by the reaper
+    finally:
+        os.kill(helper, signal.SIGKILL)
+
+
 def test_stop_signals_record_the_first_and_a_second_ctrl_c_interrupts():
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     stop = StopSignals()
