@@ -20,6 +20,9 @@ step data asks of a `LocalRollout` (which ranks hold a sample, the sample itself
 and R3 routes): the samples stay on the ranks that generated them and move only to the ranks that train on
 them. Rounds draw their prompts from the one `EpochSampler`, so the sampler's saved position after a step
 with extra rounds resumes the run exactly; round r of step s generates with its own seed (`round_seed`).
+
+DAPO's overlong filtering (`algo.overlong_filtering`, `overlong_filtered`) lives here too: truncated samples
+out of the loss, after the group advantages.
 """
 
 from __future__ import annotations
@@ -212,3 +215,18 @@ def collect(
         return Selection(locals_[0], metas[0], metas, len(picks), dropped, short, flat)
     merged = MergedRollout(locals_, picks)
     return Selection(merged, select_meta(metas, picks, n), metas, len(picks), dropped, short, flat)
+
+
+def overlong_filtered(meta: StepMeta, step: int, max_new_tokens: int) -> StepMeta:
+    """algo.overlong_filtering: the truncated samples out of the loss (`StepMeta.without_truncated`); a step
+    left with no loss token stops the run (every rank decides the same from the metadata)."""
+    from mcore_rl.safety import TrainingHalted
+
+    filtered = meta.without_truncated()
+    if sum(filtered.loss_tokens) == 0:
+        raise TrainingHalted(
+            f"step {step}: every sample was cut by rollout.max_new_tokens = {max_new_tokens} and "
+            f"algo.overlong_filtering masks them all out of the loss: raise rollout.max_new_tokens or set "
+            f"algo.overlong_filtering=false"
+        )
+    return filtered

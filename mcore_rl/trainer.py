@@ -360,22 +360,10 @@ class Trainer:
             log.warning("%s%s", short, since)
             self.cap_warned = self.step + 1
 
-    def _filter_overlong(self, meta):
-        """algo.overlong_filtering: truncated samples out of the loss; a step left with no loss token stops."""
-        from mcore_rl.safety import TrainingHalted
-
-        filtered = meta.without_truncated()
-        if sum(filtered.loss_tokens) == 0:
-            raise TrainingHalted(
-                f"step {self.step + 1}: every sample was cut by rollout.max_new_tokens = "
-                f"{self.cfg.rollout.max_new_tokens} and algo.overlong_filtering masks them all out of the loss: "
-                f"raise rollout.max_new_tokens or set algo.overlong_filtering=false"
-            )
-        return filtered
-
     def train_step(self) -> dict:
         from mcore_rl.algos import group_advantages
         from mcore_rl.batch import plan_mini_batches
+        from mcore_rl.dynamic_sampling import overlong_filtered
         from mcore_rl.rollout.weight_sync import shared_probe, verify_due
         from mcore_rl.step_data import ExchangeStats, local_mini_batches
 
@@ -397,7 +385,7 @@ class Trainer:
         # failed rewards (meta.valid False): out of their group and the loss
         advantages = group_advantages(meta.rewards, cfg.rollout.n, cfg.algo.adv_estimator, valid=meta.valid)
         if cfg.algo.overlong_filtering:  # after the advantages: truncated samples still count in their group
-            meta = self._filter_overlong(meta)
+            meta = overlong_filtered(meta, self.step + 1, cfg.rollout.max_new_tokens)
         plans = plan_mini_batches(
             meta.lengths,
             meta.loss_tokens,

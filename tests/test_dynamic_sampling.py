@@ -27,6 +27,7 @@ from mcore_rl.dynamic_sampling import (
     feasible_groups,
     flat_outcomes,
     group_signal,
+    overlong_filtered,
     single_round,
     split_unit,
 )
@@ -331,7 +332,7 @@ def test_overlong_filtering_masks_truncated_samples_out_of_the_loss():
     truncated = meta.truncated
     assert 0 < int(truncated.sum()) < meta.size
     advantages = group_advantages(meta.rewards, N, valid=meta.valid)  # before filtering: truncated count
-    filtered = meta.without_truncated()
+    filtered = overlong_filtered(meta, 1, 5)
     assert filtered.loss_tokens == [0 if t else n for t, n in zip(truncated.tolist(), meta.loss_tokens)]
     plans = plan_mini_batches(filtered.lengths, filtered.loss_tokens, 1, 1, micro_batch_size=meta.size, max_len=5)
     (mini,) = local_mini_batches(local, filtered, plans, advantages, [0], PAD, 4)
@@ -347,3 +348,10 @@ def test_overlong_filtering_masks_truncated_samples_out_of_the_loss():
         p = int(meta.prompt_lengths[i])
         assert float(mb.advantages[i, p - 1]) == float(advantages[i])
     assert dataclasses.replace(filtered, valid=meta.valid).loss_tokens == meta.loss_tokens
+
+
+def test_overlong_filtering_of_a_step_without_any_finished_sample_stops():
+    groups = [[dataclasses.replace(s, finish_reason="length") for s in g] for g in make_groups(2, seed=7)]
+    _, meta = one_rank_round(groups, [float(j % 2) for _ in range(2) for j in range(N)])
+    with pytest.raises(TrainingHalted, match="step 3: every sample was cut by rollout.max_new_tokens = 5 and "):
+        overlong_filtered(meta, 3, 5)
