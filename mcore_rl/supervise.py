@@ -47,11 +47,17 @@ def become_subreaper() -> bool:
 def _killed_with_parent(parent_pid: int):
     """preexec_fn of the launcher's child: the kernel sends it SIGKILL when its parent dies (Linux). The
     signal follows the parent *thread* that forked it: Popen runs on the launcher's main thread, which
-    lives as long as the launcher. A parent that died before the prctl took effect is caught by the check."""
+    lives as long as the launcher. A parent that died before the prctl took effect is caught by the check.
+    libc is loaded here, in the parent: between fork and exec the child must not take the loader's lock."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    sigkill = int(signal.SIGKILL)
 
     def preexec() -> None:
-        if _prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL)) and os.getppid() != parent_pid:
-            os._exit(128 + signal.SIGKILL)
+        if prctl(PR_SET_PDEATHSIG, sigkill, 0, 0, 0) == 0 and os.getppid() != parent_pid:
+            os._exit(128 + sigkill)
 
     return preexec
 
