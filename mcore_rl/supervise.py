@@ -6,7 +6,14 @@
     writing is published, and exit; a second one goes to torchrun, which stops the workers at once;
   * this process is a child subreaper (Linux prctl PR_SET_CHILD_SUBREAPER): whatever torchrun's workers
     leave behind (a process forked to write checkpoint files, an engine's helper) is re-parented here
-    instead of to init, and is terminated (then killed) once torchrun has exited.
+    instead of to init, and is terminated (then killed) once torchrun has exited;
+  * when this process dies (kill -9 included), the job dies with it: torchrun gets SIGKILL from the kernel
+    (prctl PR_SET_PDEATHSIG, set in the child before it runs torchrun), each worker gets it when torchrun
+    dies, and a reaper in each worker's process group kills what the worker started (`die_with_launcher`),
+    so nothing trains, saves or exports unwatched and the run directory's lock is free;
+  * a worker that stops the run for a clear reason leaves its one line and exit status in a file
+    (`report_to_launcher`): printed here last, after torchrun's output, and returned as this process's
+    status (a SIGTERM that reached one rank only still ends the job with 128 + SIGTERM).
 
     python -m mcore_rl.supervise CMD [ARG ...]      # what launch/torchrun_multinode.sh does
 """
@@ -26,9 +33,9 @@ from typing import Optional, Sequence
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
-LAUNCHER_PID_ENV = "MCORE_RL_LAUNCHER_PID"  # the supervising process's pid, for the workers' watchdog
+LAUNCHER_PID_ENV = "MCORE_RL_LAUNCHER_PID"  # the supervising process's pid, for the workers' reapers
 STATUS_FILE_ENV = "MCORE_RL_STATUS_FILE"  # where a worker leaves its stop / error line for the launcher
-WATCH_INTERVAL_S = 0.5
+REAPER_POLL_S = 0.1  # how soon a reaper sees its worker or the launcher gone
 
 
 def _prctl(option: int, value: int) -> bool:
@@ -113,7 +120,7 @@ def die_with_launcher() -> LauncherWatch:
     return LauncherWatch(reaper)
 
 
-def reap_when_gone(worker: int, launcher: int, interval_s: float = WATCH_INTERVAL_S / 5) -> None:
+def reap_when_gone(worker: int, launcher: int, interval_s: float = REAPER_POLL_S) -> None:
     """The reaper (a child of `worker`, in its process group): wait for "done" on stdin; when instead the
     worker dies (this process is re-parented) or the launcher does, SIGKILL the group, this process too."""
     import select
