@@ -525,31 +525,36 @@ def test_kill_9_of_the_launcher_alone_ends_the_job(tiny_model_dir, task, tmp_pat
 def test_dynamic_sampling_resumes_exactly_after_steps_with_extra_rounds(tiny_model_dir, task, tmp_path):
     """algo.dynamic_sampling with a reward whose groups are all-equal for about half the prompts
     (tests/dapo_reward.py) and rollout routing replay (R3: the engine's routes travel with the kept samples):
-    steps need extra generation rounds. 4 steps straight == 2 steps, then resumed to 4 (the sampler's position
-    after the extra rounds comes from the checkpoint): weights and every metric bit for bit."""
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    steps need extra generation rounds. 4 steps straight; then its step-4 checkpoint and export are deleted
+    and the run resumes from step 2 (the sampler's position after the extra rounds comes from the checkpoint):
+    the same weights and every metric bit for bit."""
+    import shutil
+
+    run_dir = tmp_path / "run"
     extra = {
         "algo.dynamic_sampling": "true",
         "algo.routing_replay": "r3",
         "reward.fn": "tests.dapo_reward:score",
         "trainer.val_every": 0,
     }
-    run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, straight, **extra))
-    rows = read_metrics(straight)
+    run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, run_dir, **extra))
+    rows = read_metrics(run_dir)
     assert all(r["groups/kept"] == 4 for r in rows), [r.get("groups/kept") for r in rows]
     rounds = [r["groups/rounds"] for r in rows]
     assert rounds[2] > 1 or rounds[3] > 1, rounds  # the resumed steps needed extra rounds
     assert all(r["groups/dropped"] == 4 * n - 4 for r, n in zip(rows, rounds))
     assert all(r["groups/all_correct"] > 0 for r in rows)
+    straight = load_hf(run_dir)
 
-    run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, resumed, **extra, **{"trainer.steps": 2}))
-    out = run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, resumed, **extra))
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000004")
+    shutil.rmtree(run_dir / "hf")
+    out = run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, run_dir, **extra))
     assert "resumed from" in out and "step_00000002" in out, out[-3000:]
-    a, b = load_hf(straight), load_hf(resumed)
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), f"{name} differs after resume"
-    rows_b = read_metrics(resumed)
+    resumed = load_hf(run_dir)
+    assert straight.keys() == resumed.keys()
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), f"{name} differs after resume"
+    rows_b = read_metrics(run_dir)
     assert [r["step"] for r in rows_b] == [1, 2, 3, 4]
     for ra, rb in zip(rows, rows_b):
         keep = lambda r: {k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)}
