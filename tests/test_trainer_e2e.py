@@ -7,6 +7,8 @@
 - the plain GSPO run (exactly on-policy) skips that pass and still reports the entropy
 - a SIGKILL while the step-4 checkpoint is being written leaves step 2 loadable, and resuming from it
   reproduces the uninterrupted run exactly (final weights and metrics)
+- with DAPO dynamic sampling (steps with extra generation rounds, R3), a resume from step 2 reproduces the
+  4-step run exactly
 """
 
 import json
