@@ -132,6 +132,27 @@ def _dist_world_and_gather() -> tuple[int, Callable[[Any], list]]:
     return 1, lambda obj: [obj]
 
 
+def _raised_on_every_rank(exc: BaseException) -> bool:
+    """torch.distributed.checkpoint's CheckpointException: raised on every rank at the same point of a save,
+    with the failures of all ranks on the coordinator (rank 0) and none elsewhere."""
+    try:
+        from torch.distributed.checkpoint.api import CheckpointException
+    except ImportError:
+        return False
+    return isinstance(exc, CheckpointException)
+
+
+def _from_rank0(text: str) -> str:
+    """Collective: rank 0's text on every rank (as it is without a process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return text
+    box = [text]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 # ---- checksums: each rank hashes the files it wrote at save, and a share of them at load ----------------
 _WRITER = (re.compile(r"__(\d+)_\d+\.distcp$"), re.compile(r"rank(\d+)"))  # dist-checkpoint shards, per-rank state
 
@@ -316,6 +337,8 @@ class CheckpointManager:
         except BaseException as e:  # this rank could not write its part (torch's CheckpointException is a
             # BaseException): name the OS error and the path; the partial write is removed, it is never read
             error = _write_error(e, step, tmp, self.latest())
+            if _raised_on_every_rank(e):  # only rank 0, the writer's coordinator, holds every rank's error
+                error = CheckpointWriteError(_from_rank0(str(error)))
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise error from e

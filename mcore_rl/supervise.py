@@ -3,7 +3,8 @@
 `mcore-rl train` and launch/torchrun_multinode.sh run torchrun through `run_supervised`:
   * the first SIGTERM / SIGINT to this process is passed to every worker that torchrun started; the
     workers stop at the next step boundary (mcore_rl.safety.StopSignals), after any checkpoint they are
-    writing is published, and exit; a second one goes to torchrun, which stops the workers at once;
+    writing is published, and exit; a second SIGINT (Ctrl-C twice) goes to them too and stops them at once
+    (mcore_rl.safety.Interrupted), any later signal goes to torchrun, which stops the workers at once;
   * this process is a child subreaper (Linux prctl PR_SET_CHILD_SUBREAPER): whatever torchrun's workers
     leave behind (a process forked to write checkpoint files, an engine's helper) is re-parented here
     instead of to init, and is terminated (then killed) once torchrun has exited;
@@ -212,12 +213,17 @@ def run_supervised(cmd: Sequence[str], env: Optional[dict] = None, grace_s: floa
     proc = subprocess.Popen(list(cmd), env=env, start_new_session=True, preexec_fn=_killed_with_parent(os.getpid()))
 
     received = []
+    # Imported before the handlers are set: a second signal arriving while the first one's handler imported it
+    # would find it half-initialized (Ctrl-C twice, quickly).
+    import psutil  # noqa: F401
 
     def forward(signum, frame):
         received.append(signum)
-        if len(received) == 1 and signal_workers(proc.pid, signum):
+        # The first signal, and a second SIGINT (Ctrl-C twice: the workers stop at once), go to the workers only:
+        # torchrun would print its own traceback and signal the workers' helpers, which would print theirs.
+        if (len(received) == 1 or received == [signal.SIGINT] * 2) and signal_workers(proc.pid, signum):
             return
-        try:  # no workers yet, or a second signal: torchrun itself stops them (it signals their process groups)
+        try:  # no workers yet, or a later signal: torchrun itself stops them (it signals their process groups)
             proc.send_signal(signum)
         except ProcessLookupError:
             pass

@@ -56,6 +56,29 @@ def failed_exit_code(error) -> int:
     return 128 - code if code < 0 else (code or 1)
 
 
+def report_signal_death(error, report: Path) -> None:
+    """A worker that a signal ended (SIGKILL) says nothing itself: name the rank, the signal and the likely
+    causes for the launcher (supervise.report_to_launcher; a worker's own line, when there is one, wins)."""
+    import signal
+
+    from mcore_rl.supervise import report_to_launcher
+
+    rank, failure = error.get_first_failure()
+    if failure.exitcode >= 0:
+        return
+    try:
+        name = signal.Signals(-failure.exitcode).name
+    except ValueError:
+        name = f"signal {-failure.exitcode}"
+    report_to_launcher(
+        128 - failure.exitcode,
+        f"mcore-rl: error: rank {rank} (pid {failure.pid}) was killed by {name} and could not say why: the kernel's "
+        f"out-of-memory killer (see dmesg), another process, or code running inside it (with reward.timeout_s = 0 "
+        f"the reward function runs in the rank's own process: set reward.timeout_s > 0 to give it a worker); "
+        f"torchrun's report: {report}; continue with checkpoint.resume=auto",
+    )
+
+
 def main(argv: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -72,6 +95,7 @@ def main(argv: Sequence[str]) -> int:
         text = "\n".join(held.lines + [traceback.format_exc()])
         path = _write_log(log_file, text)
         print(f"mcore-rl: a worker failed; torchrun's report (exit codes, pids): {path}", file=sys.stderr, flush=True)
+        report_signal_death(e, path)
         return failed_exit_code(e)
     except BaseException:  # not a worker's failure (rendezvous, a signal to torchrun): show its log as usual
         print("\n".join(held.lines), file=sys.stderr, flush=True)

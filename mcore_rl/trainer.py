@@ -87,6 +87,9 @@ class Trainer:
         from mcore_rl.step_data import dp_ranks
 
         self.cfg = cfg
+        # First: a Ctrl-C while the run starts stops it at the first step boundary, like one later on.
+        self.stop_signals = StopSignals(Path(cfg.trainer.run_dir) / STOP_FILE)
+        self.stop_signals.install()
         self.platform = get_platform(cfg.platform)
         self.platform.init_distributed()
         self.rank = dist.get_rank()
@@ -115,6 +118,11 @@ class Trainer:
 
         self.platform.adapt_megatron()
         self.actor = Actor(cfg, self.platform)
+        # The pre-flight reads every weight of a small model folder (preflight.FINITE_CHECK_MAX_BYTES); this covers
+        # every size, on the devices, before the engine samples from the weights.
+        self.actor.check_weights_finite(
+            f"model.path = {cfg.model.path}", fix="the input model is damaged: download it again"
+        )
         if cfg.algo.routing_replay is not None:
             self.actor.enable_routing_replay()
         # The data-parallel rank of every rank: who trains on which samples (mcore_rl.step_data).
@@ -150,8 +158,6 @@ class Trainer:
         self.skips = SkipCounter(cfg.trainer.max_consecutive_skips)
         self.last_applied: list[bool] = []
         self.cap_steps, self.cap_warned = 0, 0  # dynamic sampling: steps at the round cap, last step warned
-        self.stop_signals = StopSignals(self.run_dir / STOP_FILE)
-        self.stop_signals.install()
         if resume is not None:
             self._load(resume.path)
         self.metrics = MetricsLogger(cfg.trainer.run_dir, cfg, rank=self.rank, start_step=self.step)
@@ -546,7 +552,17 @@ class Trainer:
         if self.offload:
             self.to_training()
         self.actor.check_weights_finite(f"not writing the Hugging Face export {out_dir}")
-        self.actor.save_hf(str(out_dir), source_dir=self.cfg.model.path)
+        from mcore_rl.run_dir import OutputWriteError
+
+        try:
+            self.actor.save_hf(str(out_dir), source_dir=self.cfg.model.path)
+        except OutputWriteError as e:
+            newest = self.ckpt.latest()
+            raise OutputWriteError(
+                f"{e}; training finished and the newest checkpoint {newest.path if newest else '(none)'} is intact: "
+                f"free space, then export it with `mcore-rl convert mcore-to-hf --hf {self.cfg.model.path} --ckpt "
+                f"{newest.path / 'actor' if newest else 'CHECKPOINT/actor'} --out {out_dir}`"
+            ) from None
         if self.rank == 0:
             log.info("exported the trained model to %s", out_dir)
 
@@ -568,14 +584,29 @@ class Trainer:
         if cfg.checkpoint.save_hf:
             self.export_hf(self.run_dir / "hf")
         self.engine.close()
+        self._plot()
+
+    def _plot(self) -> None:
+        """Rank 0 writes the plots; a failure (a full disk) stops every rank with the same message."""
+        from mcore_rl.run_dir import OutputWriteError, write_failure
+
+        failed = [None]
         if self.rank == 0:
             from mcore_rl.plot import plot_run
 
-            pngs = plot_run(self.run_dir)
-            log.info(
-                "training done: metrics %s, plots %s",
-                self.run_dir / "metrics.jsonl",
-                pngs[0].parent if pngs else "(none)",
+            try:
+                pngs = plot_run(self.run_dir)
+                log.info("training done: metrics %s, plots %s", self.run_dir / "metrics.jsonl", pngs[0].parent)
+            except OSError as e:
+                failed[0] = write_failure(e, self.run_dir / "plots")[0]
+        if dist.is_initialized():
+            dist.broadcast_object_list(failed, src=0)
+        if failed[0] is not None:
+            export = " and the export" if self.cfg.checkpoint.save_hf else ""
+            raise OutputWriteError(
+                f"the plots {self.run_dir / 'plots'} were not written ({failed[0]}); training finished and the "
+                f"checkpoints, metrics.jsonl{export} are intact: free space, then write them with "
+                f"`mcore-rl plot {self.run_dir}`"
             )
 
 
@@ -586,6 +617,22 @@ def _setup_logging() -> None:
     logging.getLogger("mcore_rl").setLevel(logging.INFO if rank == 0 else logging.WARNING)
     # Every sync's throughput goes to the metrics; the log keeps only warnings after the first one.
     logging.getLogger("mcore_rl.rollout.weight_sync").setLevel(logging.WARNING)
+
+
+def _interrupted(cfg: Config, trainer: "Trainer | None"):
+    """The stop line for Ctrl-C twice (safety.Interrupted), with the step it cut short and what is kept."""
+    import signal
+
+    from mcore_rl.run_dir import CheckpointManager
+    from mcore_rl.safety import StopRequested
+
+    newest = CheckpointManager(cfg.trainer.run_dir).latest()
+    where = f"after step {trainer.step}" if trainer is not None else "while the run started"
+    return StopRequested(
+        f"stopped at once by a second SIGINT {where} (a checkpoint being written is not published); newest "
+        f"checkpoint: {newest.path if newest else 'none'}; continue with checkpoint.resume=auto",
+        signum=signal.SIGINT,
+    )
 
 
 def run(cfg: Config) -> None:
@@ -599,12 +646,18 @@ def run(cfg: Config) -> None:
     log.info("%s", describe_versions(brief=not verbose))
     if notice:
         log.info("%s", notice)
+    from mcore_rl.safety import Interrupted, StopSignals
+
     torch.manual_seed(cfg.trainer.seed)
-    trainer = Trainer(cfg)
+    trainer = None
     try:
+        trainer = Trainer(cfg)
         trainer.fit()
+    except Interrupted:
+        raise _interrupted(cfg, trainer) from None
     finally:
-        if trainer.run_lock is not None:
+        StopSignals().ignore()  # the run is over: a later Ctrl-C would only interrupt the exit
+        if trainer is not None and trainer.run_lock is not None:
             trainer.run_lock.release()
     if dist.is_initialized():
         dist.barrier()

@@ -48,3 +48,9 @@ def exits(response, ground_truth, data_source=None, extra=None):
     import sys
 
     sys.exit(0)
+
+
+def kills_its_process(response, ground_truth, data_source=None, extra=None):
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)  # with reward.timeout_s = 0 that is the trainer's rank

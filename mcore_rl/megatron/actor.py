@@ -385,14 +385,14 @@ class Actor:
         local = math.fsum(float((v.cpu() * mb.loss_mask).sum()) for v, mb in zip(values, micro_batches))
         return collectives.sum_floats([local], group=self.layout.groups.dp)[0]
 
-    def check_weights_finite(self, what: str) -> None:
+    def check_weights_finite(self, what: str, fix: Optional[str] = None) -> None:
         """Collective: raises safety.TrainingHalted on every rank when any rank's weights hold NaN/inf
         (`what` starts the message), so nothing non-finite reaches the engine, a checkpoint or an export."""
         from mcore_rl.safety import check_weights_finite
 
         self._require_resident("check_weights_finite")
         named = ((name, p.data) for chunk in self.model for name, p in chunk.named_parameters())
-        check_weights_finite(named, what)
+        check_weights_finite(named, what, fix=fix)
 
     # ---- train -------------------------------------------------------------------------------
     def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
@@ -521,15 +521,25 @@ class Actor:
     def save_hf(self, out_dir: str, source_dir: Optional[str] = None, max_shard_bytes: int = 4 << 30) -> None:
         """Write the model as a Hugging Face folder (rank 0 writes; every rank takes part in the gathers).
         `source_dir`: a HF folder whose tokenizer / generation files are copied next to the weights."""
+        from pathlib import Path
+
         from mcore_rl.models.hf_io import write_hf_folder
+        from mcore_rl.run_dir import OutputWriteError, write_failure
 
         writer = torch.distributed.get_rank() == 0
         stream = self.export_hf_weights(receive=writer)
+        failed = [None]  # rank 0's reason, for every rank
         if writer:
-            write_hf_folder(stream, out_dir, source_dir, self.hf_config, max_shard_bytes=max_shard_bytes)
-        else:
-            for _ in stream:
-                pass
+            try:
+                write_hf_folder(stream, out_dir, source_dir, self.hf_config, max_shard_bytes=max_shard_bytes)
+            except Exception as e:  # a full disk (safetensors' own error type): the other ranks still take part
+                # in the gathers below
+                failed[0] = write_failure(e, Path(out_dir))[0]
+        for _ in stream:
+            pass
+        torch.distributed.broadcast_object_list(failed, src=0)
+        if failed[0] is not None:
+            raise OutputWriteError(f"the Hugging Face export {out_dir} was not written ({failed[0]})")
 
     def save_checkpoint(self, directory: str, extra: Optional[dict] = None) -> None:
         """Model + optimizer + scheduler as a Megatron dist checkpoint, loadable into any layout (collective)."""

@@ -72,15 +72,20 @@ def write_hf_folder(
             shards.append((name, sorted(current)))
             current, size = {}, 0
 
-    for name, tensor in named_tensors:
-        if expected_names is not None and name not in expected_names:
-            raise KeyError(f"{name!r} is not a weight of the checkpoint; expected Hugging Face names")
-        nbytes = tensor.numel() * tensor.element_size()
-        if current and size + nbytes > max_shard_bytes:
-            flush()
-        current[name] = tensor.detach().to("cpu").contiguous().clone()
-        size += nbytes
-    flush()
+    try:
+        for name, tensor in named_tensors:
+            if expected_names is not None and name not in expected_names:
+                raise KeyError(f"{name!r} is not a weight of the checkpoint; expected Hugging Face names")
+            nbytes = tensor.numel() * tensor.element_size()
+            if current and size + nbytes > max_shard_bytes:
+                flush()
+            current[name] = tensor.detach().to("cpu").contiguous().clone()
+            size += nbytes
+        flush()
+    except BaseException:  # nothing half-written stays behind (a full disk gets its space back)
+        for i in range(len(shards) + 1):
+            Path(out_dir, f"shard-{i:05d}.safetensors.tmp").unlink(missing_ok=True)
+        raise
     written = {n for _, names in shards for n in names}
     if expected_names is not None and expected_names - written:
         missing = sorted(expected_names - written)
