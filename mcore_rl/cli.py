@@ -244,7 +244,7 @@ def cmd_train(args) -> int:
     check_paths(cfg)
     if inside_torchrun():
         from mcore_rl.safety import StopRequested, TrainingHalted
-        from mcore_rl.supervise import STATUS_FILE_ENV, die_with_launcher, report_to_launcher
+        from mcore_rl.supervise import die_with_launcher, tell_launcher
         from mcore_rl.trainer import run
 
         watch = die_with_launcher()  # a kill -9 of `mcore-rl train` (or of torchrun) ends this worker too
@@ -255,10 +255,7 @@ def cmd_train(args) -> int:
             line = f"mcore-rl: {'' if stopped else 'error: '}{e}"
             # stopped as asked: exit 0 here (torchrun reports no failure); the launcher exits 128 + signal
             code = 0 if stopped else EXIT_BAD_INPUT if isinstance(e, ConfigError) else 1
-            if os.environ.get(STATUS_FILE_ENV):  # the launcher prints it once, last, after torchrun's output
-                report_to_launcher(128 + e.signum if stopped and e.signum else code, line)
-            elif os.environ.get("LOCAL_RANK", "0") == "0":  # every rank stops for the same reason: once a node
-                print(line, file=sys.stderr, flush=True)
+            tell_launcher(128 + e.signum if stopped and e.signum else code, line)  # printed once, last
             return code
         finally:
             watch.release()

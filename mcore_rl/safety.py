@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 if TYPE_CHECKING:
     import torch
@@ -145,12 +145,17 @@ class StopSignals:
 
     The handler only records the signal; the trainer asks `agreed()` (collective) between steps, so
     a checkpoint being written is finished and published first, and every rank stops at the same step.
-    A second SIGINT (Ctrl-C twice) raises KeyboardInterrupt at once. In a thread other than the main
-    one (some launchers run the trainer there) signal handlers cannot be set: only the file works."""
+    A second SIGINT (Ctrl-C twice) stops at once: `at_once()` when given (the trainer's: it says so and ends the
+    process - an exception raised from a signal handler can surface inside an interpreter hook, a fork handler
+    or a weakref callback, which prints a traceback and swallows it), else it raises Interrupted. A process
+    forked from this one (a checkpoint writer) just exits. In a thread other than the main one (some launchers
+    run the trainer there) signal handlers cannot be set: only the file works."""
 
-    def __init__(self, stop_file=None):
+    def __init__(self, stop_file=None, at_once: Optional[Callable[[], None]] = None):
         self.received: int = 0
         self.stop_file = stop_file
+        self.at_once = at_once
+        self.pid = os.getpid()
 
     def install(self) -> None:
         import signal
@@ -158,6 +163,7 @@ class StopSignals:
 
         if threading.current_thread() is not threading.main_thread():
             return
+        self.pid = os.getpid()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
@@ -165,6 +171,10 @@ class StopSignals:
         import signal
 
         if self.received and signum == signal.SIGINT:
+            if os.getpid() != self.pid:  # a forked helper: its parent decides what is kept
+                os._exit(128 + signum)
+            if self.at_once is not None:
+                self.at_once()
             raise Interrupted
         self.received = self.received or signum
         log.warning("received %s: stopping after the current step", signal.Signals(signum).name)

@@ -150,6 +150,15 @@ def report_to_launcher(exit_code: int, line: str) -> None:
         json.dump({"exit": int(exit_code), "line": line}, f)
 
 
+def tell_launcher(exit_code: int, line: str) -> None:
+    """A worker's one line: for the launcher to print last (run_supervised), or on stderr once a node when
+    started some other way (every rank stops for the same reason)."""
+    if os.environ.get(STATUS_FILE_ENV):
+        report_to_launcher(exit_code, line)
+    elif os.environ.get("LOCAL_RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
+
+
 def _read_report(path: Path) -> Optional[dict]:
     try:
         report = json.loads(path.read_text())

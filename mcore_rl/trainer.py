@@ -88,7 +88,7 @@ class Trainer:
 
         self.cfg = cfg
         # First: a Ctrl-C while the run starts stops it at the first step boundary, like one later on.
-        self.stop_signals = StopSignals(Path(cfg.trainer.run_dir) / STOP_FILE)
+        self.stop_signals = StopSignals(Path(cfg.trainer.run_dir) / STOP_FILE, at_once=self._stop_at_once)
         self.stop_signals.install()
         self.platform = get_platform(cfg.platform)
         self.platform.init_distributed()
@@ -495,6 +495,20 @@ class Trainer:
                 signum=signal.Signals[name].value if name in signal.Signals.__members__ else 0,
             )
 
+    def _stop_at_once(self) -> None:
+        """Ctrl-C twice: say so and end this process where it is. Nothing half-written is ever published (a
+        checkpoint's .tmp folder, the export's temporary shards); the run directory's lock is dropped by the
+        kernel; the launcher reaps what this process started."""
+        import signal
+        import sys
+
+        from mcore_rl.supervise import tell_launcher
+
+        tell_launcher(128 + signal.SIGINT, f"mcore-rl: {_interrupted(self.cfg, self)}")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # stopped as asked, like a StopRequested: the launcher exits 128 + SIGINT
+
     def save(self) -> None:
         from mcore_rl.resume_changes import CONFIG_FILE
 
@@ -627,7 +641,8 @@ def _interrupted(cfg: Config, trainer: "Trainer | None"):
     from mcore_rl.safety import StopRequested
 
     newest = CheckpointManager(cfg.trainer.run_dir).latest()
-    where = f"after step {trainer.step}" if trainer is not None else "while the run started"
+    step = getattr(trainer, "step", None)  # a Ctrl-C can come while the trainer is being built
+    where = f"after step {step}" if step is not None else "while the run started"
     return StopRequested(
         f"stopped at once by a second SIGINT {where} (a checkpoint being written is not published); newest "
         f"checkpoint: {newest.path if newest else 'none'}; continue with checkpoint.resume=auto",
