@@ -181,3 +181,27 @@ def test_reward_that_kills_the_trainer_process(tiny_model_dir, task, tmp_path):
     assert "set reward.timeout_s > 0" in line and f"{run / 'torchrun.log'}" in line
     assert "Traceback" not in out
     assert CheckpointManager(run).latest() is None and not (run / "hf").exists()
+
+
+def test_convert_with_a_layout_the_processes_cannot_hold(tiny_model_dir, tmp_path):
+    """--tp 3 on 2 torchrun processes used to fail inside Megatron on both ranks; now rank 0 says it once."""
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "mcore_rl.convert",
+    ]
+    cmd += ["hf-to-mcore", "--hf", tiny_model_dir, "--out", str(out), "--tp", "3"]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, cwd=REPO, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1")
+    )
+    text = proc.stdout + proc.stderr
+    errors = [line for line in text.splitlines() if line.startswith("mcore-rl convert: error: ")]
+    assert proc.returncode != 0 and len(errors) == 1, text[-4000:]
+    assert "world size 2" in errors[0] and "tp" in errors[0], errors
+    assert "[rank0]" not in text and "[rank1]" not in text  # no worker traceback
+    assert not out.exists()
