@@ -1,8 +1,9 @@
 """Faults of a running job that end in one line (`mcore-rl: error: ...` or the stop line), printed last, with a
 non-zero exit and nothing saved lost: a full disk during a checkpoint save, the export and the plots (a real
 tmpfs mounted where each is written), Ctrl-C twice during a save (real signals to `mcore-rl train`), a reward
-function that raises KeyboardInterrupt on every call with reward.max_error_rate = 1.0. Real torchrun, 2
-processes, the tiny model, a few steps."""
+function that raises KeyboardInterrupt on every call with reward.max_error_rate = 1.0, one that SIGKILLs its
+rank, NaN input weights where no pre-flight ran, convert with a layout its torchrun processes cannot hold. Real
+torchrun, 2 processes, the tiny model, a few steps."""
 
 import os
 import signal
@@ -205,3 +206,31 @@ def test_convert_with_a_layout_the_processes_cannot_hold(tiny_model_dir, tmp_pat
     assert "world size 2" in errors[0] and "tp" in errors[0], errors
     assert "[rank0]" not in text and "[rank1]" not in text  # no worker traceback
     assert not out.exists()
+
+
+def test_nan_input_weights_under_plain_torchrun(tiny_model_dir, task, tmp_path):
+    """Launchers that start the ranks themselves (launch/, a scheduler's torchrun) skip the pre-flight: the
+    loaded weights are checked on every rank before the engine samples from them (it used to be a sampling
+    traceback on every rank)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    tensors = load_file(str(model / "model.safetensors"))
+    tensors["model.layers.1.mlp.gate.weight"][3, 5] = float("nan")
+    save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
+    run = tmp_path / "run"
+    cmd = train_cmd(str(model), task, run)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *cmd[1:]]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, cwd=REPO, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1")
+    )
+    text = proc.stdout + proc.stderr
+    errors = [line for line in text.splitlines() if line.startswith("mcore-rl: error: ")]
+    assert proc.returncode != 0 and len(errors) == 1, text[-4000:]
+    assert errors[0].startswith(f"mcore-rl: error: model.path = {model}: the weights hold NaN/inf (first: ")
+    assert "the input model is damaged: download it again" in errors[0]
+    assert "[rank0]" not in text and "[rank1]" not in text  # no worker traceback (torchrun's own report remains)
+    assert CheckpointManager(run).latest() is None
