@@ -209,9 +209,11 @@ from mcore_rl.run_dir import RunLock
 lock = RunLock.acquire(sys.argv[1])
 child = os.fork()  # like a process forked to write checkpoint files: it shares the holder's open files
 if child == 0:
+    # the fork's after-in-child hooks have run once fork() returns here: say so only now (under load the
+    # child may start long after the holder printed anything)
+    print(os.getpid(), flush=True)
     time.sleep(600)
     os._exit(0)
-print(child, flush=True)
 time.sleep(600)
 """
 
