@@ -26,7 +26,16 @@ $(ARTIFACTS)/tiny-%/config.json: | setup
 $(ARTIFACTS)/task/train.parquet: | setup
 	$(BIN)/mcore-rl make-task --out $(ARTIFACTS)/task
 
-artifacts: $(foreach a,qwen3-moe qwen3 qwen2,$(ARTIFACTS)/tiny-$(a)/config.json) $(ARTIFACTS)/task/train.parquet
+# The multi-token task (reverse a digit string) and the tiny Qwen3-MoE warm-started on it (~20 s of supervised
+# steps): the *_multitoken_cpu presets.
+$(ARTIFACTS)/reverse/tiny-qwen3-moe/config.json: | setup
+	$(BIN)/mcore-rl make-tiny --warm-start reverse --out $(ARTIFACTS)/reverse/tiny-qwen3-moe --seed 0
+
+$(ARTIFACTS)/reverse/task/train.parquet: | setup
+	$(BIN)/mcore-rl make-task --kind reverse --out $(ARTIFACTS)/reverse/task
+
+artifacts: $(foreach a,qwen3-moe qwen3 qwen2,$(ARTIFACTS)/tiny-$(a)/config.json) $(ARTIFACTS)/task/train.parquet \
+	$(ARTIFACTS)/reverse/tiny-qwen3-moe/config.json $(ARTIFACTS)/reverse/task/train.parquet
 
 # Quick start 1: set up, make the tiny model and task, train GSPO with 2 processes, plot.
 # Another preset: make demo PRESET=configs/tiny/sapo_cpu.yaml (dense models: sapo_dense_cpu.yaml, gspo_dense_cpu.yaml)

@@ -17,6 +17,8 @@ from typing import Optional, Sequence
 
 from mcore_rl.compat import describe_versions
 from mcore_rl.config import CONFIG_WARNED_ENV, Config, ConfigError, check_paths, load_config
+from mcore_rl.data.task import MULTI_TOKEN_KINDS as WARM_START_KINDS
+from mcore_rl.data.task import TASK_KINDS
 from mcore_rl.megatron.layout import Layout, LayoutError, ModelDims, validate_run
 from mcore_rl.models.tiny import ARCHS
 from mcore_rl.preflight import check_run_inputs, check_tokenizer
@@ -107,20 +109,27 @@ def cmd_make_tiny(args) -> int:
     from mcore_rl.models.tiny import make_tiny_checkpoint
 
     _output_dir(args.out)
+    if args.warm_start:
+        from mcore_rl.models.warm_start import warm_start
+
+        path = warm_start(args.out, args.warm_start, seed=args.seed, arch=args.arch, log=print)
+        print(f"tiny {args.arch} checkpoint, warm-started on the {args.warm_start} task, written to {path}")
+        return 0
     path = make_tiny_checkpoint(args.out, seed=args.seed, arch=args.arch)
     print(f"tiny {args.arch} checkpoint written to {path}")
     return 0
 
 
 def cmd_make_task(args) -> int:
-    from mcore_rl.data.task import make_task_dataset
+    from mcore_rl.data.task import TaskSpec, default_length, make_task_dataset
 
     for flag, value in (("--train-size", args.train_size), ("--val-size", args.val_size)):
         if value < 1:
             raise ConfigError(f"{flag} = {value} must be >= 1")
     _output_dir(args.out)
+    spec = TaskSpec(kind=args.kind, length=default_length(args.kind))
     train, val = make_task_dataset(
-        args.out, train_size=args.train_size, val_size=args.val_size, seed=args.seed, fmt=args.format
+        args.out, train_size=args.train_size, val_size=args.val_size, seed=args.seed, spec=spec, fmt=args.format
     )
     print(f"task data written: {train} {val}")
     return 0
@@ -346,6 +355,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--arch", choices=ARCHS, default=ARCHS[0], help="qwen3-moe (default) | qwen3 (dense) | qwen2 (dense)"
     )
+    p.add_argument(
+        "--warm-start",
+        choices=WARM_START_KINDS,
+        default=None,
+        help="train it briefly (supervised) on this multi-token task kind until it answers in the format",
+    )
     p.set_defaults(func=cmd_make_tiny)
 
     p = sub.add_parser("make-task", help="write the embedded task's train/val prompt sets")
@@ -354,6 +369,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--format", choices=("parquet", "jsonl"), default="parquet")
+    p.add_argument(
+        "--kind",
+        choices=TASK_KINDS,
+        default=TASK_KINDS[0],
+        help="majority (default, one-token) | reverse (multi-token)",
+    )
     p.set_defaults(func=cmd_make_task)
 
     for name, func, text in (

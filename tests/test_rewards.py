@@ -32,6 +32,40 @@ def test_task_reward_is_all_or_nothing_on_the_answer(response, expected):
 
 
 @pytest.mark.parametrize(
+    "response,expected",
+    [
+        ("4321", 1.0),  # the engine stopped at <|im_end|>: the text is exactly the answer
+        (" 4321\n", 1.0),
+        ("4321<|im_end|>", 1.0),
+        ("4320", 0.5 * 3 / 4),  # 3 of 4 symbols in place
+        ("432", 0.5 * 3 / 4),  # stopped one early
+        ("43211", 0.5 * 4 / 5),  # ran on one past the answer
+        ("4321999999999999", 0.5 * 4 / 16),  # cut at max_new_tokens = 16 without <|im_end|>
+        ("1234", 0.0),
+        ("", 0.0),
+    ],
+)
+def test_reverse_reward_gives_partial_credit(response, expected):
+    assert task_reward.score(response, "4321", "mcore_rl/reverse", None) == pytest.approx(expected)
+
+
+def test_reverse_reward_matches_the_documented_formula():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        truth = "".join(rng.choice("0123") for _ in range(rng.randint(2, 12)))
+        answer = "".join(rng.choice("0123") for _ in range(rng.randint(0, 16)))
+        if rng.random() < 0.2:
+            answer = truth
+        in_place = sum(1 for i in range(min(len(answer), len(truth))) if answer[i] == truth[i])
+        expected = 1.0 if answer == truth else 0.5 * in_place / max(len(answer), len(truth))
+        assert task_reward.score(answer, truth, "mcore_rl/reverse") == pytest.approx(expected)
+    # the one-token kinds keep the all-or-nothing reward: no partial credit
+    assert task_reward.score("4320", "4321", "mcore_rl/majority") == 0.0
+
+
+@pytest.mark.parametrize(
     "response,truth,expected",
     [
         ("so the answer is \\boxed{3/4}", "3/4", 1.0),

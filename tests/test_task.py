@@ -19,6 +19,8 @@ def independent_answer(row) -> str:
         symbol, count = collections.Counter(content).most_common(1)[0]
         assert count > len(content) / 2
         return symbol
+    if row["data_source"] == "mcore_rl/reverse":
+        return "".join(content[i] for i in range(len(content) - 1, -1, -1))
     k, _, symbols = content.partition(" of ")
     return symbols[int(k) - 1]
 
@@ -30,14 +32,15 @@ def independent_answer(row) -> str:
         TaskSpec(kind="majority", length=16, count=12),
         TaskSpec(kind="copy_kth", length=4),
         TaskSpec(kind="copy_kth", length=4, fixed_k=2),
+        TaskSpec(kind="reverse", length=12),
     ],
 )
 def test_ground_truth_is_the_answer_found_in_the_prompt(spec):
     rows = make_rows(300, seed=5, spec=spec)
     assert all(r["reward_model"]["ground_truth"] == independent_answer(r) for r in rows)
     assert all(set(r["prompt"][0]["content"]) <= set(spec.alphabet + " of123456789") for r in rows)
-    answers = collections.Counter(r["reward_model"]["ground_truth"] for r in rows)
-    assert set(answers) == set(spec.alphabet)  # every symbol occurs as an answer
+    answers = collections.Counter(c for r in rows for c in r["reward_model"]["ground_truth"])
+    assert set(answers) == set(spec.alphabet)  # every symbol occurs in an answer
     if spec.fixed_k:
         assert {r["extra_info"]["k"] for r in rows} == {spec.fixed_k}
 
@@ -88,6 +91,23 @@ def test_cli_backend_writes_both_files(tmp_path, capsys):
     assert "chance reward" in capsys.readouterr().out
 
 
+def test_reverse_answers_vary_in_length_and_fit_the_multi_token_presets():
+    rows = make_rows(500, seed=2, spec=TaskSpec(kind="reverse", length=12))
+    lengths = collections.Counter(len(r["reward_model"]["ground_truth"]) for r in rows)
+    assert set(lengths) == set(range(2, 13))  # every length 2..12 occurs
+    tok = build_tokenizer()
+    # one token a symbol: the longest answer + <|im_end|> is 13 tokens, under the presets' max_new_tokens = 16
+    assert all(len(tok.encode(r["reward_model"]["ground_truth"], add_special_tokens=False)) <= 12 for r in rows)
+
+
+def test_cli_backend_writes_the_reverse_kind(tmp_path):
+    train, _ = make_task_main([str(tmp_path), "--kind", "reverse", "--train-size", "50", "--format", "jsonl"])
+    rows = [json.loads(line) for line in train.read_text().splitlines()]
+    assert {r["data_source"] for r in rows} == {"mcore_rl/reverse"}
+    assert max(len(r["prompt"][0]["content"]) for r in rows) <= 12
+    assert json.loads((tmp_path / "task.json").read_text())["spec"]["length"] == 12
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [
@@ -95,6 +115,7 @@ def test_cli_backend_writes_both_files(tmp_path, capsys):
         (dict(length=5, count=2), "strict majority"),
         (dict(alphabet="11"), "distinct symbols"),
         (dict(kind="copy_kth", length=3, fixed_k=4), "fixed_k=4"),
+        (dict(kind="reverse", length=4, min_length=5), "min_length=5"),
     ],
 )
 def test_bad_task_specs_are_rejected(kwargs, match):

@@ -9,11 +9,17 @@ addition from scratch barely moved in 1,000 steps here):
   3 of 5 stalled near 0.3-0.6 after 300 steps of 64 samples.
 - "copy_kth": the prompt is a position k and a string; the answer is the k-th symbol (1-based).
   User "3 of 7294" -> assistant "9<|im_end|>".
+- "reverse" (multi-token answers): the prompt is a string of min_length..length symbols (2..12 by default,
+  uniform per prompt); the answer is that string reversed, so answers vary in length and must end with
+  <|im_end|>. User "4821" -> assistant "1284<|im_end|>". Scored with partial credit
+  (`mcore_rl.rewards.task.score_reverse`); a random model cannot find the end of turn, so RL on it starts from
+  a supervised warm start (`mcore-rl make-tiny --warm-start reverse`, mcore_rl/models/warm_start.py).
 A model that answers with a random symbol of the alphabet scores 1/len(alphabet); a randomly initialised
 model starts near 1/128 (uniform over the vocabulary), see `chance_reward`.
 
 Rows use verl's layout: `prompt` (list of chat messages), `reward_model.ground_truth`, `data_source`,
-`extra_info`. The reward is `mcore_rl.rewards.task.score` (all-or-nothing on the symbol).
+`extra_info`. The reward is `mcore_rl.rewards.task.score` (reward.fn "task"): all-or-nothing on the symbol,
+partial credit for "reverse" (it picks the scorer by the row's data_source).
 """
 
 from __future__ import annotations
@@ -23,8 +29,10 @@ import json
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Optional
 
-TASK_KINDS = ("majority", "copy_kth")
+TASK_KINDS = ("majority", "copy_kth", "reverse")
+MULTI_TOKEN_KINDS = ("reverse",)  # answers of several tokens; their default length is 12
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,7 @@ class TaskSpec:
     alphabet: str = "0123456789"  # symbols the prompt is drawn from
     fixed_k: int = 0  # copy_kth: 0 draws k from 1..length per prompt; > 0 always uses this position
     count: int = 12  # majority: how often the answer appears (a strict majority); 0 -> length // 2 + 1
+    min_length: int = 2  # reverse: the prompt's length is drawn from min_length..length
 
     def __post_init__(self):
         if self.kind not in TASK_KINDS:
@@ -48,12 +57,21 @@ class TaskSpec:
                 f"TaskSpec.count={self.count} must be a strict majority of length={self.length} "
                 f"(in {self.length // 2 + 1}..{self.length}) or 0"
             )
+        if self.kind == "reverse" and not 1 <= self.min_length <= self.length:
+            raise ValueError(f"TaskSpec.min_length={self.min_length} must be in 1..length={self.length}")
         if not 0 <= self.fixed_k <= self.length:
             raise ValueError(f"TaskSpec.fixed_k={self.fixed_k} must be 0 (random) or in 1..length={self.length}")
 
     @property
     def data_source(self) -> str:
         return f"mcore_rl/{self.kind}"
+
+
+def default_length(kind: str, length: Optional[int] = None) -> int:
+    """The prompt length of `kind` when none is given: 12 symbols for the multi-token kinds, else 16."""
+    if length is not None:
+        return length
+    return 12 if kind in MULTI_TOKEN_KINDS else TaskSpec.length
 
 
 def chance_reward(spec: TaskSpec = TaskSpec(), vocab_size: int = 128) -> dict[str, float]:
@@ -77,9 +95,17 @@ def _copy_kth(rng: random.Random, spec: TaskSpec) -> tuple[str, str, dict]:
     return f"{k} of {symbols}", symbols[k - 1], {"k": k, "symbols": symbols}
 
 
+def _reverse(rng: random.Random, spec: TaskSpec) -> tuple[str, str, dict]:
+    symbols = "".join(rng.choice(spec.alphabet) for _ in range(rng.randint(spec.min_length, spec.length)))
+    return symbols, symbols[::-1], {"symbols": symbols}
+
+
+_MAKERS = {"majority": _majority, "copy_kth": _copy_kth, "reverse": _reverse}
+
+
 def make_example(rng: random.Random, spec: TaskSpec = TaskSpec()) -> dict:
     """One row in verl's layout."""
-    content, answer, extra = (_majority if spec.kind == "majority" else _copy_kth)(rng, spec)
+    content, answer, extra = _MAKERS[spec.kind](rng, spec)
     return {
         "prompt": [{"role": "user", "content": content}],
         "reward_model": {"ground_truth": answer, "style": "rule"},
@@ -148,12 +174,19 @@ def main(argv=None) -> tuple[Path, Path]:
     p.add_argument("--val-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kind", default=TaskSpec.kind, choices=TASK_KINDS)
-    p.add_argument("--length", type=int, default=TaskSpec.length)
+    p.add_argument("--length", type=int, default=None, help="default: 12 for reverse, 16 otherwise")
+    p.add_argument("--min-length", type=int, default=TaskSpec.min_length, help="reverse: shortest prompt")
     p.add_argument("--count", type=int, default=TaskSpec.count, help="majority: times the answer appears")
     p.add_argument("--alphabet", default=TaskSpec.alphabet)
     p.add_argument("--format", default="parquet", choices=("parquet", "jsonl"))
     a = p.parse_args(argv)
-    spec = TaskSpec(kind=a.kind, length=a.length, alphabet=a.alphabet, count=a.count)
+    spec = TaskSpec(
+        kind=a.kind,
+        length=default_length(a.kind, a.length),
+        alphabet=a.alphabet,
+        count=a.count,
+        min_length=a.min_length,
+    )
     train, val = make_task_dataset(a.out_dir, a.train_size, a.val_size, a.seed, spec, a.format)
     print(f"wrote {train} ({a.train_size} rows) and {val} ({a.val_size} rows); chance reward {chance_reward(spec)}")
     return train, val
