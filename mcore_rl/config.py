@@ -227,6 +227,9 @@ class TrainerConfig:
     max_consecutive_skips: int = 3  # optimizer steps skipped in a row (NaN/inf loss or grad norm) before stopping
     # every library warning at start-up (also MCORE_RL_VERBOSE=1); else the known ones are hidden behind one line
     verbose: bool = False
+    # rank 0 writes the first N of its scored samples of every rollout round to RUN_DIR/samples.jsonl: the
+    # response with its special tokens, length, finish reason, task reward and overlong penalty (0: off)
+    sample_log: int = 0
 
 
 @dataclass
@@ -581,6 +584,7 @@ def _check_ranges(cfg: Config) -> None:
         "rollout.verify_every": r.verify_every,
         "checkpoint.save_every": cfg.checkpoint.save_every,
         "trainer.val_every": cfg.trainer.val_every,
+        "trainer.sample_log": cfg.trainer.sample_log,
     }
     for key, v in non_negative.items():
         _require(v >= 0, f"{key} = {v} must be >= 0 (0 turns it off where that applies)")

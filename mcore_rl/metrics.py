@@ -249,3 +249,39 @@ class MetricsLogger:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+SAMPLES_FILE = "samples.jsonl"
+
+
+class SampleLog:
+    """RUN_DIR/samples.jsonl (trainer.sample_log): rank 0's first `limit` scored samples of each rollout round,
+    one JSON line each, so a person (or a test) sees what the policy wrote and how it was scored."""
+
+    def __init__(self, run_dir: str | os.PathLike, limit: int, rank: int):
+        self.limit = limit
+        self._file = open(Path(run_dir) / SAMPLES_FILE, "a") if limit > 0 and rank == 0 else None
+
+    def write(self, step: int, local, tokenizer, scored) -> None:
+        """local: the round's LocalRollout; scored: the RewardBatch over its samples this rank scored (in order)."""
+        if self._file is None:
+            return
+        for i, index in enumerate(local.scored[: self.limit]):
+            s = local.sample(index)
+            row = {
+                "step": step,
+                "response": tokenizer.decode(s.response_ids, skip_special_tokens=False),
+                "response_ids": list(s.response_ids),
+                "length": len(s.response_ids),
+                "finish_reason": s.finish_reason,
+                "task_reward": scored.task_rewards[i],
+                "overlong_penalty": scored.penalties[i],
+                "reward": scored.rewards[i],
+            }
+            self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -77,7 +77,7 @@ class Trainer:
 
         from mcore_rl.data import EpochSampler, load_prompt_dataset
         from mcore_rl.megatron.actor import Actor
-        from mcore_rl.metrics import MetricsLogger
+        from mcore_rl.metrics import MetricsLogger, SampleLog
         from mcore_rl.platform import get_platform
         from mcore_rl.rewards import RewardScorer
         from mcore_rl.rollout import make_engine
@@ -161,6 +161,7 @@ class Trainer:
         if resume is not None:
             self._load(resume.path)
         self.metrics = MetricsLogger(cfg.trainer.run_dir, cfg, rank=self.rank, start_step=self.step)
+        self.sample_log = SampleLog(cfg.trainer.run_dir, cfg.trainer.sample_log, self.rank)
         if resume is not None:
             self.sync_engine(verify=True)
 
@@ -336,6 +337,7 @@ class Trainer:
             examples = [self.train_set[i] for i in self.sampler.next_batch()]
             seed = round_seed(step_seed, round_index)
             local, meta, scored = self.rollout(examples, cfg.rollout.n, cfg.rollout.temperature, seed, stats)
+            self.sample_log.write(self.step + 1, local, self.tokenizer, scored)
             self._check_rewards(meta, scored)
             return local, meta
 
@@ -594,6 +596,7 @@ class Trainer:
             if (save_every and self.step % save_every == 0) or self.step == cfg.trainer.steps:
                 self.save()
         self.metrics.close()
+        self.sample_log.close()
         self.reward_fn.close()
         if cfg.checkpoint.save_hf:
             self.export_hf(self.run_dir / "hf")

@@ -5,6 +5,8 @@
   export; both run the old-policy pass; so do the dense presets (SAPO on Qwen3 TP2, GSPO on the tied Qwen2
   over PP2), whose export holds exactly the checkpoint's names (tied: no lm_head)
 - the plain GSPO run (exactly on-policy) skips that pass and still reports the entropy
+- a response cut at rollout.max_new_tokens on the multi-token preset has no <|im_end|>, is marked truncated
+  (finish reason, response/clip_ratio) and gets the overlong penalty in its reward (trainer.sample_log)
 - a SIGKILL while the step-4 checkpoint is being written leaves step 2 loadable, and resuming from it
   reproduces the uninterrupted run exactly (final weights and metrics)
 - with DAPO dynamic sampling (steps with extra generation rounds, R3), a resume from step 2 reproduces the
@@ -561,3 +563,50 @@ def test_dynamic_sampling_resumes_exactly_after_steps_with_extra_rounds(tiny_mod
     for ra, rb in zip(rows, rows_b):
         keep = lambda r: {k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)}
         assert keep(ra) == keep(rb), f"step {ra['step']} metrics differ"
+
+
+def test_a_response_cut_at_max_new_tokens_has_no_eos_is_truncated_and_penalised(tiny_model_dir, tmp_path):
+    """The multi-token preset (GSPO, EP2, two mini-batches, overlong penalty) on the reverse task from the random
+    model: with max_new_tokens = 6 most responses run into the cap and a few stop. Every logged sample is checked
+    against its own tokens and the DAPO formula written out here."""
+    from mcore_rl.data.task import TaskSpec, make_task_dataset
+    from mcore_rl.models.tiny import build_tokenizer
+
+    train, val = make_task_dataset(tmp_path / "task", 64, 16, seed=0, spec=TaskSpec(kind="reverse", length=12))
+    run_dir = tmp_path / "run"
+    max_new, buffer = 6, 3
+    args = overrides(
+        tiny_model_dir,
+        (str(train), str(val)),
+        run_dir,
+        **{
+            "trainer.steps": 2,
+            "trainer.val_every": 0,
+            "checkpoint.save_every": 0,
+            "checkpoint.save_hf": "false",
+            "rollout.max_new_tokens": max_new,
+            "reward.overlong_buffer": buffer,
+            "trainer.sample_log": 1000,
+        },
+    )
+    run_train("gspo_multitoken_cpu.yaml", args)
+    eos = build_tokenizer().eos_token_id
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    per_step = [sum(s["step"] == step for s in samples) for step in (1, 2)]
+    assert all(0 < n <= 16 for n in per_step), per_step  # rank 0's share of 4 prompts x 4 samples
+    cut = [s for s in samples if s["finish_reason"] == "length"]
+    stopped = [s for s in samples if s["finish_reason"] == "stop"]
+    assert cut and len(cut) + len(stopped) == len(samples)
+    for s in cut:  # cut at the cap, never an <|im_end|> in it, the full penalty
+        assert s["length"] == max_new and eos not in s["response_ids"], s
+        assert s["overlong_penalty"] == -1.0 and s["reward"] == pytest.approx(s["task_reward"] - 1.0), s
+    for s in stopped:  # ended by <|im_end|>: penalised only inside the buffer, linearly
+        assert s["response_ids"][-1] == eos and eos not in s["response_ids"][:-1], s
+        want = -max(0, s["length"] - (max_new - buffer)) / buffer
+        assert s["overlong_penalty"] == pytest.approx(want) and s["reward"] == pytest.approx(s["task_reward"] + want)
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:  # the step's truncation rate counts the cut responses of every rank; rank 0's are among them
+        mine = sum(s["finish_reason"] == "length" for s in samples if s["step"] == r["step"])
+        assert r["response/clip_ratio"] >= mine / 16 and r["response/clip_ratio"] > 0
+        assert r["response/length_max"] == max_new
