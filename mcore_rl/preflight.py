@@ -10,6 +10,9 @@ import struct
 from pathlib import Path
 from typing import Optional
 
+from packaging.version import Version
+
+from mcore_rl.compat import transformers as compat_transformers
 from mcore_rl.config import Config, ConfigError
 from mcore_rl.megatron.layout import ARCHITECTURES
 
@@ -201,8 +204,16 @@ def check_tokenizer(tokenizer, folder: str | os.PathLike) -> None:
         )
 
 
+def check_transformers(installed: Optional[Version] = None) -> None:
+    """The installed transformers (or `installed`) is one mcore-rl runs on (compat.transformers.refusal)."""
+    reason = compat_transformers.refusal(compat_transformers.version() if installed is None else installed)
+    if reason is not None:
+        raise ConfigError(reason)
+
+
 def check_packages(cfg: Config) -> None:
     """Packages the configured components need."""
+    check_transformers()
     if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError(
             "rollout.engine = vllm but vLLM is not installed in this environment: install it (make setup-vllm) "

@@ -1,6 +1,6 @@
 """Version differences of the libraries mcore-rl builds on, kept in one place.
 
-One module per library: `compat.megatron` (megatron-core), `compat.mbridge`, `compat.transformers`,
+One module per library: `compat.torch` (gloo collectives), `compat.megatron` (megatron-core), `compat.mbridge`, `compat.transformers`,
 `compat.vllm` (vLLM / vLLM-Ascend: the in-place reload path and the vLLM-Ascend floor), `compat.megatron_optim`
 (the optimizer step split into Megatron's own stages, to skip non-finite steps on every version). Each
 detects the installed version once (a cached function; nothing is stored at import time), exposes the few
@@ -56,9 +56,9 @@ def detected_versions() -> dict[str, str]:
 
 def shims_in_force() -> list[Shim]:
     """Every shim that applies to the installed versions, over all libraries."""
-    from mcore_rl.compat import mbridge, megatron, transformers
+    from mcore_rl.compat import mbridge, megatron, torch, transformers
 
-    return megatron.shims() + mbridge.shims() + transformers.shims()
+    return torch.shims() + megatron.shims() + mbridge.shims() + transformers.shims()
 
 
 def describe_versions(brief: bool = False) -> str:

@@ -26,7 +26,7 @@ would multiply by; its gradient reaches the same parameter (and DDP's buffer, an
 embedding all-reduce between the first and last stage) as the layer's own backward would give it.
 
 Upstream defects worked around (`apply_shims`, called once per process before Megatron is used):
-  * `_write_item` (megatron-core < 0.13 with torch >= 2.7): torch added a required `serialization_format`
+  * `_write_item` (megatron-core < 0.13 with torch >= 2.8): torch 2.8 added a required `serialization_format`
     argument to `torch.distributed.checkpoint.filesystem._write_item`; megatron-core 0.12's
     `FileSystemWriterAsync` calls it without, so every dist-checkpoint save fails. The shim passes
     `SerializationFormat.TORCH_SAVE` (the value 0.13 passes) to the name bound in megatron's module only.
@@ -247,7 +247,7 @@ _SHIMS = types.MappingProxyType(
     {
         "write_item": Shim(
             "write_item serialization_format",
-            "megatron-core < 0.13 with torch >= 2.7",
+            "megatron-core < 0.13 with torch >= 2.8",
             "dist-checkpoint saves call torch's _write_item without its new serialization_format argument",
         ),
         "fp8": Shim(

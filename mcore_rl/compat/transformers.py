@@ -7,6 +7,11 @@
   `config.rope_theta`); `rope_config_kwargs` writes configs the installed version reads back.
 * `dtype=` in `from_pretrained` / `from_config`: from 4.56 (older versions only know `torch_dtype=`).
   4.57 is the oldest version tested, and the floor, so the code passes `dtype=` without a shim.
+* Older versions are refused before launch (`refusal`, called by the pre-flight): 4.53.3, the reference runs'
+  version, fails on `dtype=` (`TypeError: Qwen3MoeForCausalLM.__init__() got an unexpected keyword argument
+  'dtype'` in every Megatron-facing test that builds an HF model, with megatron-core 0.12.1, mbridge 0.13.1,
+  torch 2.7.1), and vLLM 0.11.0 - the vLLM-Ascend 0.11 line's, the one that shares a process with a released
+  MindSpeed - itself requires transformers >= 4.55.2, so no supported Ascend stack has 4.53.
 """
 
 from __future__ import annotations
@@ -25,6 +30,25 @@ _DISTRIBUTION = "transformers"
 def version() -> Optional[Version]:
     """The installed transformers version (None when absent)."""
     return installed_version(_DISTRIBUTION)
+
+
+OLDEST = Version("4.57")  # the oldest version CI runs; the floor in pyproject.toml
+
+
+def refusal(installed: Optional[Version]) -> Optional[str]:
+    """Why mcore-rl cannot run on this transformers version (None when it can, or when it is absent)."""
+    if installed is None or installed >= OLDEST:
+        return None
+    why = (
+        "it has no dtype= keyword in from_pretrained / from_config (from 4.56)"
+        if installed < Version("4.56")
+        else "it is not tested"
+    )
+    return (
+        f"transformers {installed} is installed; mcore-rl needs >= {OLDEST} (the oldest tested): {why}, and "
+        f"vLLM 0.11 (the vLLM-Ascend 0.11 line) requires >= 4.55.2; install transformers==4.57.6 "
+        f"(verl's Ascend image) or newer"
+    )
 
 
 def keeps_rope_parameters() -> bool:

@@ -14,6 +14,7 @@ import random
 import torch
 
 from mcore_rl.compat import megatron as compat_megatron
+from mcore_rl.compat import torch as compat_torch
 from mcore_rl.config import ParallelConfig
 from mcore_rl.megatron.layout import Groups, Layout, Ranks, validate_layout
 from mcore_rl.platform import Platform
@@ -85,6 +86,7 @@ def init_parallel(parallel: ParallelConfig, platform: Platform, hf_config, seed:
             logger.warning("layout: %s", warning)
     platform.adapt_megatron()
     compat_megatron.apply_shims()
+    compat_torch.apply_shims()
     platform.init_distributed()
     _create_groups(layout)
 
