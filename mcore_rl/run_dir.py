@@ -142,17 +142,6 @@ def _raised_on_every_rank(exc: BaseException) -> bool:
     return isinstance(exc, CheckpointException)
 
 
-def _from_rank0(text: str) -> str:
-    """Collective: rank 0's text on every rank (as it is without a process group)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return text
-    box = [text]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 # ---- checksums: each rank hashes the files it wrote at save, and a share of them at load ----------------
 _WRITER = (re.compile(r"__(\d+)_\d+\.distcp$"), re.compile(r"rank(\d+)"))  # dist-checkpoint shards, per-rank state
 
@@ -338,7 +327,9 @@ class CheckpointManager:
             # BaseException): name the OS error and the path; the partial write is removed, it is never read
             error = _write_error(e, step, tmp, self.latest())
             if _raised_on_every_rank(e):  # only rank 0, the writer's coordinator, holds every rank's error
-                error = CheckpointWriteError(_from_rank0(str(error)))
+                from mcore_rl.platform import collectives
+
+                error = CheckpointWriteError(collectives.from_rank0(str(error)))
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise error from e

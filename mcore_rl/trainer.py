@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from mcore_rl.compat import describe_versions
 from mcore_rl.config import Config, save_config
+from mcore_rl.platform import collectives
 
 log = logging.getLogger("mcore_rl.trainer")
 CAP_WARN_EVERY = 50  # steps between dynamic sampling's round-cap warnings
@@ -607,7 +608,7 @@ class Trainer:
         """Rank 0 writes the plots; a failure (a full disk) stops every rank with the same message."""
         from mcore_rl.run_dir import OutputWriteError, write_failure
 
-        failed = [None]
+        failed = None
         if self.rank == 0:
             from mcore_rl.plot import plot_run
 
@@ -615,13 +616,12 @@ class Trainer:
                 pngs = plot_run(self.run_dir)
                 log.info("training done: metrics %s, plots %s", self.run_dir / "metrics.jsonl", pngs[0].parent)
             except OSError as e:
-                failed[0] = write_failure(e, self.run_dir / "plots")[0]
-        if dist.is_initialized():
-            dist.broadcast_object_list(failed, src=0)
-        if failed[0] is not None:
+                failed = write_failure(e, self.run_dir / "plots")[0]
+        failed = collectives.from_rank0(failed)
+        if failed is not None:
             export = " and the export" if self.cfg.checkpoint.save_hf else ""
             raise OutputWriteError(
-                f"the plots {self.run_dir / 'plots'} were not written ({failed[0]}); training finished and the "
+                f"the plots {self.run_dir / 'plots'} were not written ({failed}); training finished and the "
                 f"checkpoints, metrics.jsonl{export} are intact: free space, then write them with "
                 f"`mcore-rl plot {self.run_dir}`"
             )

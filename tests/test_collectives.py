@@ -40,6 +40,10 @@ COLLECTIVES = {
 ALLOWED = {
     ("platform/collectives.py", "all_reduce_small", "all_reduce"): "the small-collectives module itself",
     ("platform/collectives.py", "sum_floats", "all_gather_into_tensor"): "the small-collectives module itself",
+    ("platform/collectives.py", "from_rank0", "broadcast_object_list"): "the small-collectives module itself: "
+    "rank 0's outcome of a write only it does (a failure message or None)",
+    ("compat/torch.py", "reduce_scatter_padded", "all_reduce"): "torch < 2.8 gloo shim of Megatron's list "
+    "reduce_scatter (uneven TP splits of MoE tokens): one padded all_reduce of the activation tensors",
     ("platform/shm_gather.py", "grow", "barrier"): "shared-memory gather: fence after creating files, no tensor",
     ("platform/shm_gather.py", "grow", "barrier#2"): "shared-memory gather: fence after mapping files, no tensor",
     ("platform/shm_gather.py", "_round", "all_gather_into_tensor"): "shared-memory gather: per-round "

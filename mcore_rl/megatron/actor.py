@@ -528,18 +528,18 @@ class Actor:
 
         writer = torch.distributed.get_rank() == 0
         stream = self.export_hf_weights(receive=writer)
-        failed = [None]  # rank 0's reason, for every rank
+        failed = None  # rank 0's reason, for every rank
         if writer:
             try:
                 write_hf_folder(stream, out_dir, source_dir, self.hf_config, max_shard_bytes=max_shard_bytes)
             except Exception as e:  # a full disk (safetensors' own error type): the other ranks still take part
                 # in the gathers below
-                failed[0] = write_failure(e, Path(out_dir))[0]
+                failed = write_failure(e, Path(out_dir))[0]
         for _ in stream:
             pass
-        torch.distributed.broadcast_object_list(failed, src=0)
-        if failed[0] is not None:
-            raise OutputWriteError(f"the Hugging Face export {out_dir} was not written ({failed[0]})")
+        failed = collectives.from_rank0(failed)
+        if failed is not None:
+            raise OutputWriteError(f"the Hugging Face export {out_dir} was not written ({failed})")
 
     def save_checkpoint(self, directory: str, extra: Optional[dict] = None) -> None:
         """Model + optimizer + scheduler as a Megatron dist checkpoint, loadable into any layout (collective)."""

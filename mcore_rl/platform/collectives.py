@@ -159,6 +159,16 @@ def any_true(flag: bool, group=None) -> bool:
     return sum_ints([int(bool(flag))], group)[0] > 0
 
 
+def from_rank0(value, group=None):
+    """Rank 0's small picklable value (a failure message, None when it had none) on every rank of `group`;
+    `value` itself without a process group. For the outcome of work only rank 0 does (writing a file)."""
+    if not _active(group):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return box[0]
+
+
 def _up32(value: float) -> float:
     """The smallest float32 >= value (max over float32 must not round a local maximum down)."""
     v = torch.tensor(value, dtype=torch.float32)
