@@ -117,6 +117,8 @@ def convert(args: argparse.Namespace) -> None:
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
         print(f"{args.direction}: wrote {args.out}", flush=True)
+    # a process leaving with a gloo group up can abort at exit ("terminate called without an active exception")
+    torch.distributed.destroy_process_group()
 
 
 def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> int:
