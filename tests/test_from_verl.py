@@ -16,7 +16,7 @@ from mcore_rl.cli import main as cli_main
 from mcore_rl.config import config_to_dict, load_config
 from mcore_rl.from_verl import check_preset, convert_launch, preset_text
 from mcore_rl.from_verl.hydra import parse_command, parse_value
-from mcore_rl.from_verl.mapping import ADDITIONS, KNOWN, doc_table, load_schema
+from mcore_rl.from_verl.keys import ADDITIONS, KNOWN, doc_table, load_schema
 from mcore_rl.from_verl.shell import ShellError, arithmetic, read_script
 from tests.torchrun_util import REPO
 
@@ -466,7 +466,7 @@ def test_every_known_key_is_in_verls_schema():
 
 def test_doc_table_matches_the_mapper():
     doc = (REPO / "docs" / "from-verl.md").read_text()
-    assert doc_table() in doc, "docs/from-verl.md: regenerate the table with mcore_rl.from_verl.mapping.doc_table()"
+    assert doc_table() in doc, "docs/from-verl.md: regenerate the table with mcore_rl.from_verl.keys.doc_table()"
 
 
 # ------------------------------------------------------------------------------------------ command and check

@@ -1,7 +1,7 @@
 """`mcore-rl from-verl SCRIPT_OR_COMMAND [--out PRESET.yaml] [--strict]`: a verl launch -> a checked preset.
 
 Reads the launch without running it (`shell`), takes Hydra's overrides (`hydra`), maps them with the rules
-and the table of known keys (`mapping`), writes the preset with a comment per setting naming the verl
+(`mapping`, by topic in `*_rules`) and the table of known keys (`keys`), writes the preset with a comment per setting naming the verl
 override (or default) it came from, runs `mcore-rl check` on it at the script's cluster size, and prints
 what became of every key: mapped / not needed here / not supported / no effect in verl / unknown.
 Pure Python: no torch, no process started. The rules are in docs/from-verl.md.
@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, get_type_hints
 
 from mcore_rl.from_verl.hydra import parse_command
-from mcore_rl.from_verl.mapping import STATUSES, Conversion, ConversionError, convert
+from mcore_rl.from_verl.keys import STATUSES
+from mcore_rl.from_verl.mapping import convert
 from mcore_rl.from_verl.shell import ShellError, read_script
+from mcore_rl.from_verl.verl_run import Conversion, ConversionError
 
 __all__ = [
     "ShellError",
