@@ -16,13 +16,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from mcore_rl.run_dir import _CHUNK, file_crc32
+from mcore_rl.run_dir.checksums import CHUNK, file_crc32
 
 
 def read_only(path: Path) -> int:
     total = 0
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
+        while chunk := f.read(CHUNK):
             total += len(chunk)
     return total
 
@@ -47,7 +47,7 @@ def main() -> None:
         path = Path(tmp) / "payload.bin"
         with open(path, "wb") as f:
             for _ in range(int(gib * 1024 / 16)):
-                f.write(os.urandom(_CHUNK))
+                f.write(os.urandom(CHUNK))
         read_s = best(read_only, path, args.trials) / gib
         crc_s = best(file_crc32, path, args.trials) / gib
     print(f"read: {read_s:.3f} s/GiB  crc32: {crc_s:.3f} s/GiB  ratio crc32/read: {crc_s / read_s:.2f}")

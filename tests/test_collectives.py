@@ -73,9 +73,11 @@ ALLOWED = {
     "shared-memory region handles, once per export and gather group",
     ("trainer.py", "run", "barrier"): "end-of-run fence, no tensor",
     ("convert.py", "convert", "barrier"): "end-of-conversion fence, no tensor",
-    ("run_dir.py", "gather", "all_gather_object"): "object gather: each rank's checkpoint verification outcome",
-    ("run_dir.py", "claim_run_dir_collective", "broadcast_object_list"): "object broadcast: rank 0's run-dir "
-    "claim error (a message string)",
+    (
+        "run_dir/checkpoints.py",
+        "gather",
+        "all_gather_object",
+    ): "object gather: each rank's checkpoint verification outcome",
     ("safety.py", "check_weights_finite", "all_gather_object"): "object gather: names of non-finite weights "
     "(only after a rank found one)",
     ("step_data.py", "exchange_meta", "all_reduce"): "step metadata: [B, 6] int64 per-sample lengths and "
