@@ -69,7 +69,7 @@ class VerlRun:
 
     def _check_known(self, key: str) -> None:
         if known_entry(key) is None:
-            raise KeyError(f"from_verl: {key} is read but not in KNOWN (add it with its rule)")
+            raise KeyError(f"from_verl: {key} is read but not in known_keys.yaml (add a row with its rule)")
 
     def given(self, key: str) -> bool:
         self._check_known(key)
