@@ -162,6 +162,7 @@ def main() -> None:
     from mcore_rl.platform.shm_gather import GroupGather
     from mcore_rl.rollout.embedded import EmbeddedEngine
     from mcore_rl.rollout.weight_sync import sync_weights
+    from mcore_rl.weights.exporter import HFExporter
 
     platform = get_platform("cpu")
     platform.init_distributed()
@@ -182,6 +183,7 @@ def main() -> None:
     layout = init_parallel(parallel, platform, bridge.hf_config)
     start = time.perf_counter()
     chunks = bridge.build_model(layout, ModelConfig(path=model_dir, dtype="bfloat16"))
+    exporter = HFExporter(bridge)
     actor_params = sum(p.numel() for c in chunks for p in c.parameters())
     build_s = time.perf_counter() - start
     engine = None
@@ -213,7 +215,7 @@ def main() -> None:
             into = engine.weight_buffer if engine is not None and direct else None
             shared = engine.shared_weights() if engine is not None and direct else None
             stats = sync_weights(
-                bridge.export_hf_weights(chunks, receive=engine is not None, into=into, shared=shared),
+                exporter.export(chunks, receive=engine is not None, into=into, shared=shared),
                 engine,
                 bucket_mb=args.bucket_mb,
             )
@@ -226,16 +228,16 @@ def main() -> None:
     # the baseline first, so that the engine holds what the direct path wrote when --check compares it
     baseline = timed_syncs(False, "baseline (gather, then copy)") if args.baseline else []
     results = timed_syncs(True, "into the engine")
-    direct_stats = bridge.stats  # of the last sync into the engine
+    direct_stats = exporter.stats  # of the last sync into the engine
     dist.barrier()
     check = None
     if args.check:
         # the reference export takes the other transport (torch.distributed: ranks claim different hosts), where
         # every split tensor is gathered whole and converted by mbridge; it is compared with the engine's tensors
-        bridge._gather = GroupGather(host_id=lambda: f"bench-rank-{rank}")
-        diffs = engine.weight_diffs(bridge.export_hf_weights(chunks)) if engine else None
+        exporter._gather = GroupGather(host_id=lambda: f"bench-rank-{rank}")
+        diffs = engine.weight_diffs(exporter.export(chunks)) if engine else None
         if engine is None:
-            for _ in bridge.export_hf_weights(chunks):
+            for _ in exporter.export(chunks):
                 pass
         check = max(diffs.values()) if diffs else None
     gloo = gloo_all_gather_gb_per_s()

@@ -10,7 +10,8 @@ import types
 import pytest
 import torch
 
-from mcore_rl.models.bridge import RMSNorm, _MbridgeBackend, _merge, _split, _te_norm_name, load_hf_config
+from mcore_rl.models.bridge import RMSNorm, _MbridgeBackend, _te_norm_name, load_hf_config
+from mcore_rl.models.shards import merge_shards, split_shards
 from tests.torchrun_util import REPO, run_torchrun
 
 
@@ -45,9 +46,9 @@ def test_rmsnorm_matches_hf_qwen3_moe_norm():
 )
 def test_split_merge_round_trip(name, shape, dim):
     full = torch.arange(48.0).reshape(shape)
-    parts = _split(name, full, 2, dim, gated=True)
+    parts = split_shards(name, full, 2, dim, gated=True)
     assert all(p.shape[dim] == shape[dim] // 2 for p in parts)
-    assert torch.equal(_merge(name, parts, dim, gated=True), full)
+    assert torch.equal(merge_shards(name, parts, dim, gated=True), full)
     if "linear_fc1" in name:  # each rank holds its slice of gate AND of up
         gate, up = full.chunk(2)
         assert torch.equal(parts[1], torch.cat([gate.chunk(2)[1], up.chunk(2)[1]]))

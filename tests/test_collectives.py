@@ -67,9 +67,9 @@ ALLOWED = {
     ("megatron/routing_replay.py", "_all_moe_layers", "all_gather_object"): "object gather: MoE layer ids",
     ("megatron/checkpoint.py", "save_checkpoint", "barrier"): "checkpoint fence, no tensor",
     ("megatron/checkpoint.py", "save_checkpoint", "barrier#2"): "checkpoint fence, no tensor",
-    ("models/bridge.py", "export_hf_weights", "all_gather_object"): "object gather: per-stage tensor metadata",
-    ("models/bridge.py", "export_hf_weights", "broadcast"): "pipeline broadcast of exported weights",
-    ("models/bridge.py", "_group_sinks", "all_gather_object"): "object gather: the receiving engines' "
+    ("weights/exporter.py", "export", "all_gather_object"): "object gather: per-stage tensor metadata",
+    ("weights/exporter.py", "export", "broadcast"): "pipeline broadcast of exported weights",
+    ("weights/exporter.py", "_group_sinks", "all_gather_object"): "object gather: the receiving engines' "
     "shared-memory region handles, once per export and gather group",
     ("trainer.py", "run", "barrier"): "end-of-run fence, no tensor",
     ("convert.py", "convert", "barrier"): "end-of-conversion fence, no tensor",

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mcore_rl.models.bridge import _as_shard_view, _shard_views, _split
+from mcore_rl.models.shards import as_shard_view, shard_views, split_shards
 from mcore_rl.platform.shm_gather import _pieces, _round_bytes, _rounds
 from tests.torchrun_util import REPO, run_worker
 
@@ -34,10 +34,10 @@ def test_shm_gather_equals_all_gather(nproc, mode):
 )
 def test_shard_views_are_where_split_takes_shards_from(name, shape, dim):
     full = torch.arange(48.0).reshape(shape)
-    views = _shard_views(name, full, 2, dim, gated=True)
-    for view, shard in zip(views, _split(name, full, 2, dim, gated=True)):
+    views = shard_views(name, full, 2, dim, gated=True)
+    for view, shard in zip(views, split_shards(name, full, 2, dim, gated=True)):
         assert view.data_ptr() >= full.data_ptr()  # a view into `full`, not a copy
-        assert torch.equal(view, _as_shard_view(name, shard, gated=True))
+        assert torch.equal(view, as_shard_view(name, shard, gated=True))
 
 
 def test_rounds_respect_the_chunk_limit_and_alignment():

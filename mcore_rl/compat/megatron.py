@@ -130,24 +130,24 @@ def layout_problem(
 # ---- the output layer -----------------------------------------------------------------------------
 
 
-def _gpt_model(model):
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
+def gpt_model(chunk):
+    """The GPTModel inside DDP / Float16Module wrappers (a model chunk as the actor holds it)."""
+    while hasattr(chunk, "module") and not hasattr(chunk, "decoder") and not hasattr(chunk, "embedding"):
+        chunk = chunk.module
+    return chunk
 
 
 def drop_received_activations(chunks) -> None:
     """Forget the activation the pipeline schedule last handed each chunk's decoder (`set_input_tensor`, kept
     after the schedule returns on every stage but the first). Same call on 0.12.1 and 0.16.1."""
     for chunk in chunks:
-        _gpt_model(chunk).set_input_tensor(None)
+        gpt_model(chunk).set_input_tensor(None)
 
 
 def output_weight(model):
     """The weight the last stage's output layer multiplies by: this rank's [V/tp, h] vocabulary shard (the
     shared embedding's weight for tied models). None on other pipeline stages."""
-    gpt = _gpt_model(model)
+    gpt = gpt_model(model)
     if not getattr(gpt, "post_process", False):
         return None
     if gpt.share_embeddings_and_output_weights:
@@ -185,7 +185,7 @@ def output_hidden_states(model):
     """While active, `model(...)` (a GPTModel, possibly wrapped) returns on the last pipeline stage the last
     hidden states [b, s, h] (after the final norm, gathered over sequence parallel) instead of the logits;
     yields `output_weight(model)` (None on other stages, where nothing changes). See the module docstring."""
-    gpt = _gpt_model(model)
+    gpt = gpt_model(model)
     weight = output_weight(gpt)
     if weight is None:
         yield None

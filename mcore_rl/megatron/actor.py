@@ -57,6 +57,7 @@ from mcore_rl.megatron.parallel import init_parallel
 from mcore_rl.megatron.policy_loss import make_log_prob_fn, make_policy_loss_fn
 from mcore_rl.models.bridge import ModelBridge
 from mcore_rl.platform import Platform, collectives, get_platform
+from mcore_rl.weights.exporter import HFExporter
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +162,7 @@ class Actor:
             cfg.actor.parallel, self.platform, self.bridge.hf_config, seed=cfg.trainer.seed
         )
         chunks = self.bridge.build_model(self.layout, cfg.model)
+        self.exporter = HFExporter(self.bridge)
         if load_weights:
             self.bridge.load_hf_weights(chunks)
         self.dtype = chunks[0].config.params_dtype
@@ -512,11 +514,11 @@ class Actor:
 
     # ---- weights -----------------------------------------------------------------------------
     def export_hf_weights(self, receive: bool = True, into=None, shared=None):
-        """See ModelBridge.export_hf_weights: collective, every rank gets every full tensor; `into` (e.g. a
+        """See HFExporter.export: collective, every rank gets every full tensor; `into` (e.g. a
         rollout engine's `weight_buffer`) lets the gathers write straight into the consumer's memory, `shared`
         (its `shared_weights()`) lets the other ranks of the host write their shards there too."""
         self._require_resident("export_hf_weights")
-        return self.bridge.export_hf_weights(self.model, receive=receive, into=into, shared=shared)
+        return self.exporter.export(self.model, receive=receive, into=into, shared=shared)
 
     def save_hf(self, out_dir: str, source_dir: Optional[str] = None, max_shard_bytes: int = 4 << 30) -> None:
         """Write the model as a Hugging Face folder (rank 0 writes; every rank takes part in the gathers).

@@ -23,7 +23,6 @@ from typing import Any, Optional
 import torch
 
 from mcore_rl.compat import megatron as compat_megatron
-from mcore_rl.models.bridge import _unwrap
 
 
 def _model_keys(n_chunks: int) -> list[str]:
@@ -31,7 +30,7 @@ def _model_keys(n_chunks: int) -> list[str]:
 
 
 def _model_sharded_state_dict(actor) -> dict:
-    chunks = [_unwrap(m) for m in actor.model]
+    chunks = [compat_megatron.gpt_model(m) for m in actor.model]
     return {key: chunk.sharded_state_dict() for key, chunk in zip(_model_keys(len(chunks)), chunks)}
 
 
@@ -168,7 +167,7 @@ def load_checkpoint(actor, directory: str, load_optimizer: bool = True) -> dict[
     state = _state(actor, is_loading=True, with_optimizer=with_optimizer)
     loaded = dist_checkpointing.load(state, directory)
     for key, chunk in zip(_model_keys(len(actor.model)), actor.model):
-        _unwrap(chunk).load_state_dict(loaded[key], strict=True)
+        compat_megatron.gpt_model(chunk).load_state_dict(loaded[key], strict=True)
     if with_optimizer:
         actor.optimizer.load_state_dict(loaded["optimizer"])
         _unalias_steps(actor.optimizer)

@@ -1,9 +1,10 @@
 """Hugging Face checkpoint <-> Megatron-Core model chunks, behind a small interface of ours.
 
 `ModelBridge` builds the Megatron `GPTModel` chunks of this rank for a HF checkpoint folder, loads
-HF weights into any TP/PP/EP/ETP layout and exports full HF-named tensors back one at a time.
-mbridge supplies the model config mapping, the HF<->Megatron name mapping and the fused-tensor
-formats (qkv, gate/up); sharding, loading and gathering are ours so that they work with both the
+HF weights into any TP/PP/EP/ETP layout and names every local parameter (`param_infos`: its canonical name,
+global layer and expert, TP split) for the exporter (mcore_rl/weights/exporter.py), which gathers full
+HF-named tensors back. mbridge supplies the model config mapping, the HF<->Megatron name mapping and the
+fused-tensor formats (qkv, gate/up); sharding, loading and gathering are ours so that they work with both the
 Transformer Engine layer spec (CUDA with TE, NPU via MindSpeed) and the local pure-torch spec (CPU, CUDA without
 TE: `Platform.uses_transformer_engine`), whose
 parameter names differ:
@@ -24,11 +25,9 @@ Swapping mbridge for Megatron-Bridge means re-implementing `_MbridgeBackend` onl
 from __future__ import annotations
 
 import dataclasses
-import logging
 import re
 import weakref
-import zlib
-from typing import Callable, Hashable, Iterator, Optional
+from typing import Optional
 
 import torch
 
@@ -38,12 +37,8 @@ from mcore_rl.compat import transformers as compat_transformers
 from mcore_rl.config import ModelConfig
 from mcore_rl.megatron.layout import Layout
 from mcore_rl.models.hf_io import torch_dtype
-from mcore_rl.models.row_plan import RowPlan, build_row_plan
-from mcore_rl.platform import Platform, collectives
-from mcore_rl.platform.shared_memory import SharedRegion, SharedTensors
-from mcore_rl.platform.shm_gather import Arena, GroupGather
-
-logger = logging.getLogger(__name__)
+from mcore_rl.models.shards import split_shards
+from mcore_rl.platform import Platform
 
 # Fused kernels that need Transformer Engine / Apex; the local spec must run without them. Flags the installed
 # megatron-core does not know (moe_router_fusion before 0.14) are dropped by compat.megatron.known_config_fields.
@@ -108,17 +103,13 @@ def _replace_module(spec, old: type, new: type) -> None:
 
 
 _OUTPUT_LAYER = "output_layer.weight"
-DIRECT_BATCH_FACTOR = 8  # gather batches hold this many times more bytes written straight into the engines
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
-# A consumer's own tensor for a Hugging Face weight name, or None (see ModelBridge.export_hf_weights `into`).
-WeightBuffers = Callable[[str], Optional[torch.Tensor]]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_LAYER_NUMBER = re.compile(r"layers\.\d+\.")
 
 
 @dataclasses.dataclass(frozen=True)
-class _ParamInfo:
+class ParamInfo:
     """Where one local parameter sits in the full model."""
 
     canonical: str  # TE-style name with global layer index and, for experts, the GLOBAL expert id
@@ -199,52 +190,13 @@ def _te_norm_name(name: str, moe: bool) -> str:
     return name
 
 
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module") and not hasattr(chunk, "decoder") and not hasattr(chunk, "embedding"):
-        chunk = chunk.module
-    return chunk
-
-
-def _split(canonical: str, full: torch.Tensor, parts: int, partition_dim: int, gated: bool) -> list[torch.Tensor]:
-    if parts == 1 or partition_dim < 0:
-        return [full] * parts
-    if gated and "linear_fc1.weight" in canonical:  # [gate; up] -> per rank [gate_r; up_r]
-        gate, up = full.chunk(2, dim=0)
-        return [torch.cat([g, u], dim=0) for g, u in zip(gate.chunk(parts), up.chunk(parts))]
-    return list(full.chunk(parts, dim=partition_dim))
-
-
-def _shard_views(canonical: str, full: torch.Tensor, parts: int, partition_dim: int, gated: bool) -> list[torch.Tensor]:
-    """Views of `full` where each rank's shard (as `_split` cuts it) belongs; a gathered shard is copied in place."""
-    if gated and "linear_fc1.weight" in canonical:  # rank r holds [gate_r; up_r] -> view (2, rows_r, ...) of [gate; up]
-        halves = full.view(2, parts, full.shape[0] // (2 * parts), *full.shape[1:])
-        return [halves[:, r] for r in range(parts)]
-    return list(full.chunk(parts, dim=partition_dim))
-
-
-def _as_shard_view(canonical: str, shard: torch.Tensor, gated: bool) -> torch.Tensor:
-    """`shard` in the shape of its `_shard_views` destination (gated fc1: [gate_r; up_r] as (2, rows_r, ...))."""
-    if gated and "linear_fc1.weight" in canonical:
-        return shard.view(2, shard.shape[0] // 2, *shard.shape[1:])
-    return shard
-
-
-def _merge(canonical: str, shards: list[torch.Tensor], partition_dim: int, gated: bool) -> torch.Tensor:
-    if len(shards) == 1 or partition_dim < 0:
-        return shards[0]
-    full = shards[0].new_empty(_merged_shape(shards[0], len(shards), partition_dim))
-    for view, shard in zip(_shard_views(canonical, full, len(shards), partition_dim, gated), shards):
-        view.copy_(_as_shard_view(canonical, shard, gated))
-    return full
-
-
 class ModelBridge:
     """One HF checkpoint folder and the Megatron model built from it.
 
     `build_model(layout, ...)` takes the layout bound to Megatron's process groups (see
     mcore_rl.megatron.parallel.init_parallel) and keeps it for loading and exporting. Model chunks are plain
     `GPTModel`s (one per virtual pipeline stage); wrappers (DDP, Float16Module) are looked through by
-    `load_hf_weights` / `export_hf_weights`.
+    `load_hf_weights` and by the exporter (mcore_rl/weights/exporter.py).
     """
 
     def __init__(self, hf_path: str, platform: Platform):
@@ -253,16 +205,7 @@ class ModelBridge:
         self.hf_config = load_hf_config(hf_path)
         self._backend: Optional[_MbridgeBackend] = None
         self._layout: Optional[Layout] = None
-        self._gather = GroupGather()  # export's all-gathers: shared memory between ranks of one host (gloo)
-        # per consumer (`_consumer_key`): (canonical, shape, dtype) -> its direct destination, None if it has none
-        self._direct_memo: dict[Hashable, dict[tuple, Optional[torch.Tensor]]] = {}
-        # per gather group ("tp" / "ep" / "etp"): the receiving engines' region tokens and whether all ranks mapped them
-        self._sinks: dict[str, tuple[tuple[str, ...], bool]] = {}
-        self._regions: dict[str, SharedTensors] = {}  # other processes' engine regions mapped here, by token
-        self._sinks_state: Optional[tuple] = None  # the last export's (this rank's state, sinks, lighter kinds)
-        self._row_plans: dict[tuple, Optional[RowPlan]] = {}  # (parameter kind, shard shape, tp, gated) -> plan
-        self.stats = ExportStats()  # of the export in progress or the last one
-        self._infos: dict[int, tuple[weakref.ref, dict[str, _ParamInfo]]] = {}  # id(chunk) -> (chunk, its infos)
+        self._infos: dict[int, tuple[weakref.ref, dict[str, ParamInfo]]] = {}  # id(chunk) -> (chunk, its infos)
 
     # ---- build -------------------------------------------------------------------------------
     def megatron_config_overrides(self, layout: Layout, model_cfg: ModelConfig) -> dict:
@@ -314,9 +257,10 @@ class ModelBridge:
 
     @property
     def transformer_config(self):
-        return self._require_backend().config
+        return self.backend.config
 
-    def _require_backend(self) -> _MbridgeBackend:
+    @property
+    def backend(self) -> _MbridgeBackend:
         if self._backend is None:
             raise RuntimeError("ModelBridge.build_model() must run before loading or exporting weights")
         return self._backend
@@ -328,7 +272,7 @@ class ModelBridge:
         return self._layout
 
     # ---- names -------------------------------------------------------------------------------
-    def _param_infos(self, chunk: torch.nn.Module) -> dict[str, _ParamInfo]:
+    def param_infos(self, chunk: torch.nn.Module) -> dict[str, ParamInfo]:
         """Local parameter name -> where it sits in the full model (global layer, global expert); computed once
         per chunk (a model's structure and names do not change)."""
         cached = self._infos.get(id(chunk))
@@ -338,8 +282,8 @@ class ModelBridge:
             self._infos[id(chunk)] = cached
         return cached[1]
 
-    def _compute_param_infos(self, chunk: torch.nn.Module) -> dict[str, _ParamInfo]:
-        model = _unwrap(chunk)
+    def _compute_param_infos(self, chunk: torch.nn.Module) -> dict[str, ParamInfo]:
+        model = compat_megatron.gpt_model(chunk)
         layer_map = (
             {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
             if hasattr(model, "decoder")
@@ -373,7 +317,7 @@ class ModelBridge:
                 prefix, local_id = canonical.rsplit(".weight", 1)
                 canonical = f"{prefix}.weight{int(local_id) + ep_rank * (num_experts // ep_size)}"
             tp_split = getattr(param, "tensor_model_parallel", False)
-            infos[name] = _ParamInfo(
+            infos[name] = ParamInfo(
                 canonical,
                 is_expert,
                 int(param.partition_dim) if tp_split else -1,
@@ -388,19 +332,19 @@ class ModelBridge:
         no collectives, so any rank subset may call it."""
         from mbridge.core.safetensor_io import SafeTensorIO
 
-        backend = self._require_backend()
+        backend = self.backend
         io = SafeTensorIO(path or self.hf_path)
         layout = self.layout
         tp, etp = (layout.tp, layout.ranks.tp), (layout.etp, layout.ranks.etp)
         for chunk in chunks:
-            params = dict(_unwrap(chunk).named_parameters())
-            infos = self._param_infos(chunk)
+            params = dict(compat_megatron.gpt_model(chunk).named_parameters())
+            infos = self.param_infos(chunk)
             wanted = {n: backend.hf_names(i.canonical) for n, i in infos.items()}
             hf = io.load_some_hf_weight(sorted({h for names in wanted.values() for h in names}))
             for name, info in infos.items():
                 full = backend.to_mcore(info.canonical, [hf[h] for h in wanted[name]])
                 size, rank = etp if info.is_expert else tp
-                shard = _split(info.canonical, full, size, info.partition_dim, backend.gated())[rank]
+                shard = split_shards(info.canonical, full, size, info.partition_dim, backend.gated())[rank]
                 param = params[name]
                 if shard.shape != param.shape:
                     raise ValueError(
@@ -408,577 +352,6 @@ class ModelBridge:
                         f"(from {wanted[name]}); the checkpoint does not match config.json"
                     )
                 param.copy_(shard)
-
-    # ---- export ------------------------------------------------------------------------------
-    @torch.no_grad()
-    def export_hf_weights(
-        self,
-        chunks: list[torch.nn.Module],
-        gather_batch_mb: float = 64.0,
-        receive: bool = True,
-        into: Optional[WeightBuffers] = None,
-        shared: Optional[SharedTensors] = None,
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (hf_name, full tensor) for the whole model, one parameter at a time.
-
-        Collective: EVERY rank of the job must iterate it to the end, in step. Every rank receives
-        every full tensor (pipeline stages broadcast theirs, TP/ETP/EP shards are all-gathered);
-        data-parallel replicas compute identical copies independently. Tensors stay on the device;
-        consumers that keep them should copy (`.cpu()`) since nothing here holds references.
-        Shards are gathered several parameters per collective call (up to `gather_batch_mb` MB of gathered
-        tensors, held until yielded), through shared memory when a gloo group's ranks share a host.
-        `receive=False`: this rank only contributes its shards and yields nothing (a rank without an engine
-        replica; over shared memory it then skips reading its peers' shards).
-        `into(hf_name) -> tensor or None`: the consumer's own tensor for a weight (e.g. a rollout engine's
-        parameter). A gathered tensor whose Hugging Face tensors are plain views of one contiguous range of the
-        consumer's memory (checked by pointer, shape and stride; see `_direct_destination`) is gathered straight
-        into it, so each byte moves once; the pair yielded then IS the consumer's tensor (a consumer copying a
-        tensor onto itself must skip it). Row-split TP parameters whose conversion moves rows (the fused QKV
-        regrouped per query group, the gated fc1, the embedding / output layer) follow a row plan when gathered
-        through shared memory: each shard's rows go straight into the consumer's q / k / v, gate / up, ...
-        tensors (row_plan.py). Anything else is gathered into reused buffers as without `into`; `self.stats`
-        says how many bytes went which way.
-        `shared`: the consumer's weights in a shared-memory region (`RolloutEngine.shared_weights()`, the CPU
-        embedded engine's), given by a receiving rank. Where every receiving rank of a TP / EP group gives one and
-        every rank of the group can map them (one host; ETP likewise), each rank writes its own shards into every
-        receiving engine, at the places `into` would give (the same placement code, run on the receiver's table):
-        nothing is staged and each byte moves once, and one small collective per gather batch and group confirms
-        that the writes are done and that all ranks wrote the same tensors. Tensors whose destination is not
-        entirely in the engine's memory (buffers, dropped padding rows, ETP-split experts) take the gathers above.
-        """
-        backend = self._require_backend()
-        if gather_batch_mb <= 0:
-            raise ValueError(f"gather_batch_mb={gather_batch_mb}; use a positive size in MB (e.g. 64)")
-        pp_group = self.layout.groups.pp
-        pp_ranks = torch.distributed.get_process_group_ranks(pp_group)
-        local = []  # (info, tensor) on this pipeline stage
-        for chunk in chunks:
-            params = dict(_unwrap(chunk).named_parameters())
-            local += [(info, params[name]) for name, info in self._param_infos(chunk).items() if not info.tied_copy]
-        meta = [(i.canonical, i.is_expert, i.partition_dim, tuple(t.shape), t.dtype) for i, t in local]
-        per_stage = [None] * len(pp_ranks)
-        torch.distributed.all_gather_object(per_stage, meta, group=pp_group)
-        my_stage = self.layout.ranks.pp
-        gated = backend.gated()
-        limit = int(gather_batch_mb * (1 << 20))
-        sinks, lighter = self._export_sinks(receive, shared)
-        current = {_consumer_key(into)} | {_consumer_key(t.view) for s in sinks.values() for t in s.receivers.values()}
-        self._direct_memo = {k: v for k, v in self._direct_memo.items() if k in current}  # drop stale consumers
-        self.stats = ExportStats()
-        for stage, stage_meta in enumerate(per_stage):
-            batch, batch_bytes = [], 0
-            for k, (canonical, is_expert, pdim, shape, dtype) in enumerate(stage_meta):
-                if stage == my_stage:
-                    tensor = local[k][1].detach()
-                else:
-                    tensor = torch.empty(shape, dtype=dtype, device=self.platform.device)
-                if len(pp_ranks) > 1:
-                    torch.distributed.broadcast(tensor, src=pp_ranks[stage], group=pp_group)
-                x = _Exported(canonical, is_expert, pdim, tensor)
-                batch.append(x)
-                weight = DIRECT_BATCH_FACTOR if self._gather_kind(x) in lighter else 1
-                batch_bytes += tensor.numel() * tensor.element_size() * self._gather_factor(is_expert, pdim) // weight
-                if batch_bytes >= limit:
-                    yield from self._export_batch(batch, gated, receive, into, sinks)
-                    batch, batch_bytes = [], 0
-            yield from self._export_batch(batch, gated, receive, into, sinks)
-
-    def _gather_factor(self, is_expert: bool, pdim: int) -> int:
-        """How many times a shard's bytes its gathered full tensor(s) hold."""
-        layout = self.layout
-        if is_expert:
-            return layout.ep * (layout.etp if pdim >= 0 else 1)
-        return layout.tp if pdim >= 0 else 1
-
-    def _export_batch(
-        self,
-        batch: list["_Exported"],
-        gated: bool,
-        receive: bool,
-        into: Optional[WeightBuffers],
-        sinks: dict[str, "_Sinks"],
-    ):
-        """Gather a batch's shards with one collective call per process group, then yield its HF tensors.
-
-        Dense TP shards are gathered straight into their merged tensor, or, where a row plan exists (see
-        `_row_plan`), block by block straight into the Hugging Face tensors; experts first over EP (the same
-        local expert of every EP rank, each with its global id; this rank's own is copied into the consumer
-        during the gather where it qualifies, else used in place), then each of those over ETP into its merged
-        tensor. With receive=False this rank only contributes shards, yields nothing. With `into`, a tensor whose consumer memory qualifies is gathered there instead of a buffer;
-        the buffers (one reused arena) are sized for exactly the rest. With `sinks` (see export_hf_weights'
-        `shared`), the tensors whose every destination lies in the receiving engines' shared memory are written
-        there by their owners instead of gathered."""
-        layout = self.layout
-        plans = {i: plan for i, x in enumerate(batch) if (plan := self._row_plan(x, gated)) is not None}
-        direct = self._direct_placements(batch, plans, gated, sinks) if sinks else {}
-        rest = [i for i in range(len(batch)) if i not in direct]
-        # ETP gathers EP-gathered experts: with ETP > 1 a rank needs the EP step's data even if it yields nothing
-        ep_receive = receive or (layout.etp > 1 and any(batch[i].is_expert and batch[i].pdim >= 0 for i in rest))
-        sizing = _Sizing()  # a dry run with meta tensors counts the buffers the batch needs
-        self._place(batch, rest, plans, gated, receive, ep_receive, into, sizing.empty, None)
-        placed = self._place(
-            batch, rest, plans, gated, receive, ep_receive, into, self._allocator(sizing.needs), self.stats
-        )
-        self._write_direct(direct, sinks)
-        self._confirm_direct(direct, sinks)
-        self._all_gather_into(placed.tp_items, layout.groups.tp, receive)
-        self._all_gather_into(placed.ep_items, layout.groups.ep, ep_receive)
-        self._all_gather_into(placed.etp_items, layout.groups.etp, receive)
-        if not receive:
-            return
-        outputs = placed.outputs
-        for kind, per_receiver in direct.values():  # ours: where our engine's tensors are
-            outputs = outputs + per_receiver[sinks[kind].rank].outputs
-        outputs, placed, direct = sorted(outputs, key=lambda o: o[0], reverse=True), None, None
-        while outputs:  # each gathered tensor dropped here once yielded
-            _, converted, name, tensor = outputs.pop()
-            if converted:
-                yield name, tensor
-            else:
-                yield from zip(*self._backend.to_hf(name, tensor))
-
-    def _place(
-        self,
-        batch: list["_Exported"],
-        indices: list[int],
-        plans: dict[int, RowPlan],
-        gated: bool,
-        receive: bool,
-        ep_receive: bool,
-        into: Optional[WeightBuffers],
-        buffer: Callable,
-        stats: Optional["ExportStats"],
-    ) -> "_Placement":
-        """Destinations of the gathers of `batch[i]` for i in `indices` and what to yield: consumer memory where
-        it qualifies, else `buffer(shape, dtype)`. Every rank builds gather items of the same shapes in the same
-        order (a row plan depends on names, shapes and the transport only; receive / into change destinations,
-        never items)."""
-        placed = _Placement()
-        for i in indices:
-            self._place_item(placed, i, batch[i], plans.get(i), gated, receive, ep_receive, into, buffer, stats)
-        return placed
-
-    def _place_item(
-        self,
-        placed: "_Placement",
-        i: int,
-        x: "_Exported",
-        plan: Optional[RowPlan],
-        gated: bool,
-        receive: bool,
-        ep_receive: bool,
-        into: Optional[WeightBuffers],
-        buffer: Callable,
-        stats: Optional["ExportStats"],
-    ) -> None:
-        """`_place` for one parameter (batch position `i`), appended to `placed`."""
-        layout = self.layout
-        tp, ep, etp, ep_rank = layout.tp, layout.ep, layout.etp, layout.ranks.ep
-        num_local = (self.transformer_config.num_moe_experts or 0) // ep
-
-        def alloc(name: str, shape, dtype, final: bool = True) -> torch.Tensor:
-            """Where the full tensor `name` is gathered: the consumer's memory when allowed, else a buffer."""
-            direct = self._direct_destination(name, shape, dtype, into) if final and receive else None
-            if stats is not None and not final:
-                stats.staged_bytes += _numel(shape) * dtype.itemsize
-            elif stats is not None:
-                stats.count(name, _numel(shape) * dtype.itemsize, direct is not None)
-            return direct if direct is not None else buffer(shape, dtype)
-
-        if plan is not None:
-            items, outputs = self._planned(x, plan, receive, into, buffer, stats)
-            placed.tp_items += items
-            placed.outputs += [(i, True, name, t) for name, t in outputs]
-        elif x.is_expert:
-            prefix, gid = x.canonical.rsplit(".weight", 1)
-            names = [f"{prefix}.weight{e * num_local + int(gid) % num_local}" for e in range(ep)]
-            # with ETP the EP step gathers intermediates, merged over ETP below
-            final = receive and not (x.pdim >= 0 and etp > 1)
-            full = []
-            for e in range(ep):
-                if e == ep_rank:  # own: into the consumer during the gather where it qualifies, else in place
-                    own = final and ep > 1
-                    full.append(self._own_expert(names[e], x.tensor, into, stats) if own else x.tensor)
-                elif ep_receive:
-                    full.append(alloc(names[e], x.tensor.shape, x.tensor.dtype, final))
-                else:
-                    full.append(x.tensor)
-            if ep > 1:
-                placed.ep_items.append((x.tensor, full if ep_receive else None))
-            if x.pdim >= 0 and etp > 1:
-                merged = [
-                    alloc(name, _merged_shape(shard, etp, x.pdim), shard.dtype) if receive else None
-                    for name, shard in zip(names, full)
-                ]
-                for name, shard, m in zip(names, full, merged):
-                    views = _shard_views(name, m, etp, x.pdim, gated) if receive else None
-                    placed.etp_items.append((_as_shard_view(name, shard, gated), views))
-                full = merged
-            placed.outputs += [(i, False, name, t) for name, t in zip(names, full)]
-        elif x.pdim >= 0 and tp > 1:
-            merged = alloc(x.canonical, _merged_shape(x.tensor, tp, x.pdim), x.tensor.dtype) if receive else None
-            views = _shard_views(x.canonical, merged, tp, x.pdim, gated) if receive else None
-            placed.tp_items.append((_as_shard_view(x.canonical, x.tensor, gated), views))
-            placed.outputs.append((i, False, x.canonical, merged))
-        else:
-            placed.outputs.append((i, False, x.canonical, x.tensor))
-
-    # ---- straight into the receiving engines' shared memory ------------------------------------------------
-    def _export_sinks(self, receive: bool, shared: Optional[SharedTensors]) -> tuple[dict[str, "_Sinks"], set[str]]:
-        """The gather groups' sinks (`_direct_sinks`) and the kinds whose batches may hold DIRECT_BATCH_FACTOR x
-        more bytes (direct tensors need no buffer), where every rank of the job has the same groups' sinks:
-        batches must end in step across groups. Collective; when no rank's (receive, engine region, transport)
-        changed since the last export, one small all-reduce and the last export's answer."""
-        state = (receive, shared.token if receive and shared is not None else None, id(self._gather))
-        changed = self._sinks_state is None or self._sinks_state[0] != state
-        if collectives.max_ints([int(changed)])[0] == 0:
-            return self._sinks_state[1], self._sinks_state[2]
-        sinks = self._direct_sinks(receive, shared)
-        lighter = set(sinks) if collectives.all_agree([_kinds_mask(sinks)]) else set()
-        self._sinks_state = (state, sinks, lighter)
-        return sinks, lighter
-
-    def _direct_sinks(self, receive: bool, shared: Optional[SharedTensors]) -> dict[str, "_Sinks"]:
-        """Per gather group ("tp", "ep", "etp") whose ranks write straight into the receiving engines (see
-        export_hf_weights' `shared`). Collective over each gather group of more than one rank on the CPU whose
-        gathers go through shared memory: one object gather of the ranks' region handles; the first time a set
-        of regions is seen, every rank maps the others' and all agree that they could."""
-        layout = self.layout
-        out = {}
-        if self.platform.device.type != "cpu":
-            return out
-        for kind, size in (("tp", layout.tp), ("ep", layout.ep), ("etp", layout.etp)):
-            group = self._group(kind)
-            if size > 1 and self._gather.uses_shared_memory(group):
-                sinks = self._group_sinks(kind, group, receive, shared)
-                if sinks is not None:
-                    out[kind] = sinks
-        used = {t.token for sinks in out.values() for t in sinks.receivers.values()}
-        self._regions = {token: t for token, t in self._regions.items() if token in used}  # unmap the others
-        return out
-
-    def _group_sinks(self, kind: str, group, receive: bool, shared: Optional[SharedTensors]) -> Optional["_Sinks"]:
-        me, world = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
-        every = [None] * world
-        mine = shared.handle if receive and shared is not None else None
-        torch.distributed.all_gather_object(every, (receive, mine), group=group)
-        receivers = [r for r, (takes, _) in enumerate(every) if takes]
-        if not receivers or any(every[r][1] is None for r in receivers):
-            self._sinks.pop(kind, None)
-            return None
-        for r in receivers:  # other ranks' regions: mapped once, kept while they receive
-            token = every[r][1].token
-            if r != me and token not in self._regions and (opened := SharedTensors.open(every[r][1])) is not None:
-                self._regions[token] = opened
-        mapped = {r: shared if r == me else self._regions.get(every[r][1].token) for r in receivers}
-        key = tuple(every[r][1].token for r in receivers)  # the same on every rank of the group
-        if self._sinks.get(kind, (None,))[0] != key:  # a new set of engines: do all ranks reach all of them?
-            reachable = all(t is not None for t in mapped.values())
-            agreed = collectives.sum_ints([int(not reachable)], group)[0] == 0
-            if not agreed:
-                logger.info("export: %s ranks cannot map every receiving engine; gathering instead", kind)
-            self._sinks[kind] = (key, agreed)
-        return _Sinks(me, mapped) if self._sinks[kind][1] else None
-
-    def _gather_kind(self, x: "_Exported") -> Optional[str]:
-        """The one group a parameter's shards are gathered over ("tp", "ep", "etp"), None when none or two (EP
-        then ETP: the intermediate step stays a gather)."""
-        layout = self.layout
-        split = x.pdim >= 0 and (layout.etp if x.is_expert else layout.tp) > 1
-        if not x.is_expert:
-            return "tp" if split else None
-        if layout.ep > 1:
-            return None if split else "ep"
-        return "etp" if split else None
-
-    def _direct_placements(
-        self, batch: list["_Exported"], plans: dict[int, RowPlan], gated: bool, sinks: dict[str, "_Sinks"]
-    ) -> dict[int, tuple[str, dict[int, "_Placement"]]]:
-        """batch position -> (group kind, per receiving group rank its placement in that engine's memory) for
-        every parameter whose destinations in every receiving engine lie entirely in its shared region. Every
-        rank of the group decides the same: the same placement code on the same tables."""
-        out = {}
-        for i, x in enumerate(batch):
-            kind = self._gather_kind(x)
-            if kind not in sinks:
-                continue
-            per_receiver = {}
-            for q, tensors in sinks[kind].receivers.items():
-                placed = _Placement()
-                self._place_item(placed, i, x, plans.get(i), gated, True, True, tensors.view, _meta_buffer, None)
-                if not placed.lands_in(tensors.region, kind):
-                    break
-                per_receiver[q] = placed
-            else:
-                out[i] = (kind, per_receiver)
-                own = per_receiver.get(sinks[kind].rank)
-                for _, _, name, t in own.outputs if own is not None else ():
-                    self.stats.count(name, t.numel() * t.element_size(), True)
-        return out
-
-    def _write_direct(self, direct: dict, sinks: dict[str, "_Sinks"]) -> None:
-        """This rank's shard of each direct parameter into every receiving engine (its own engine included)."""
-        for kind, per_receiver in direct.values():
-            me = sinks[kind].rank
-            for placed in per_receiver.values():
-                for shard, dsts in placed.items(kind):
-                    dsts[me].copy_(shard)
-
-    def _confirm_direct(self, direct: dict, sinks: dict[str, "_Sinks"]) -> None:
-        """One small collective per group: every rank finished writing this batch (the receivers yield only
-        after it), and every rank wrote the same parameters (else all raise)."""
-        for kind in sinks:
-            mine = sorted(i for i, (k, _) in direct.items() if k == kind)
-            if not collectives.all_agree([len(mine), zlib.crc32(repr(mine).encode())], self._group(kind)):
-                raise RuntimeError(
-                    f"export into shared engine memory: the {kind} ranks disagree on which tensors they wrote "
-                    f"directly (this rank: {len(mine)}); every rank must see the same engine tables"
-                )
-
-    def _group(self, kind: str):
-        return getattr(self.layout.groups, kind)
-
-    def _own_expert(
-        self, name: str, shard: torch.Tensor, into: Optional[WeightBuffers], stats: Optional["ExportStats"]
-    ) -> torch.Tensor:
-        """Where this rank's own expert goes in the EP gather: the consumer's tensor when it qualifies (the gather
-        copies it there while peers are still writing theirs, and the consumer's own copy is skipped), else the
-        parameter itself (no copy; the consumer copies it)."""
-        direct = self._direct_destination(name, tuple(shard.shape), shard.dtype, into)
-        if direct is None:
-            return shard
-        if stats is not None:
-            stats.count(name, shard.numel() * shard.element_size(), True)
-        return direct
-
-    def _row_plan(self, x: "_Exported", gated: bool) -> Optional[RowPlan]:
-        """Where the rows of a dense row-split TP parameter's shards go in its Hugging Face tensors, when its
-        shards travel through shared memory (elsewhere the collective backend gathers the merged tensor in one
-        call, and a plan would multiply the calls); None otherwise or when the conversion is not a move of
-        whole rows. Computed once per parameter kind and shape (collective on the first call: the transport)."""
-        layout = self.layout
-        if x.is_expert or x.pdim != 0 or layout.tp == 1 or x.tensor.dim() == 0:
-            return None
-        if not self._gather.uses_shared_memory(layout.groups.tp) or not x.tensor.is_contiguous():
-            return None
-        key = (_LAYER_NUMBER.sub("layers.*.", x.canonical), tuple(x.tensor.shape), layout.tp, gated)
-        if key not in self._row_plans:
-            merged = _merged_shape(x.tensor, layout.tp, 0)
-            numbers = torch.arange(merged[0])
-            shard_rows = [v.reshape(-1) for v in _shard_views(x.canonical, numbers, layout.tp, 0, gated)]
-            backend = self._require_backend()
-            self._row_plans[key] = build_row_plan(lambda t: backend.to_hf(x.canonical, t)[1], merged, shard_rows)
-        return self._row_plans[key]
-
-    def _planned(
-        self,
-        x: "_Exported",
-        plan: RowPlan,
-        receive: bool,
-        into: Optional[WeightBuffers],
-        buffer: Callable,
-        stats: Optional["ExportStats"],
-    ) -> tuple[list, list[tuple[str, torch.Tensor]]]:
-        """Gather items of a planned parameter (one per block: this rank's rows, each rank's destination rows)
-        and its (Hugging Face name, tensor) pairs: the consumer's tensors where they qualify, else buffers.
-        Rows the conversion drops (vocabulary padding) land in a small scratch buffer."""
-        names = self._require_backend().hf_names(x.canonical)
-        if len(names) != len(plan.shapes):
-            raise RuntimeError(f"{x.canonical}: {len(names)} Hugging Face names but its row plan has {plan.shapes}")
-        dtype, row_shape = x.tensor.dtype, tuple(x.tensor.shape[1:])
-        outputs = []
-        for name, shape in zip(names, plan.shapes) if receive else ():
-            target = _consumer_tensor(into, name, shape, dtype, self.platform.device)
-            if stats is not None:
-                stats.count(name, _numel(shape) * dtype.itemsize, target is not None)
-            outputs.append(target if target is not None else buffer(shape, dtype))
-        items = []
-        for block in plan.blocks:
-            if all(d is None for d in block.dsts):
-                continue  # rows nobody keeps (the same on every rank)
-            dsts = None
-            if receive:
-                dsts = [plan.destination(outputs, block, r) for r in range(len(block.dsts))]
-                if block.dropped_anywhere:
-                    scratch = buffer((block.count, block.length, *row_shape), dtype)
-                    if stats is not None:
-                        stats.dropped_bytes += scratch.numel() * dtype.itemsize
-                    dsts = [scratch if d is None else d for d in dsts]
-            items.append((plan.source(x.tensor, block), dsts))
-        return items, list(zip(names, outputs))
-
-    def _direct_destination(
-        self, canonical: str, shape: tuple, dtype: torch.dtype, into: Optional[WeightBuffers]
-    ) -> Optional[torch.Tensor]:
-        """A tensor of `shape` over the consumer's memory that `to_hf` turns into exactly the consumer's own
-        tensors for `canonical`'s Hugging Face names (same data pointers, shapes and strides), or None.
-
-        The candidate starts where the consumer's tensor for the first HF name starts and spans `shape`
-        contiguously inside that storage; `to_hf` is run on it (views only, when it qualifies) and every output
-        must coincide with the consumer's tensor of that name. Conversions that copy or reorder (e.g. a fused
-        QKV regrouped per head) fail the check. The answer is remembered per consumer (`_consumer_key`) until an
-        export without that consumer: a consumer's weights keep their memory between syncs (an engine that
-        replaces its tensors, e.g. `rebuild_from`, is a new region / a new bound owner)."""
-        if into is None:
-            return None
-        memo = self._direct_memo.setdefault(_consumer_key(into), {})
-        key = (canonical, tuple(shape), dtype)
-        if key in memo:
-            return memo[key]
-        found = self._check_direct(canonical, shape, dtype, into)
-        if found is None or isinstance(getattr(into, "__self__", None), SharedTensors):
-            memo[key] = found  # a table's places never move; another consumer's tensors may be replaced
-        return found
-
-    def _check_direct(
-        self, canonical: str, shape: tuple, dtype: torch.dtype, into: WeightBuffers
-    ) -> Optional[torch.Tensor]:
-        names = self._require_backend().hf_names(canonical)
-        first = into(names[0]) if names else None
-        numel = _numel(shape)
-        if (
-            first is None
-            or first.dtype != dtype
-            or first.device != self.platform.device
-            or not first.is_contiguous()
-            or first.storage_offset() + numel > first.untyped_storage().nbytes() // dtype.itemsize
-        ):
-            return None
-        candidate = first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), tuple(shape))
-        hf_names, hf_tensors = self._backend.to_hf(canonical, candidate)
-        for name, tensor in zip(hf_names, hf_tensors):
-            target = into(name)
-            if target is None or not (
-                tensor.data_ptr() == target.data_ptr()
-                and tensor.shape == target.shape
-                and tensor.stride() == target.stride()
-                and tensor.dtype == target.dtype
-            ):
-                return None
-        if sum(t.numel() for t in hf_tensors) != numel:  # the HF tensors must cover the whole candidate
-            return None
-        return candidate
-
-    def _allocator(self, needs: list[tuple[tuple, torch.dtype]]) -> Callable:
-        """`alloc(shape, dtype)` for a batch's buffers (`needs`: their shapes and dtypes, from the dry run):
-        carved from one reused arena on CPU (fresh buffers would pay page faults on every byte), plain
-        torch.empty elsewhere."""
-        if self.platform.device.type != "cpu" or not needs:
-            return lambda shape, dtype: torch.empty(shape, dtype=dtype, device=self.platform.device)
-        return self._gather.buffers.take(Arena.bytes_for(needs)).empty
-
-    def _all_gather_into(self, items: list, group, receive: bool) -> None:
-        if items:  # every rank of the group has the same batch structure, so all skip or none
-            self._gather.all_gather_into(items, group, receive)
-
-
-@dataclasses.dataclass
-class ExportStats:
-    """Where one export's gathered tensors went, for the receiving rank (bytes of full tensors)."""
-
-    direct_bytes: int = 0  # gathered straight into the consumer's tensors (`into`)
-    buffered: dict[str, int] = dataclasses.field(default_factory=dict)  # name -> bytes gathered into buffers
-    dropped_bytes: int = 0  # rows the conversion drops (vocabulary padding), into scratch buffers
-    staged_bytes: int = 0  # ETP > 1: peers' expert shards gathered over EP, then gathered again over ETP
-
-    def count(self, name: str, nbytes: int, direct: bool) -> None:
-        if direct:
-            self.direct_bytes += nbytes
-        else:
-            self.buffered[name] = self.buffered.get(name, 0) + nbytes
-
-    @property
-    def buffered_bytes(self) -> int:
-        return sum(self.buffered.values())
-
-
-@dataclasses.dataclass
-class _Placement:
-    """A batch's gather items per process group and what it yields: (batch position, already Hugging Face?,
-    name, tensor)."""
-
-    tp_items: list = dataclasses.field(default_factory=list)
-    ep_items: list = dataclasses.field(default_factory=list)
-    etp_items: list = dataclasses.field(default_factory=list)
-    outputs: list[tuple[int, bool, str, Optional[torch.Tensor]]] = dataclasses.field(default_factory=list)
-
-    def items(self, kind: str) -> list:
-        """The gather items over group `kind` ("tp", "ep", "etp")."""
-        return getattr(self, f"{kind}_items")
-
-    def lands_in(self, region: SharedRegion, kind: str) -> bool:
-        """Whether this (one parameter's) placement gathers over group `kind` only, and every destination and
-        every yielded tensor lies in `region`."""
-        items = self.items(kind)
-        others = [item for k in ("tp", "ep", "etp") if k != kind for item in self.items(k)]
-        return (
-            bool(items)
-            and not others
-            and all(d is not None and region.contains(d) for _, dsts in items for d in dsts or [None])
-            and all(t is not None and region.contains(t) for *_, t in self.outputs)
-        )
-
-
-@dataclasses.dataclass
-class _Sinks:
-    """The receiving engines of one gather group that its ranks write into directly: this rank's index in the
-    group and, per receiving group rank, that engine's tensors as mapped in this process."""
-
-    rank: int
-    receivers: dict[int, SharedTensors]
-
-
-def _kinds_mask(sinks: dict) -> int:
-    return sum(1 << k for k, kind in enumerate(("tp", "ep", "etp")) if kind in sinks)
-
-
-def _consumer_key(into: Optional[WeightBuffers]) -> Hashable:
-    """Whose memory `into` hands out: a shared table's region and where it is mapped in this process (a region
-    mapped again is another key), else the bound method's object (its id)."""
-    owner = getattr(into, "__self__", into)
-    return (owner.token, owner.region.base) if isinstance(owner, SharedTensors) else id(owner)
-
-
-def _meta_buffer(shape, dtype: torch.dtype) -> torch.Tensor:
-    """A stand-in buffer in no region (a placement that needs one does not go straight into an engine)."""
-    return torch.empty(shape, dtype=dtype, device="meta")
-
-
-@dataclasses.dataclass
-class _Sizing:
-    """A dry-run allocator: records each requested buffer and hands out a meta tensor."""
-
-    needs: list[tuple[tuple, torch.dtype]] = dataclasses.field(default_factory=list)
-
-    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        self.needs.append((tuple(shape), dtype))
-        return torch.empty(shape, dtype=dtype, device="meta")
-
-
-def _consumer_tensor(
-    into: Optional[WeightBuffers], name: str, shape: tuple, dtype: torch.dtype, device: torch.device
-) -> Optional[torch.Tensor]:
-    """The consumer's own tensor for `name` when a row plan can write into it (shape, dtype, device, contiguous)."""
-    target = into(name) if into is not None else None
-    if (
-        target is None
-        or tuple(target.shape) != tuple(shape)
-        or target.dtype != dtype
-        or target.device != device
-        or not target.is_contiguous()
-    ):
-        return None
-    return target
-
-
-@dataclasses.dataclass
-class _Exported:
-    """One parameter (this rank's shard) on its way out of `export_hf_weights`."""
-
-    canonical: str
-    is_expert: bool
-    pdim: int
-    tensor: torch.Tensor
 
 
 def _mark_experts_expert_parallel(chunk: torch.nn.Module) -> None:
@@ -992,16 +365,3 @@ def _mark_experts_expert_parallel(chunk: torch.nn.Module) -> None:
     for name, p in chunk.named_parameters():
         if ".mlp.experts." in name:
             p.allreduce = False
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-def _merged_shape(shard: torch.Tensor, parts: int, partition_dim: int) -> tuple[int, ...]:
-    shape = list(shard.shape)
-    shape[partition_dim] *= parts
-    return tuple(shape)

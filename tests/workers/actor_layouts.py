@@ -25,9 +25,9 @@ from tests.workers.offload_checks import check_released
 def check_tied_copies_in_step(actor) -> bool:
     """With tied embeddings split over pipeline stages, the last stage's output layer must equal the first
     stage's embedding (this TP rank's shard of each), bit for bit. True when there were copies to compare."""
-    from mcore_rl.models.bridge import _unwrap
+    from mcore_rl.compat.megatron import gpt_model
 
-    model = _unwrap(actor.model[0])
+    model = gpt_model(actor.model[0])
     if not model.share_embeddings_and_output_weights or actor.layout.pp == 1:
         return False
     mine = model.embedding.word_embeddings.weight if model.pre_process else model.output_layer.weight

@@ -27,11 +27,12 @@ from mcore_rl.megatron.parallel import destroy_parallel, init_parallel
 from mcore_rl.models.bridge import ModelBridge
 from mcore_rl.platform import get_platform
 from mcore_rl.platform.shm_gather import GroupGather
+from mcore_rl.weights.exporter import HFExporter
 from tests.workers.harness import worker_args, write_result
 
 
-def check_export(bridge, chunks, expected: dict, what: str, receive: bool = True, batch_mb: float = 0.01) -> None:
-    got = {name: t.clone() for name, t in bridge.export_hf_weights(chunks, gather_batch_mb=batch_mb, receive=receive)}
+def check_export(exporter, chunks, expected: dict, what: str, receive: bool = True, batch_mb: float = 0.01) -> None:
+    got = {name: t.clone() for name, t in exporter.export(chunks, gather_batch_mb=batch_mb, receive=receive)}
     if not receive:
         assert not got, f"{what}: a rank with receive=False yielded {len(got)} tensors"
         return
@@ -46,18 +47,18 @@ def check_export(bridge, chunks, expected: dict, what: str, receive: bool = True
         assert torch.equal(t.view(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), f"{what}: {name} differs"
 
 
-def check_into_engine(bridge, chunks, expected: dict, tiny_dir: str, what: str, receive: bool = True) -> dict:
+def check_into_engine(exporter, chunks, expected: dict, tiny_dir: str, what: str, receive: bool = True) -> dict:
     """Export straight into an engine's own tensors (`into`, as the trainer syncs): a fresh engine with random
     weights ends bit-identical to the checkpoint. Returned (empty on a rank that does not receive): how many
     tensors were written in place, which tensors whose conversion moves rows (q / k / v, embedding, output
-    layer) were not, and the exporter's own account (`ModelBridge.stats`: bytes straight into the engine,
+    layer) were not, and the exporter's own account (`HFExporter.stats`: bytes straight into the engine,
     names gathered into buffers, bytes staged between the EP and the ETP gather)."""
     from mcore_rl.rollout.embedded import EmbeddedEngine
 
-    engine = EmbeddedEngine(tiny_dir, config=bridge.hf_config) if receive else None  # every weight must arrive
+    engine = EmbeddedEngine(tiny_dir, config=exporter.bridge.hf_config) if receive else None  # every weight must arrive
     into = engine.weight_buffer if engine is not None else None
     in_place = []
-    for name, t in bridge.export_hf_weights(chunks, gather_batch_mb=0.01, receive=receive, into=into):
+    for name, t in exporter.export(chunks, gather_batch_mb=0.01, receive=receive, into=into):
         if t.data_ptr() == engine.weight_buffer(name).data_ptr():
             in_place.append(name)
         engine.load_weights([(name, t)])
@@ -68,7 +69,7 @@ def check_into_engine(bridge, chunks, expected: dict, tiny_dir: str, what: str, 
         assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), f"{what}: {name}"
     rows_moved = [n for n in expected if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))]
     rows_moved += [n for n in ("model.embed_tokens.weight", "lm_head.weight") if n in expected]
-    stats = bridge.stats
+    stats = exporter.stats
     return dict(
         in_place=len(in_place),
         rows_moved_not_in_place=sorted(set(rows_moved) - set(in_place)),
@@ -78,7 +79,7 @@ def check_into_engine(bridge, chunks, expected: dict, tiny_dir: str, what: str, 
     )
 
 
-def check_shared_engine(bridge, chunks, expected: dict, tiny_dir: str, what: str) -> dict:
+def check_shared_engine(exporter, chunks, expected: dict, tiny_dir: str, what: str) -> dict:
     """Export into engines whose parameters live in shared memory (`shared`, as the trainer syncs on one host):
     every rank writes its own shards straight into every receiving engine. First every rank's engine receives;
     then, every engine scrambled, rank 0's alone (the others only write into it), so the peers' shards must land
@@ -88,19 +89,17 @@ def check_shared_engine(bridge, chunks, expected: dict, tiny_dir: str, what: str
     from mcore_rl.rollout.embedded import EmbeddedEngine
 
     rank = dist.get_rank()
-    engine = EmbeddedEngine(tiny_dir, config=bridge.hf_config)
+    engine = EmbeddedEngine(tiny_dir, config=exporter.bridge.hf_config)
     assert engine.shared_weights() is not None, f"{what}: the CPU engine has no shared-memory region"
     out = {}
     for attempt, receive in enumerate((True, rank == 0)):
-        bridge._gather = GroupGather(max_chunk_bytes=4096)
+        exporter._gather = GroupGather(max_chunk_bytes=4096)
         for p in engine.model.parameters():
             p.data.normal_()  # in place: the region stays, its bytes are garbage until the export rewrites them
         into, shared = (engine.weight_buffer, engine.shared_weights()) if receive else (None, None)
-        for name, t in bridge.export_hf_weights(
-            chunks, gather_batch_mb=0.05, receive=receive, into=into, shared=shared
-        ):
+        for name, t in exporter.export(chunks, gather_batch_mb=0.05, receive=receive, into=into, shared=shared):
             engine.load_weights([(name, t)])
-        segments = [s for s in bridge._gather._transports.values() if s is not None]
+        segments = [s for s in exporter._gather._transports.values() if s is not None]
         assert segments, f"{what}: the gathers did not take shared memory"
         if not receive:
             continue
@@ -110,33 +109,33 @@ def check_shared_engine(bridge, chunks, expected: dict, tiny_dir: str, what: str
                 f"{what} (export {attempt}): {name}"
             )
         prefix = "shared_" if attempt == 0 else "rank0_only_shared_"
-        out[prefix + "direct_bytes"] = bridge.stats.direct_bytes
-        out[prefix + "buffered"] = sorted(bridge.stats.buffered)
+        out[prefix + "direct_bytes"] = exporter.stats.direct_bytes
+        out[prefix + "buffered"] = sorted(exporter.stats.buffered)
         out[prefix + "segment_bytes"] = sum(sum(s.capacity) for s in segments)
     if dist.get_world_size() == 2:  # (with more ranks, a raise in one group leaves other groups' ranks waiting)
-        out["disagreement"] = check_disagreement_raises(bridge, chunks, engine)
+        out["disagreement"] = check_disagreement_raises(exporter, chunks, engine)
     return out
 
 
-def check_disagreement_raises(bridge, chunks, engine) -> str:
+def check_disagreement_raises(exporter, chunks, engine) -> str:
     """Rank 1 maps rank 0's engine table with one gathered weight missing (rank 0's q_proj of layer 0, or an
     expert of layer 0 without TP): it would gather that tensor while rank 0 expects it written. The batch's
     confirmation must raise on both ranks, before anything is gathered. Returns the error message."""
     rank = dist.get_rank()
     if rank == 1:
-        (peer,) = bridge._regions.values()  # rank 0's, mapped by the last export (rank 0 alone received)
+        (peer,) = exporter._regions.values()  # rank 0's, mapped by the last export (rank 0 alone received)
         suffix = (
-            "layers.0.self_attn.q_proj.weight" if bridge.layout.tp > 1 else "layers.0.mlp.experts.0.down_proj.weight"
+            "layers.0.self_attn.q_proj.weight" if exporter.layout.tp > 1 else "layers.0.mlp.experts.0.down_proj.weight"
         )
         victim = next(name for name in peer.table if name.endswith(suffix))
         del peer.table[victim]
         peer._views.pop(victim, None)
-        bridge._direct_memo.clear()
-    bridge._gather = GroupGather(max_chunk_bytes=4096)
+        exporter._direct_memo.clear()
+    exporter._gather = GroupGather(max_chunk_bytes=4096)
     receive = rank == 0
     into, shared = (engine.weight_buffer, engine.shared_weights()) if receive else (None, None)
     try:
-        for _ in bridge.export_hf_weights(chunks, gather_batch_mb=0.05, receive=receive, into=into, shared=shared):
+        for _ in exporter.export(chunks, gather_batch_mb=0.05, receive=receive, into=into, shared=shared):
             pass
     except RuntimeError as e:
         assert "disagree on which tensors they wrote directly" in str(e), e
@@ -155,26 +154,27 @@ def main() -> None:
     layout = init_parallel(parallel, platform, bridge.hf_config)
     chunks = bridge.build_model(layout, ModelConfig(path=tiny_dir, dtype="float32"))
     bridge.load_hf_weights(chunks)
+    exporter = HFExporter(bridge)
     expected = {}
     for f in sorted(glob.glob(os.path.join(tiny_dir, "*.safetensors"))):
         expected.update(load_file(f))
     expected = {k: v.to(torch.float32) for k, v in expected.items()}
 
-    bridge._gather = GroupGather(max_chunk_bytes=4096)  # many rounds per batch, tensors split across rounds
+    exporter._gather = GroupGather(max_chunk_bytes=4096)  # many rounds per batch, tensors split across rounds
     compared = ["shm", "shm, large batches", "shm, rank 0 receives only", "shm again (arenas reused)"]
-    check_export(bridge, chunks, expected, compared[0])
-    check_export(bridge, chunks, expected, compared[1], batch_mb=64)
-    check_export(bridge, chunks, expected, compared[2], receive=rank == 0)
-    check_export(bridge, chunks, expected, compared[3])
+    check_export(exporter, chunks, expected, compared[0])
+    check_export(exporter, chunks, expected, compared[1], batch_mb=64)
+    check_export(exporter, chunks, expected, compared[2], receive=rank == 0)
+    check_export(exporter, chunks, expected, compared[3])
     compared += ["shm into the engine", "shm into rank 0's engine only"]
-    into_engine = check_into_engine(bridge, chunks, expected, tiny_dir, compared[4])
-    check_into_engine(bridge, chunks, expected, tiny_dir, compared[5], receive=rank == 0)
+    into_engine = check_into_engine(exporter, chunks, expected, tiny_dir, compared[4])
+    check_into_engine(exporter, chunks, expected, tiny_dir, compared[5], receive=rank == 0)
     compared += ["every rank's shared-memory engine", "rank 0's shared-memory engine only"]
-    into_shared = check_shared_engine(bridge, chunks, expected, tiny_dir, "shared-memory engines")
-    bridge._gather = GroupGather(host_id=lambda: f"host-of-rank-{rank}")
+    into_shared = check_shared_engine(exporter, chunks, expected, tiny_dir, "shared-memory engines")
+    exporter._gather = GroupGather(host_id=lambda: f"host-of-rank-{rank}")
     compared.append("torch.distributed fallback")
-    check_export(bridge, chunks, expected, compared[8])
-    assert not bridge._gather.uses_shared_memory(None)
+    check_export(exporter, chunks, expected, compared[8])
+    assert not exporter._gather.uses_shared_memory(None)
     dist.barrier()
     destroy_parallel()
     write_result(

@@ -16,6 +16,7 @@ from mcore_rl.megatron.parallel import destroy_parallel
 from mcore_rl.rollout.base import SamplingParams
 from mcore_rl.rollout.embedded import EmbeddedEngine
 from mcore_rl.rollout.weight_sync import ProbeBatch, SyncVerificationError, sync_weights, verify_sync
+from mcore_rl.weights.exporter import HFExporter
 from tests.workers.harness import worker_args, write_result
 from tests.workers.sync_actor import actor_logprobs, build_actor, tp_group
 
@@ -70,7 +71,8 @@ def main(layout: str, engine_ckpt: str, actor_ckpt: str, results: str) -> None:
     rank = dist.get_rank()
     engine = EmbeddedEngine(engine_ckpt) if rank == 0 else None
     reference = actor_logprobs(model, bound.tp)
-    export = lambda: bridge.export_hf_weights([model])  # noqa: E731
+    exporter = HFExporter(bridge)
+    export = lambda: exporter.export([model])  # noqa: E731
     probe = ProbeBatch.random(bridge.hf_config.vocab_size, num_seqs=3, prompt_len=6, response_len=18, seed=4)
     result = {"layout": layout}
 

@@ -23,6 +23,7 @@ from mcore_rl.megatron.parallel import destroy_parallel
 from mcore_rl.rollout.base import SamplingParams
 from mcore_rl.rollout.vllm_engine import VllmEngine
 from mcore_rl.rollout.weight_sync import ProbeBatch, SyncVerificationError, sync_weights, verify_sync
+from mcore_rl.weights.exporter import HFExporter
 from tests.workers.harness import worker_args, write_result
 from tests.workers.sync_actor import actor_logprobs, build_actor
 
@@ -44,7 +45,8 @@ def main(layout: str, rollout_tp: int, engine_ckpt: str, actor_ckpt: str, reload
         RolloutConfig(tp=int(rollout_tp)), engine_ckpt, dtype="float32", max_model_len=256, reload=reload
     )
     reference = actor_logprobs(model, bound.tp)
-    export = lambda: bridge.export_hf_weights([model])  # noqa: E731
+    exporter = HFExporter(bridge)
+    export = lambda: exporter.export([model])  # noqa: E731
     probe = ProbeBatch.random(bridge.hf_config.vocab_size, num_seqs=3, prompt_len=6, response_len=18, seed=4)
     prompts = [[1, 5 + i, 20 + i, 7, 9 + i] for i in range(3)]
     result = {
