@@ -1,4 +1,4 @@
-"""The memory plan (`mcore_rl.megatron.memory_plan`, `mcore-rl plan`) against measured per-rank peaks.
+"""The memory plan (`mcore_rl.preflight.memory_plan`, `mcore-rl plan`) against measured per-rank peaks.
 
 For each configuration below, the script writes a Qwen3-MoE config.json (the tiny model's layout at a
 size where each rank holds a few hundred MB of model and optimizer state), starts the real actor
@@ -144,9 +144,9 @@ def worker(model_dir: str, overrides: list[str], out_json: str) -> None:
 
     from mcore_rl.batch import MicroBatch
     from mcore_rl.config import load_config
-    from mcore_rl.megatron.layout import ModelDims, validate_run
-    from mcore_rl.megatron.memory_plan import plan_memory
     from mcore_rl.platform import get_platform
+    from mcore_rl.preflight.layout import ModelDims, validate_run
+    from mcore_rl.preflight.memory_plan import plan_memory
 
     cfg = load_config(None, [f"model.path={model_dir}", *COMMON, *overrides])
     platform = get_platform("cpu")

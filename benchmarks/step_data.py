@@ -103,7 +103,7 @@ def demo_case(model: str, data: str, steps: int) -> None:
 
     from mcore_rl.config import load_config
     from mcore_rl.data import EpochSampler, load_prompt_dataset
-    from mcore_rl.megatron.layout import validate_layout
+    from mcore_rl.preflight.layout import validate_layout
     from mcore_rl.rollout import make_engine, sampling_params
     from mcore_rl.rollout.data_parallel import share
 
@@ -144,7 +144,7 @@ def demo_case(model: str, data: str, steps: int) -> None:
 
 def qwen3_r3_case(seed: int) -> None:
     from mcore_rl.config import load_config
-    from mcore_rl.megatron.layout import validate_layout
+    from mcore_rl.preflight.layout import validate_layout
     from mcore_rl.rollout.base import RolloutSample
     from mcore_rl.rollout.data_parallel import share
 

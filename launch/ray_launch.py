@@ -151,7 +151,7 @@ def parse_args(argv: Optional[Sequence[str]] = None):
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from mcore_rl.cli import preflight
     from mcore_rl.config import ConfigError, load_config
-    from mcore_rl.megatron.layout import LayoutError
+    from mcore_rl.preflight.layout import LayoutError
 
     args = parse_args(argv)
     try:

@@ -19,9 +19,9 @@ from mcore_rl.compat import describe_versions
 from mcore_rl.config import CONFIG_WARNED_ENV, Config, ConfigError, check_paths, load_config
 from mcore_rl.data.task import MULTI_TOKEN_KINDS as WARM_START_KINDS
 from mcore_rl.data.task import TASK_KINDS
-from mcore_rl.megatron.layout import Layout, LayoutError, ModelDims, validate_run
 from mcore_rl.models.tiny import ARCHS
-from mcore_rl.preflight import check_run_inputs, check_tokenizer
+from mcore_rl.preflight.inputs import check_run_inputs, check_tokenizer
+from mcore_rl.preflight.layout import Layout, LayoutError, ModelDims, validate_run
 from mcore_rl.run_dir import OutputWriteError, check_run_dir, write_failure
 
 EXIT_BAD_INPUT = 2
@@ -160,7 +160,7 @@ def cmd_check(args) -> int:
 
 def cmd_plan(args) -> int:
     """The per-rank memory plan by phase (same inputs as `check`); exit 1 when it does not fit the device."""
-    from mcore_rl.megatron.memory_plan import plan_memory
+    from mcore_rl.preflight.memory_plan import plan_memory
 
     cfg = load_config(args.config, args.overrides)
     world, nnodes, nproc = _world(args, cfg)
@@ -187,10 +187,10 @@ def _resolve_platform(cfg: Config) -> str:
 
 
 def check_stack(cfg: Config, platform: Optional[str], version_of=None):
-    """The installed combination judged by the support matrix (mcore_rl.support); a combination that cannot
+    """The installed combination judged by the support matrix (mcore_rl.preflight.support); a combination that cannot
     work (e.g. a vLLM-Ascend whose torch no MindSpeed release runs on, or one older than the engine's floor)
     raises ConfigError before any process starts. `version_of`: distribution -> version (tests pass theirs)."""
-    from mcore_rl import support
+    from mcore_rl.preflight import support
 
     report = support.check_installed(platform, cfg.rollout.engine == "vllm", version_of or support.installed)
     if report.refusals:
@@ -235,8 +235,8 @@ def check_inputs(cfg: Config) -> None:
 
 def check_resume(cfg: Config) -> None:
     """A resume whose config changes what the checkpoint cannot follow (world size, data, seed, model)
-    fails here, before any process starts (mcore_rl.resume_changes; the trainer logs the applied ones)."""
-    from mcore_rl.resume_changes import check_resume_changes
+    fails here, before any process starts (mcore_rl.preflight.resume_changes; the trainer logs the applied ones)."""
+    from mcore_rl.preflight.resume_changes import check_resume_changes
     from mcore_rl.run_dir import resolve_resume
 
     resume = resolve_resume(cfg)
@@ -278,7 +278,7 @@ def cmd_train(args) -> int:
     layout = preflight(cfg, cfg.trainer.nproc, platform=platform)
     check_stack(cfg, platform, args.version_of)
     check_run_inputs(cfg)
-    from mcore_rl.megatron.memory_plan import checkpoint_bytes
+    from mcore_rl.preflight.memory_plan import checkpoint_bytes
 
     check_run_dir(cfg, checkpoint_bytes(cfg, model_dims(cfg)))
     check_resume(cfg)

@@ -83,8 +83,8 @@ def _check_model_and_layout(args: argparse.Namespace) -> None:
     """--hf is a supported architecture (and, as the weights' source, complete); the layout fits the processes
     torchrun started (WORLD_SIZE) and the model."""
     from mcore_rl.config import ConfigError, ParallelConfig
-    from mcore_rl.megatron.layout import LayoutError, validate_layout
-    from mcore_rl.preflight import check_model_type, check_weights
+    from mcore_rl.preflight.inputs import check_model_type, check_weights
+    from mcore_rl.preflight.layout import LayoutError, validate_layout
 
     try:
         (check_weights if args.direction == "hf-to-mcore" else check_model_type)(args.hf)

@@ -98,7 +98,7 @@ class Trainer:
         self.run_dir = Path(cfg.trainer.run_dir)
         resume = resolve_verified_resume(cfg, log)  # the newest checkpoint whose checksums verify
         if resume is not None:  # refused changes stop here too, for launchers without the pre-flight
-            from mcore_rl.resume_changes import check_resume_changes, describe
+            from mcore_rl.preflight.resume_changes import check_resume_changes, describe
 
             applied = check_resume_changes(cfg, resume.path)
             if applied and dist.get_rank() == 0:
@@ -513,7 +513,7 @@ class Trainer:
         os._exit(0)  # stopped as asked, like a StopRequested: the launcher exits 128 + SIGINT
 
     def save(self) -> None:
-        from mcore_rl.resume_changes import CONFIG_FILE
+        from mcore_rl.preflight.resume_changes import CONFIG_FILE
 
         if self.offload:
             self.to_training()  # the actor's state on the device for the writer
@@ -528,7 +528,7 @@ class Trainer:
                 "skips": self.skips.state_dict(),
             }
             torch.save(state, tmp_dir / f"trainer_state_rank{self.rank}.pt")
-            if self.rank == 0:  # what a resume compares its config with (mcore_rl.resume_changes)
+            if self.rank == 0:  # what a resume compares its config with (mcore_rl.preflight.resume_changes)
                 save_config(self.cfg, tmp_dir / CONFIG_FILE)
 
         ckpt = self.ckpt.save(self.step, write, meta={"step": self.step})

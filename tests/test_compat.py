@@ -15,7 +15,7 @@ from mcore_rl.compat import describe_versions, shims_in_force
 from mcore_rl.compat import megatron as compat_megatron
 from mcore_rl.compat import transformers as compat_transformers
 from mcore_rl.config import ParallelConfig
-from mcore_rl.megatron.layout import LayoutError, validate_layout
+from mcore_rl.preflight.layout import LayoutError, validate_layout
 
 
 def test_describe_versions_names_installed_versions_and_shims():
@@ -144,7 +144,7 @@ def test_preflight_refuses_transformers_below_the_floor(version):
     """4.53.3 (the reference runs') has no dtype= keyword and no supported vLLM-Ascend stack has it: refused
     before launch with the fix; 4.56 is untested, refused too; the tested versions pass."""
     from mcore_rl.config import ConfigError
-    from mcore_rl.preflight import check_transformers
+    from mcore_rl.preflight.inputs import check_transformers
 
     if Version(version) < Version("4.57"):
         with pytest.raises(

@@ -101,10 +101,10 @@ def test_data_files_that_are_not_text_or_not_parquet(capsys, tmp_path, tiny_mode
 
 # ---------------------------------------------------------------- model folder
 def test_expected_tensors_are_what_transformers_writes(tiny_arch_dir):
-    """The pre-flight's table of names and shapes (mcore_rl.models.hf_tensors) against the checkpoints that
+    """The pre-flight's table of names and shapes (mcore_rl.preflight.hf_tensors) against the checkpoints that
     transformers' own save_pretrained wrote for the three architectures."""
-    from mcore_rl.models.hf_tensors import expected_hf_tensors
-    from mcore_rl.preflight import _safetensors_header
+    from mcore_rl.preflight.hf_tensors import expected_hf_tensors
+    from mcore_rl.preflight.inputs import _safetensors_header
 
     for arch in ("qwen3-moe", "qwen3", "qwen2"):
         folder = Path(tiny_arch_dir(arch))
@@ -146,7 +146,7 @@ def _damaged_model(root: Path, tiny_model_dir: str, how: str) -> Path:
 
         _rewrite(folder, poison)
     elif how == "stray_file":
-        from mcore_rl.preflight import _safetensors_header
+        from mcore_rl.preflight.inputs import _safetensors_header
 
         names = sorted(_safetensors_header(folder / "model.safetensors"))
         index = {"metadata": {}, "weight_map": {n: "model.safetensors" for n in names}}

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from mcore_rl.compat import megatron as compat_megatron
 from mcore_rl.config import ConfigError, ParallelConfig, load_config
-from mcore_rl.megatron.layout import (
+from mcore_rl.preflight.layout import (
     ARCHITECTURES,
     LayoutError,
     ModelDims,
@@ -173,7 +173,7 @@ def test_npu_refuses_rollout_routing_replay():
     cfg = load_config(None, NPU_VLLM + ["algo.routing_replay=r3"])
     with pytest.raises(LayoutError, match="r3 replays the engine's routed experts, which vLLM-Ascend") as e:
         validate_run(cfg, 8, QWEN)
-    # the first release that returns them, and why it cannot share the actor's process (mcore_rl.support)
+    # the first release that returns them, and why it cannot share the actor's process (mcore_rl.preflight.support)
     assert "first vLLM-Ascend release with it is 0.18.0, which needs torch 2.9.0" in str(e.value)
     assert "MindSpeed release (up to 26.1.0_core_r0.12.1) runs on PyTorch 2.7.1 or older" in str(e.value)
     validate_run(load_config(None, NPU_VLLM + ["algo.routing_replay=r2"]), 8, QWEN)

@@ -23,7 +23,7 @@ import pytest
 
 from mcore_rl.compat import megatron as compat_megatron
 from mcore_rl.config import ParallelConfig
-from mcore_rl.megatron.layout import LayoutError, validate_layout
+from mcore_rl.preflight.layout import LayoutError, validate_layout
 from tests.torchrun_util import REPO, run_worker
 
 WORKER = REPO / "tests/workers/loss_layouts.py"

@@ -1,4 +1,4 @@
-"""The memory plan (mcore_rl.megatron.memory_plan, `mcore-rl plan`): pure Python, no process.
+"""The memory plan (mcore_rl.preflight.memory_plan, `mcore-rl plan`): pure Python, no process.
 
 Parameter counts are checked against real models (the tiny HF checkpoint, the Qwen3 config's known
 size); the byte rules against hand-computed cases; the presets against the devices they name.
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from mcore_rl.config import load_config
-from mcore_rl.megatron.layout import ModelDims, validate_run
-from mcore_rl.megatron.memory_plan import plan_memory, stage_params, state_bytes, total_params
+from mcore_rl.preflight.layout import ModelDims, validate_run
+from mcore_rl.preflight.memory_plan import plan_memory, stage_params, state_bytes, total_params
 from tests.test_cli import QWEN_JSON, cli
 
 PRESETS = sorted(QWEN_JSON.parent.glob("*.yaml"))
@@ -206,7 +206,7 @@ def test_actor_offload_takes_the_actor_and_reference_off_the_rollout_phase():
     engine = lambda plan: sum(b for n, b in items(plan, "rollout").items() if n.startswith("engine"))
     assert engine(p_on) == engine(p_off)
     (note,) = [n for n in p_on.notes if n.startswith("actor.offload: host memory per rank")]
-    from mcore_rl.megatron.host_chunks import pinned_bytes
+    from mcore_rl.preflight.host_chunks import pinned_bytes
 
     pinned = pinned_bytes(st.params + st.optimizer) + pinned_bytes(ref)  # whole 64 MiB chunks, actor and reference
     assert st.params + st.optimizer + ref <= pinned < st.params + st.optimizer + ref + 2 * 2**26

@@ -7,9 +7,9 @@ model + optimizer while offloaded, bit-identical training with and without) and 
 import pytest
 import torch
 
-from mcore_rl.megatron.host_chunks import HOST_CHUNK_BYTES, chunk_bytes, layout, pinned_bytes
 from mcore_rl.megatron.offload import HostOffload
 from mcore_rl.platform import get_platform
+from mcore_rl.preflight.host_chunks import HOST_CHUNK_BYTES, chunk_bytes, layout, pinned_bytes
 
 
 def _actor_like():

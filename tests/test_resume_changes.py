@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mcore_rl.config import ConfigError, load_config, save_config
-from mcore_rl.resume_changes import CONFIG_FILE, check_resume_changes, describe
+from mcore_rl.preflight.resume_changes import CONFIG_FILE, check_resume_changes, describe
 from mcore_rl.run_dir import CheckpointManager
 from tests.torchrun_util import REPO
 

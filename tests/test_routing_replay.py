@@ -9,8 +9,8 @@ import torch
 from mcore_rl.batch import pack_rollout_routes
 from mcore_rl.compat import megatron as compat_megatron
 from mcore_rl.config import ParallelConfig
-from mcore_rl.megatron.layout import LayoutError, validate_layout
 from mcore_rl.megatron.routing_replay import RecordedRoutes
+from mcore_rl.preflight.layout import LayoutError, validate_layout
 from tests.torchrun_util import REPO, run_worker
 
 WORKER = REPO / "tests" / "workers" / "replay_layouts.py"

@@ -1,12 +1,12 @@
-"""The support matrix (mcore_rl.support) through `mcore-rl check`: each vLLM-Ascend / MindSpeed / torch
+"""The support matrix (mcore_rl.preflight.support) through `mcore-rl check`: each vLLM-Ascend / MindSpeed / torch
 combination is passed in as installed metadata (these packages do not install here) and must be accepted or
 refused as docs/versions.md states. The expectations below are the matrix written out, not computed by the
 module under test."""
 
 import pytest
 
-from mcore_rl import support
 from mcore_rl.cli import main
+from mcore_rl.preflight import support
 from tests.torchrun_util import REPO
 
 NPU_PRESET = REPO / "configs" / "qwen3_30b_a3b" / "npu16_tp4_ep4.yaml"

@@ -501,7 +501,7 @@ def test_kill_9_of_the_launcher_alone_ends_the_job(tiny_model_dir, task, tmp_pat
     assert not (run_dir / "hf").exists()
     RunLock.acquire(run_dir).release()  # free: no process of the dead job holds it
 
-    # Resuming it with changed settings of every applied class (mcore_rl.resume_changes): the new learning
+    # Resuming it with changed settings of every applied class (mcore_rl.preflight.resume_changes): the new learning
     # rate is used (it used to stay the checkpoint's 1e-3), the layout changes from EP2 to EP1 x DP2.
     changed = {
         "actor.optim.lr": 5e-4,  # optimizer

@@ -51,12 +51,12 @@ from mcore_rl.batch import (
     unpack_rows,
 )
 from mcore_rl.config import AlgoConfig, Config, OptimConfig
-from mcore_rl.megatron.layout import Layout
 from mcore_rl.megatron.logprobs import OutputHead
 from mcore_rl.megatron.parallel import init_parallel
 from mcore_rl.megatron.policy_loss import make_log_prob_fn, make_policy_loss_fn
 from mcore_rl.models.bridge import ModelBridge
 from mcore_rl.platform import Platform, collectives, get_platform
+from mcore_rl.preflight.layout import Layout
 from mcore_rl.weights.exporter import HFExporter
 
 logger = logging.getLogger(__name__)

@@ -122,7 +122,7 @@ def _settings(actor) -> tuple[list[dict], dict]:
 def _apply_settings(actor, settings: tuple[list[dict], dict]) -> None:
     """After a load: this run's config wins over the checkpoint's hyper-parameters (torch's and Megatron's
     loads restore lr, betas, eps, max_lr ... of the run that saved), the state (Adam moments, step count)
-    stays the checkpoint's. mcore_rl.resume_changes decides which changes may reach this point."""
+    stays the checkpoint's. mcore_rl.preflight.resume_changes decides which changes may reach this point."""
     groups, schedule = settings
     current = actor.optimizer.param_groups
     if len(current) == len(groups):

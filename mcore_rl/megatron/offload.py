@@ -13,7 +13,7 @@ zeros: `Actor.train_step` zeroes them before they are read again, so their conte
 copying it would cost host memory (4 bytes per parameter with fp32 gradient reduction) and transfer time.
 
 Host copies go into pinned chunks of one power-of-two size, not one pinned tensor per storage
-(mcore_rl/megatron/host_chunks.py: the caching host allocator's rounding would cost up to 2x).
+(mcore_rl/preflight/host_chunks.py: the caching host allocator's rounding would cost up to 2x).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Iterable, Optional
 
 import torch
 
-from mcore_rl.megatron.host_chunks import HOST_CHUNK_BYTES, chunk_bytes, layout
 from mcore_rl.platform import Platform
+from mcore_rl.preflight.host_chunks import HOST_CHUNK_BYTES, chunk_bytes, layout
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ import torch
 from mcore_rl.compat import megatron as compat_megatron
 from mcore_rl.compat import torch as compat_torch
 from mcore_rl.config import ParallelConfig
-from mcore_rl.megatron.layout import Groups, Layout, Ranks, validate_layout
 from mcore_rl.platform import Platform
+from mcore_rl.preflight.layout import Groups, Layout, Ranks, validate_layout
 
 logger = logging.getLogger(__name__)
 

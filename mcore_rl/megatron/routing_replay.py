@@ -42,8 +42,8 @@ from typing import Iterator, Optional
 import torch
 
 from mcore_rl.batch import ROUTE_DTYPE
-from mcore_rl.megatron.layout import Layout
 from mcore_rl.platform import collectives
+from mcore_rl.preflight.layout import Layout
 
 logger = logging.getLogger(__name__)
 

@@ -35,10 +35,10 @@ from mcore_rl.compat import mbridge as compat_mbridge
 from mcore_rl.compat import megatron as compat_megatron
 from mcore_rl.compat import transformers as compat_transformers
 from mcore_rl.config import ModelConfig
-from mcore_rl.megatron.layout import Layout
 from mcore_rl.models.hf_io import torch_dtype
 from mcore_rl.models.shards import split_shards
 from mcore_rl.platform import Platform
+from mcore_rl.preflight.layout import Layout
 
 # Fused kernels that need Transformer Engine / Apex; the local spec must run without them. Flags the installed
 # megatron-core does not know (moe_router_fusion before 0.14) are dropped by compat.megatron.known_config_fields.

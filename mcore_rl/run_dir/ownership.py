@@ -217,7 +217,7 @@ def _existing_ancestor(path: Path) -> Path:
 
 def _check_writable(run_dir: Path, checkpoint_bytes: Optional[int]) -> None:
     """The run directory (or the folder it will be made in) is a writable directory with room for one
-    checkpoint (`checkpoint_bytes`, from the memory plan: mcore_rl.megatron.memory_plan.checkpoint_bytes)."""
+    checkpoint (`checkpoint_bytes`, from the memory plan: mcore_rl.preflight.memory_plan.checkpoint_bytes)."""
     from mcore_rl.config import ConfigError
 
     base = _existing_ancestor(run_dir)

@@ -213,7 +213,7 @@ _ASCEND_WORKER = ("vllm_ascend/worker/worker_v1.py", "vllm_ascend/worker/worker.
 
 
 def _ascend_matrix_row(src) -> tuple:
-    """What mcore_rl.support.AscendRelease records, read from the wheel."""
+    """What mcore_rl.preflight.support.AscendRelease records, read from the wheel."""
     sampler = find_class(src, ("vllm_ascend/sample/sampler.py",), "AscendSampler")
     passes_mode = any(
         "logprobs_mode" in keywords(c) for c in calls_to(method(sampler, "__init__"), "AscendTopKTopPSampler")
@@ -370,8 +370,8 @@ FACTS = (
          "compat.vllm.reload_in_place", _model_load_weights),
     # ---- vLLM-Ascend -----------------------------------------------------------------------------------------
     Fact("matrix_row", "vllm-ascend", "(torch pin, torch-npu pin, transformers, routed-expert capture, sampler passes "
-         "logprobs_mode) = the support matrix's row", "support.ASCEND_RELEASES, support.check_installed, "
-         "megatron.layout.check_engine_capabilities", _ascend_matrix_row),
+         "logprobs_mode) = the support matrix's row", "preflight.support.ASCEND_RELEASES, preflight.support.check_installed, "
+         "preflight.layout.check_engine_capabilities", _ascend_matrix_row),
     Fact("own_qwen3_moe", "vllm-ascend", "registers a Qwen3MoeForCausalLM of its own (0.10.2rc1 / 0.11.0rc0 did: no transpose_weight)",
          "compat.vllm.MIN_VLLM_ASCEND", lambda s: "Qwen3MoeForCausalLM" in strings(s.tree("vllm_ascend/models/__init__.py"))),
     Fact("runner_base", "vllm-ascend", "NPUModelRunner's bases", "compat.vllm.reload_from_folder",
@@ -394,7 +394,7 @@ FACTS = (
          "platform.Platform.packed_attention, megatron.segment_attention.SegmentDotProductAttention",
          lambda s: asserts_with(method(_dpa(s), "forward"), "Packed sequence is not supported by DotProductAttention")),
     Fact("dpa_cp_assert", "megatron-core", "DotProductAttention.__init__ asserts context_parallel_size == 1",
-         "megatron.layout._check_context_parallel",
+         "preflight.layout._check_context_parallel",
          lambda s: asserts_with(method(_dpa(s), "__init__"), "Context parallelism is only supported by TEDotProductAttention")),
     Fact("router_routing", "megatron-core", "TopKRouter.routing parameters", "megatron.routing_replay.RoutingReplay._routing",
          lambda s: params(method(_router(s), "routing"))),
@@ -436,7 +436,9 @@ FACTS = (
 
 # ---------------------------------------------------------------------------------------------- releases
 
-MATRIX = "= mcore_rl.support.ASCEND_RELEASES"  # the expected value is the support matrix's row for the release
+MATRIX = (
+    "= mcore_rl.preflight.support.ASCEND_RELEASES"  # the expected value is the support matrix's row for the release
+)
 
 _VLLM = dict(
     llm_keywords=(),
@@ -539,11 +541,11 @@ def expected(distribution: str, version: str, key: str) -> Any:
     if value is MATRIX:
         from packaging.specifiers import SpecifierSet
 
-        from mcore_rl.support import ascend_release
+        from mcore_rl.preflight.support import ascend_release
 
         r = ascend_release(version)
         if r is None or r.version != version:
-            return f"no row for vllm-ascend {version} in mcore_rl.support.ASCEND_RELEASES"
+            return f"no row for vllm-ascend {version} in mcore_rl.preflight.support.ASCEND_RELEASES"
         return (r.torch, r.torch_npu, str(SpecifierSet(r.transformers)), r.routed_experts, r.logprobs_mode)
     return value
 

@@ -591,9 +591,9 @@ def stage_memory(ctx) -> str:
     """Two trainer steps of the memory config; the allocator's peak (CUDA) against the plan's peak."""
     import torch
 
-    from mcore_rl.megatron.layout import ModelDims, validate_run
-    from mcore_rl.megatron.memory_plan import plan_memory
     from mcore_rl.models.tiny import TinyModelShape, make_tiny_checkpoint
+    from mcore_rl.preflight.layout import ModelDims, validate_run
+    from mcore_rl.preflight.memory_plan import plan_memory
     from mcore_rl.trainer import Trainer
 
     cuda = ctx["platform"] == "cuda"

@@ -1,5 +1,5 @@
 """How actor.offload lays host copies into pinned chunks (mcore_rl/megatron/offload.py): pure arithmetic, no torch,
-so that `mcore-rl plan` (mcore_rl/megatron/memory_plan.py) counts the same bytes the offload pins.
+so that `mcore-rl plan` (mcore_rl/preflight/memory_plan.py) counts the same bytes the offload pins.
 
 torch's caching host allocator (and torch_npu's) rounds every pinned block up to a power of two and keeps the block
 cached after release: one pinned tensor per storage costs up to 2x the storage on the host, for the life of the

@@ -484,12 +484,12 @@ def check_architecture(cfg: Config, dims: ModelDims) -> Architecture | None:
 def check_engine_capabilities(cfg: Config, platform: Optional[str]) -> None:
     """What the rollout engine of `platform` cannot deliver (docs/devices.md, "Ascend").
 
-    vLLM-Ascend 0.11 (the supported line, mcore_rl.support) ignores `logprobs_mode` (its sampler returns log-probs
+    vLLM-Ascend 0.11 (the supported line, mcore_rl.preflight.support) ignores `logprobs_mode` (its sampler returns log-probs
     of the raw, temperature-1 distribution) and returns no routed experts; the messages name the first release
     that would allow each and why it cannot share the actor's process today."""
     if platform != "npu" or cfg.rollout.engine != "vllm":
         return
-    from mcore_rl.support import first_release_with
+    from mcore_rl.preflight.support import first_release_with
 
     a, r = cfg.algo, cfg.rollout
     if a.routing_replay == "r3":

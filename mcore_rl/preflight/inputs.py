@@ -14,7 +14,7 @@ from packaging.version import Version
 
 from mcore_rl.compat import transformers as compat_transformers
 from mcore_rl.config import Config, ConfigError
-from mcore_rl.megatron.layout import ARCHITECTURES
+from mcore_rl.preflight.layout import ARCHITECTURES
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -94,8 +94,8 @@ def _read_headers(folder: Path, files: list[str]) -> dict[str, tuple[str, dict]]
 
 
 def _check_tensors(folder: Path, config: dict, tensors: dict[str, tuple[str, dict]]) -> None:
-    """Names and shapes against what config.json's architecture needs (mcore_rl.models.hf_tensors)."""
-    from mcore_rl.models.hf_tensors import expected_hf_tensors, tolerated_extra
+    """Names and shapes against what config.json's architecture needs (mcore_rl.preflight.hf_tensors)."""
+    from mcore_rl.preflight.hf_tensors import expected_hf_tensors, tolerated_extra
 
     try:
         expected = expected_hf_tensors(config)
@@ -163,7 +163,7 @@ def check_model_type(folder: str | os.PathLike) -> dict:
     folder = Path(folder)
     config = _read_config_json(folder)
     model_type = config.get("model_type")
-    if model_type not in ARCHITECTURES:  # the one table of supported architectures (megatron/layout.py)
+    if model_type not in ARCHITECTURES:  # the one table of supported architectures (preflight/layout.py)
         raise ConfigError(
             f"model.path = {folder}: model_type {model_type!r} is not supported; mcore-rl trains "
             f"{', '.join(ARCHITECTURES)} models"

@@ -1,9 +1,9 @@
 """The tensors a Hugging Face checkpoint of a supported architecture holds, from its config.json alone.
 
 `expected_hf_tensors(config)` -> {name: shape} in Hugging Face's naming (the names the bridge reads,
-mcore_rl/models/bridge.py, and the export writes), so the pre-flight (mcore_rl/preflight.py) can compare a
+mcore_rl/models/bridge.py, and the export writes), so the pre-flight (mcore_rl/preflight/inputs.py) can compare a
 model folder's safetensors headers with its config.json before any process starts. Per architecture
-(ARCHITECTURES in mcore_rl/megatron/layout.py):
+(ARCHITECTURES in mcore_rl/preflight/layout.py):
   all       model.embed_tokens.weight [V, H], model.norm.weight [H], lm_head.weight [V, H] unless tied;
             per layer input_layernorm / post_attention_layernorm [H], self_attn.{q,k,v,o}_proj.weight
   qwen2     q/k/v projections carry a bias; no QK-norm

@@ -42,8 +42,8 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from mcore_rl.config import Config
-from mcore_rl.megatron.host_chunks import HOST_CHUNK_BYTES, pinned_bytes
-from mcore_rl.megatron.layout import Layout, ModelDims
+from mcore_rl.preflight.host_chunks import HOST_CHUNK_BYTES, pinned_bytes
+from mcore_rl.preflight.layout import Layout, ModelDims
 
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -537,7 +537,7 @@ def levers(cfg: Config, layout: Layout, dims: ModelDims, plan: MemoryPlan) -> li
 
 def layout_levers(cfg: Config, layout: Layout, dims: ModelDims, plan: MemoryPlan, count: int = 2) -> list[str]:
     """Other layouts of the same world size (tp, pp, ep; etp 1) that fit, lowest peak first."""
-    from mcore_rl.megatron.layout import LayoutError, validate_run
+    from mcore_rl.preflight.layout import LayoutError, validate_run
 
     found = []
     world = layout.world_size
