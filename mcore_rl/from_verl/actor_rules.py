@@ -56,7 +56,7 @@ def layout(run: VerlRun) -> None:
     run.set("actor.optim.use_distributed_optimizer", True, source=f"{source}; FSDP shards the optimizer state")
     run.mark(A + "strategy", "mapped", "actor.parallel", "FSDP -> data parallelism over the world (tp = pp = ep = 1)")
     for key in (F + "ulysses_sequence_parallel_size", A + "ulysses_sequence_parallel_size"):
-        sp = run.asint_or_note(key, 1)
+        sp = run.as_int(key, 1)
         if sp > 1:
             run.mark(
                 key,
@@ -83,7 +83,7 @@ def ulysses(run: VerlRun) -> int:
     key = A + "ulysses_sequence_parallel_size"
     if not run.given(key):
         key = F + "ulysses_sequence_parallel_size"
-    return max(1, run.asint_or_note(key, 1))
+    return max(1, run.as_int(key, 1))
 
 
 def offload(run: VerlRun) -> None:
@@ -216,7 +216,7 @@ def _micro_batches(run: VerlRun) -> None:
     dyn_key, budget_key = A + "use_dynamic_bsz", A + "ppo_max_token_len_per_gpu"
     sp = ulysses(run)
     if truthy(run.get(dyn_key)):
-        budget = run.asint_or_note(budget_key) * sp
+        budget = run.as_int(budget_key) * sp
         rule = f" x ulysses {sp} (the SP group's budget, on one device here)" if sp > 1 else ""
         run.set(
             "actor.max_tokens_per_micro_batch",
@@ -237,10 +237,10 @@ def _micro_batches(run: VerlRun) -> None:
     if run.get(key) is None and run.given(A + "ppo_micro_batch_size"):
         key = A + "ppo_micro_batch_size"
         dp = max(1, run.out.world // _model_parallel(run))
-        per_gpu = max(1, run.asint_or_note(key) // dp)
+        per_gpu = max(1, run.as_int(key) // dp)
         run.set("actor.parallel.micro_batch_size", per_gpu, key, source=f"{run.source(key)} / dp {dp} (global in verl)")
         return
-    run.set("actor.parallel.micro_batch_size", run.asint_or_note(key, 1), key)
+    run.set("actor.parallel.micro_batch_size", run.as_int(key, 1), key)
 
 
 def _model_parallel(run: VerlRun) -> int:
@@ -260,7 +260,7 @@ def _forward_budget(run: VerlRun, sp: int) -> Optional[Setting]:
         for k in given:
             run.mark(k, "no effect in verl", "", "log_prob_use_dynamic_bsz is false")
         return None
-    value = max(run.asint_or_note(k) for k in given) * sp
+    value = max(run.as_int(k) for k in given) * sp
     for k in given:
         run.mark(k, "mapped", "actor.max_tokens_per_forward_micro_batch")
     run.mark(use_key, "mapped", "actor.max_tokens_per_forward_micro_batch")

@@ -188,7 +188,7 @@ def optim(run: VerlRun) -> None:
 
 def _schedule(run: VerlRun, lr: float) -> None:
     steps_key, ratio_key = A + "optim.lr_warmup_steps", A + "optim.lr_warmup_steps_ratio"
-    steps = run.asint_or_note(steps_key, -1)
+    steps = run.as_int(steps_key, -1)
     if steps >= 0:
         run.set("actor.optim.warmup_steps", steps, steps_key)
         run.mark(ratio_key, "no effect in verl", "", "lr_warmup_steps is set")
@@ -224,4 +224,4 @@ def _schedule(run: VerlRun, lr: float) -> None:
         style = "constant"
     run.set("actor.optim.decay_style", style, key)
     if run.given(A + "optim.lr_decay_steps") and run.get(A + "optim.lr_decay_steps") is not None:
-        run.set("actor.optim.decay_steps", run.asint_or_note(A + "optim.lr_decay_steps"), A + "optim.lr_decay_steps")
+        run.set("actor.optim.decay_steps", run.as_int(A + "optim.lr_decay_steps"), A + "optim.lr_decay_steps")

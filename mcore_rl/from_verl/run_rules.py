@@ -18,7 +18,7 @@ def rollout(run: VerlRun) -> None:
         run.set("rollout.engine", engine, R + "name")
     tp = int_or_note(run.get(R + "tensor_model_parallel_size"), "rollout tp", run.out.notes) or 1
     run.set("rollout.tp", tp, R + "tensor_model_parallel_size")
-    dp = run.asint_or_note(R + "data_parallel_size", 1)
+    dp = run.as_int(R + "data_parallel_size", 1)
     world = run.out.world
     why = f"{tp} x {dp}: here world {world} / rollout.tp {tp} = {world // max(tp, 1)} replicas"
     run.mark(R + "data_parallel_size", "mapped", "", why)
@@ -26,7 +26,7 @@ def rollout(run: VerlRun) -> None:
         (R + "expert_parallel_size", "experts are tensor-parallel in each replica"),
         (R + "pipeline_model_parallel_size", "each replica is tensor-parallel only"),
     ):
-        size = run.asint_or_note(key, 1)
+        size = run.as_int(key, 1)
         run.mark(key, "mapped" if size == 1 else "not supported", "", "1" if size == 1 else f"{size}: {what}")
     run.set("rollout.gpu_memory_utilization", run.as_float(R + "gpu_memory_utilization"), R + "gpu_memory_utilization")
     run.set("rollout.enforce_eager", truthy(run.get(R + "enforce_eager")), R + "enforce_eager")
@@ -34,7 +34,7 @@ def rollout(run: VerlRun) -> None:
     run.set("rollout.temperature", temperature, R + "temperature")
     run.set("algo.temperature", temperature, R + "temperature")
     run.set("rollout.top_p", run.as_float(R + "top_p"), R + "top_p")
-    top_k = run.asint_or_note(R + "top_k")
+    top_k = run.as_int(R + "top_k")
     run.set("rollout.top_k", -1 if top_k <= 0 else top_k, R + "top_k")
     if not truthy(run.get(R + "do_sample")):
         run.mark(R + "do_sample", "not supported", "", "false: training samples here")
@@ -49,7 +49,7 @@ def rollout(run: VerlRun) -> None:
 def _validation_sampling(run: VerlRun) -> None:
     keys = [R + f"val_kwargs.{k}" for k in ("do_sample", "temperature", "n", "top_p", "top_k")]
     greedy = not truthy(run.get(keys[0])) or run.as_float(keys[1], 0) == 0
-    one = run.asint_or_note(keys[2], 1) == 1
+    one = run.as_int(keys[2], 1) == 1
     for key in keys:
         if greedy and one:
             run.mark(key, "not needed", "", "validation here is greedy pass@1, as these settings")
@@ -72,12 +72,12 @@ def data(run: VerlRun) -> None:
     _one_file(run, "data.train_files", "data.train_path")
     _one_file(run, "data.val_files", "data.val_path")
     run.set("data.prompt_key", str(run.get("data.prompt_key")), "data.prompt_key")
-    run.set("data.max_prompt_len", run.asint_or_note("data.max_prompt_length"), "data.max_prompt_length")
-    run.set("rollout.max_new_tokens", run.asint_or_note("data.max_response_length"), "data.max_response_length")
+    run.set("data.max_prompt_len", run.as_int("data.max_prompt_length"), "data.max_prompt_length")
+    run.set("rollout.max_new_tokens", run.as_int("data.max_response_length"), "data.max_response_length")
     run.set("data.shuffle", truthy(run.get("data.shuffle")), "data.shuffle")
     if run.get("data.seed") is not None:
-        run.set("data.seed", run.asint_or_note("data.seed"), "data.seed")
-    samples = run.asint_or_note("data.val_max_samples", -1)
+        run.set("data.seed", run.as_int("data.seed"), "data.seed")
+    samples = run.as_int("data.val_max_samples", -1)
     if samples > 0:
         run.set("trainer.val_prompts", samples, "data.val_max_samples")
     else:
@@ -150,16 +150,16 @@ def _overlong(run: VerlRun, manager: str) -> None:
         for key in (length, factor, max_resp):
             run.mark(key, "no effect in verl", "", "overlong_buffer_cfg.enable is false")
         return
-    buffer = run.asint_or_note(length, 0)
+    buffer = run.as_int(length, 0)
     if buffer <= 0:
         run.mark(enable, "not supported", "reward.overlong_buffer", "enabled without overlong_buffer_cfg.len: off")
         run.set("reward.overlong_buffer", 0, source=f"{run.source(enable)} without a length: off")
         return
     run.set("reward.overlong_buffer", buffer, enable, length)
     run.set("reward.overlong_penalty", run.as_float(factor, 1.0), factor)
-    response = run.asint_or_note("data.max_response_length")
+    response = run.as_int("data.max_response_length")
     if run.given(max_resp):
-        same = run.asint_or_note(max_resp) == response
+        same = run.as_int(max_resp) == response
         run.mark(
             max_resp,
             "mapped" if same else "not supported",
@@ -175,7 +175,7 @@ def _overlong(run: VerlRun, manager: str) -> None:
 
 def trainer(run: VerlRun) -> None:
     steps_key, epochs_key = "trainer.total_training_steps", "trainer.total_epochs"
-    steps = run.asint_or_note(steps_key, -1)
+    steps = run.as_int(steps_key, -1)
     if steps >= 0:
         run.set("trainer.steps", steps, steps_key)
         run.mark(epochs_key, "not needed", "", "total_training_steps decides the steps")
@@ -188,9 +188,9 @@ def trainer(run: VerlRun) -> None:
             "train_batch_size); the dataset is not read here: set trainer.steps",
         )
         run.out.notes.append("trainer.total_training_steps is not set: trainer.steps stays at 100; set it by hand")
-    save = run.asint_or_note("trainer.save_freq")
+    save = run.as_int("trainer.save_freq")
     run.set("checkpoint.save_every", max(save, 0), "trainer.save_freq")
-    test = run.asint_or_note("trainer.test_freq")
+    test = run.as_int("trainer.test_freq")
     run.set("trainer.val_every", max(test, 0), "trainer.test_freq")
     if truthy(run.get("trainer.val_before_train")):
         run.mark(
@@ -221,7 +221,7 @@ def trainer(run: VerlRun) -> None:
         run.mark("trainer.resume_from_path", "no effect in verl", "", f"resume_mode={mode}")
     else:
         run.mark("trainer.resume_mode", "not supported", "checkpoint.resume", f"{mode}: auto instead")
-    keep = run.asint_or_note("trainer.max_actor_ckpt_to_keep", 0)
+    keep = run.as_int("trainer.max_actor_ckpt_to_keep", 0)
     if keep >= 1:
         run.set("checkpoint.keep_last", keep, "trainer.max_actor_ckpt_to_keep")
     elif run.given("trainer.max_actor_ckpt_to_keep"):

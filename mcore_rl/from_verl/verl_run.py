@@ -101,7 +101,7 @@ class VerlRun:
             return self.get(m.group(1))
         return value
 
-    def asint_or_note(self, key: str, fallback: Optional[int] = None) -> int:
+    def as_int(self, key: str, fallback: Optional[int] = None) -> int:
         return self._number(key, int, fallback)
 
     def as_float(self, key: str, fallback: Optional[float] = None) -> float:
