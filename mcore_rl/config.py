@@ -11,27 +11,27 @@ import difflib
 import logging
 import os
 import re
-import types
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
-from typing import Any, Literal, Optional, Sequence, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, Optional, Sequence, get_type_hints
 
-# The choices of enum-like keys, declared once: validation (`CHOICES`) and the algorithms read these.
+from mcore_rl.algo_config import AlgoConfig, check_algo
+from mcore_rl.typed_yaml import (
+    ConfigError,
+    coerce,
+    literal_choices,
+    parse_override_value,
+    read_yaml,
+)
+
+# The choices of enum-like keys, declared once: validation (`CHOICES`) reads these (the algo section's: algo_config).
 PlatformName = Literal["auto", "cpu", "cuda", "npu"]
 # float16 is left out: the actor fails in Megatron with it (found at start-up, not before); use bfloat16.
 DtypeName = Literal["float32", "bfloat16"]
 TokenDispatcher = Literal["alltoall", "allgather"]
 RouterDtype = Literal["fp32", "fp64"]
 DecayStyle = Literal["constant", "linear", "cosine"]
-LossName = Literal["grpo", "gspo", "gspo_token", "sapo"]
-AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
-AdvEstimator = Literal["grpo", "drgrpo"]  # drgrpo: no division by the group's std
-KlType = Literal["k1", "k2", "k3"]
-RolloutCorrection = Literal["token", "sequence", "icepop"]
-RoutingReplayMode = Literal["r2", "r3"]
 EngineName = Literal["embedded", "vllm"]
 VerifyFallback = Literal["rebuild", "error"]
-OldLogProbPass = Literal["auto", "always"]
-DynamicSamplingAtCap = Literal["train", "error"]  # at the round cap: train on the groups there are, or stop
 
 # Keys that existed once: loading a config that still sets one names what replaced it.
 REMOVED_KEYS = {
@@ -107,57 +107,6 @@ class ActorConfig:
     # during its own pass; a colocated vLLM engine wakes its weights, takes the sync, then its KV cache
     # (docs/memory.md, "Offload around rollout").
     offload: bool = False
-
-
-@dataclass
-class AlgoConfig:
-    loss: LossName = "gspo"
-    agg_mode: AggMode = "seq-mean-token-mean"
-    adv_estimator: AdvEstimator = "grpo"
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    dual_clip: Optional[float] = None  # c > 1 enables dual clip for A < 0 (grpo)
-    tau_pos: float = 1.0  # sapo
-    tau_neg: float = 1.05  # sapo
-    kl_coef: float = 0.0  # > 0 needs a reference model pass
-    kl_type: KlType = "k3"
-    entropy_coef: float = 0.0
-    rollout_is: Optional[RolloutCorrection] = None  # rollout importance correction; None: off
-    rollout_is_cap: float = 2.0
-    rollout_is_low: float = 0.5  # icepop lower bound
-    rollout_is_high: float = 2.0  # icepop upper bound
-    temperature: float = 1.0  # must equal rollout.temperature so train log-probs match sampling
-    ppo_epochs: int = 1
-    mini_batches: int = 1  # optimizer steps per rollout batch
-    # auto: when the update is exactly on-policy (see `old_from_update`) the old log-probs are the update's
-    # own, detached, and no separate forward pass runs; always: a separate old-policy pass every step.
-    old_log_prob_pass: OldLogProbPass = "auto"
-    routing_replay: Optional[RoutingReplayMode] = None  # None: off
-    # DAPO dynamic sampling (docs/dynamic-sampling.md): groups whose rewards are all equal carry no advantage;
-    # they are dropped and more prompts generated, until the step has data.prompts_per_step groups with signal
-    # or dynamic_sampling_max_rounds generation rounds (the first included) ran; then `dynamic_sampling_at_cap`.
-    dynamic_sampling: bool = False
-    dynamic_sampling_max_rounds: int = 8
-    dynamic_sampling_at_cap: DynamicSamplingAtCap = "train"
-    # DAPO overlong filtering: samples cut by rollout.max_new_tokens are masked out of the loss (they still
-    # count in their group's advantage baseline); the linear overlong penalty is reward.overlong_buffer.
-    overlong_filtering: bool = False
-
-    @property
-    def old_from_update(self) -> bool:
-        """Whether the old-policy log-probs come from the training forward itself (no separate pass).
-
-        Exact when the one update of the step sees the weights that sampled the batch: one mini-batch,
-        one epoch. Then pi_old = pi_theta at the update, the ratio is exactly 1 and its gradient is the
-        gradient of pi_theta, which the update's forward computes anyway. Under R3 the update routes with
-        the engine's experts while the old-policy pass routes naturally, so the two differ: not taken.
-        Under R2 the update records its own routes (they are the old policy's)."""
-        return (
-            self.old_log_prob_pass == "auto"
-            and self.mini_batches == 1
-            and self.ppo_epochs == 1
-            and self.routing_replay != "r3"
-        )
 
 
 @dataclass
@@ -252,87 +201,14 @@ class Config:
 log = logging.getLogger(__name__)
 
 
-class ConfigError(ValueError):
-    """A bad configuration; the message names the key, the problem and the fix."""
-
-
-def _literal_choices(tp: Any) -> Optional[tuple]:
-    """The allowed values of a Literal (or Optional[Literal]) field type, None included; None otherwise."""
-    base = _inner(tp)
-    if get_origin(base) is not Literal:
-        return None
-    return ((None,) if _is_optional(tp) else ()) + get_args(base)
-
-
 def _choices(cls: type, prefix: str = "") -> dict[str, tuple]:
     out: dict[str, tuple] = {}
     for name, tp in get_type_hints(cls).items():
         if is_dataclass(tp):
             out.update(_choices(tp, f"{prefix}{name}."))
-        elif (choices := _literal_choices(tp)) is not None:
+        elif (choices := literal_choices(tp)) is not None:
             out[f"{prefix}{name}"] = choices
     return out
-
-
-_NONE_WORDS = ("null", "none", "~", "")
-
-
-def _is_optional(tp: Any) -> bool:
-    return get_origin(tp) in (Union, types.UnionType) and type(None) in get_args(tp)
-
-
-def _inner(tp: Any) -> Any:
-    """Optional[X] -> X."""
-    if _is_optional(tp):
-        rest = [a for a in get_args(tp) if a is not type(None)]
-        return rest[0] if len(rest) == 1 else Union[tuple(rest)]
-    return tp
-
-
-def _type_name(tp: Any) -> str:
-    base = _inner(tp)
-    name = "str" if get_origin(base) is Literal else getattr(base, "__name__", str(base))
-    return f"{name} or null" if _is_optional(tp) else name
-
-
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Check/convert one YAML or override value to the field's declared type."""
-    if value is None:
-        if _is_optional(tp):
-            return None
-        raise ConfigError(
-            f"{key}: null is not allowed, expected {_type_name(tp)}: give it a value or remove the key for its default"
-        )
-    base = _inner(tp)
-    origin = get_origin(base)
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {value!r}: write e.g. {key}=[1,2]")
-        (item_tp, *_) = get_args(base) or (Any,)
-        return origin(_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value))
-    if base is Any:
-        return value
-    if base is bool:
-        if isinstance(value, bool):
-            return value
-    elif base is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif base is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-6" (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif base is str or get_origin(base) is Literal:  # a Literal's value is checked against its choices later
-        if isinstance(value, str):
-            return value
-    example = {bool: "true", int: "2", float: "0.5", str: "text"}.get(base, "...")
-    raise ConfigError(
-        f"{key}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__}): write e.g. {key}={example}"
-    )
 
 
 def _unknown_key(key: str, section_cls: type, prefix: str) -> ConfigError:
@@ -361,22 +237,8 @@ def _build(cls: type, data: Any, prefix: str = "") -> Any:
         if is_dataclass(tp):
             kwargs[key] = _build(tp, value, f"{prefix}{key}.")
         else:
-            kwargs[key] = _coerce(value, tp, f"{prefix}{key}")
+            kwargs[key] = coerce(value, tp, f"{prefix}{key}")
     return cls(**kwargs)
-
-
-def _parse_override_value(raw: str, tp: Any) -> Any:
-    """Typed parse of the text after '=': the field's type decides how the text is read."""
-    if _is_optional(tp) and raw.strip().lower() in _NONE_WORDS:
-        return None
-    if _inner(tp) is str or get_origin(_inner(tp)) is Literal:
-        return raw  # strings stay verbatim: model.path=123 or trainer.run_dir=runs/1e3
-    import yaml
-
-    try:
-        return yaml.safe_load(raw)
-    except yaml.YAMLError:
-        return raw
 
 
 def apply_override(data: dict, override: str) -> None:
@@ -408,59 +270,7 @@ def apply_override(data: dict, override: str) -> None:
         elif not last:
             raise ConfigError(f"'{prefix}{part}' is a value, not a section: '{dotted}' does not exist")
         else:
-            node[part] = _parse_override_value(raw, tp)
-
-
-def _unique_key_loader():
-    """A YAML SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last silently)."""
-    import yaml
-
-    class UniqueKeyLoader(yaml.SafeLoader):
-        def construct_mapping(self, node, deep=False):
-            seen = set()
-            for key_node, _ in node.value:
-                key = self.construct_object(key_node, deep=deep)
-                if key in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None,
-                        None,
-                        f"key '{key}' is given twice (line {key_node.start_mark.line + 1}; remove one)",
-                        key_node.start_mark,
-                    )
-                seen.add(key)
-            return super().construct_mapping(node, deep=deep)
-
-    return UniqueKeyLoader
-
-
-def _read_yaml(path: str | os.PathLike) -> dict:
-    import yaml
-
-    if not os.path.isfile(path):
-        raise ConfigError(
-            f"config file {path} does not exist: pass the path of a YAML file, e.g. configs/tiny/gspo_cpu.yaml"
-        )
-    try:
-        with open(path, "rb") as f:
-            text = f.read().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(
-            f"config file {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}): save it "
-            f"as UTF-8"
-        ) from None
-    except OSError as e:
-        raise ConfigError(f"config file {path} is unreadable ({e.strerror}): check its permissions") from None
-    try:
-        data = yaml.load(text, Loader=_unique_key_loader())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"config file {path} must hold a mapping of sections (platform, model, actor, algo, ...), got {type(data).__name__}"
-        )
-    return data
+            node[part] = parse_override_value(raw, tp)
 
 
 CONFIG_WARNED_ENV = "MCORE_RL_CONFIG_WARNED"  # set by the launcher for its workers once it printed the warnings
@@ -468,7 +278,7 @@ CONFIG_WARNED_ENV = "MCORE_RL_CONFIG_WARNED"  # set by the launcher for its work
 
 def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = (), validate: bool = True) -> Config:
     """YAML file (or defaults when `path` is None) + dotted overrides -> a validated Config."""
-    data = _read_yaml(path) if path is not None else {}
+    data = read_yaml(path) if path is not None else {}
     for override in overrides:
         apply_override(data, override)
     cfg = _build(Config, data)
@@ -594,9 +404,6 @@ def _check_ranges(cfg: Config) -> None:
         "algo.temperature": a.temperature,
         "rollout.temperature": r.temperature,
         "rollout.sync_bucket_mb": r.sync_bucket_mb,
-        "algo.tau_pos": a.tau_pos,
-        "algo.tau_neg": a.tau_neg,
-        "algo.rollout_is_cap": a.rollout_is_cap,
     }
     for key, v in positive.items():
         _require(v > 0, f"{key} = {v} must be > 0")
@@ -670,37 +477,14 @@ def _check_combinations(cfg: Config) -> list[str]:
         f"must use the sampling temperature; set both to the same value",
     )
     _require(
-        0 <= a.clip_low < 1, f"algo.clip_low = {a.clip_low} must lie in [0, 1) (ratio lower bound is 1 - clip_low)"
-    )
-    _require(a.clip_high >= 0, f"algo.clip_high = {a.clip_high} must be >= 0 (ratio upper bound is 1 + clip_high)")
-    if a.dual_clip is not None:
-        _require(a.dual_clip > 1, f"algo.dual_clip = {a.dual_clip} must be > 1 (commonly 3) or null to disable it")
-        _require(
-            a.loss != "sapo", "algo.dual_clip is set but loss=sapo has no clipping (soft gate): set algo.dual_clip=null"
-        )
-    _require(
         r.n >= 2,
         f"rollout.n = {r.n}: group advantages ({a.adv_estimator}) need at least 2 samples per prompt; set rollout.n >= 2",
     )
-    if a.loss == "gspo" and a.clip_low > 0.01:
-        warnings.append(
-            f"loss=gspo clips a length-normalised sequence ratio; clip_low={a.clip_low} is a token-level range "
-            f"(the GSPO paper uses 3e-4 / 4e-4)"
-        )
-    if a.rollout_is == "icepop":
-        _require(
-            0 <= a.rollout_is_low < 1 < a.rollout_is_high,
-            f"algo.rollout_is=icepop needs rollout_is_low < 1 < rollout_is_high, got [{a.rollout_is_low}, {a.rollout_is_high}]",
-        )
     if a.routing_replay is not None and cfg.actor.parallel.cp > 1:
         raise ConfigError(
             f"algo.routing_replay={a.routing_replay} with actor.parallel.cp = {cfg.actor.parallel.cp}: routing replay "
             f"records and replays the routes of whole sequences and does not split them over context-parallel ranks "
             f"(RoutingReplay.install refuses cp > 1); set actor.parallel.cp = 1 or algo.routing_replay=null"
-        )
-    if a.loss == "sapo" and a.tau_neg < a.tau_pos:
-        warnings.append(
-            f"sapo with tau_neg={a.tau_neg} < tau_pos={a.tau_pos}: the paper damps negative updates harder (tau_neg > tau_pos)"
         )
     o = cfg.actor.optim
     if o.optimizer_offload_fraction > 0:
@@ -740,8 +524,9 @@ def _check_combinations(cfg: Config) -> list[str]:
 def validate_config(cfg: Config) -> list[str]:
     """Raise ConfigError on a bad value or an impossible combination; return non-fatal warnings."""
     _check_choices(cfg)
+    warnings = check_algo(cfg.algo)
     _check_ranges(cfg)
-    return _check_combinations(cfg)
+    return warnings + _check_combinations(cfg)
 
 
 def check_paths(cfg: Config) -> None:

@@ -12,7 +12,7 @@ from typing import get_args
 
 import torch
 
-from mcore_rl.config import AggMode
+from mcore_rl.algo_config import AggMode
 
 AGG_MODES = get_args(AggMode)
 

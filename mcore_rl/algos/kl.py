@@ -6,7 +6,7 @@ from typing import get_args
 
 import torch
 
-from mcore_rl.config import KlType
+from mcore_rl.algo_config import KlType
 
 KL_TYPES = get_args(KlType)
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: keeps k3 finite for any log-prob gap

@@ -17,11 +17,10 @@ from typing import get_args
 
 import torch
 
+from mcore_rl.algo_config import LOSSES, AlgoConfig, RolloutCorrection
 from mcore_rl.algos.aggregation import GlobalCounts, aggregate, sequence_lengths
 from mcore_rl.algos.kl import LOG_RATIO_CLAMP, kl_estimate
-from mcore_rl.config import AlgoConfig, LossName, RolloutCorrection
 
-LOSSES = get_args(LossName)
 ROLLOUT_IS_MODES = (None, *get_args(RolloutCorrection))
 
 
@@ -88,7 +87,7 @@ def pg_token_loss(log_prob, old_log_prob, advantages, mask, algo: AlgoConfig):
         # soft gate instead of a hard clip: gradient weight sech^2(tau (r - 1) / 2)
         gate = (4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0))
         return -gate * advantages, ratio, {}
-    raise ValueError(f"unknown loss {algo.loss!r}; use one of {LOSSES}")
+    raise ValueError(f"unknown loss {algo.loss!r}; use one of {tuple(LOSSES)}")
 
 
 def rollout_is_weight(old_log_prob, rollout_log_prob, mask, algo: AlgoConfig) -> torch.Tensor:
