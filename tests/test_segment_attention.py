@@ -1,4 +1,4 @@
-"""Per-segment attention of a packed row (mcore_rl/megatron/segment_attention.py) against a plain-torch
+"""Per-segment attention of a packed row (mcore_rl/models/segment_attention.py) against a plain-torch
 reference: each segment's causal attention computed on its own with an explicit softmax, outputs and gradients.
 The end-to-end check (packed micro-batches through the actor against padded ones) is in the layout-invariance
 jobs (tests/test_layout_invariance.py)."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mcore_rl.megatron.packing import cu_seqlens
-from mcore_rl.megatron.segment_attention import is_segment_bounds, segment_causal_attention, segment_index
+from mcore_rl.models.segment_attention import is_segment_bounds, segment_causal_attention, segment_index
 
 
 def reference(query, key, value, lengths, scale):

@@ -9,7 +9,7 @@ Two implementations, chosen by `Platform.packed_attention`:
   "thd-ends" - NPU: the same params with cu_seqlens in the convention of MindSpeed's fused attention (end offsets
            without the leading 0) and Megatron's bounds as cu_seqlens_*_padded, which Megatron's RoPE reads.
   "segments" - the row's segment bounds (cu_seqlens, int32 [n + 1]) passed where the attention mask goes;
-           the local layer spec's (CPU, CUDA without TE) `SegmentDotProductAttention` (`mcore_rl/megatron/segment_attention.py`)
+           the local layer spec's (CPU, CUDA without TE) `SegmentDotProductAttention` (`mcore_rl/models/segment_attention.py`)
            attends within each segment as a right-padded batch of segments. Outside the THD path Megatron's
            RoPE uses positions 0..T-1 of the row and ignores position_ids; RoPE is relative (a query-key score
            depends on the position difference only), so inside a segment the result equals the unpacked one up

@@ -391,7 +391,7 @@ FACTS = (
          _ascend_worker_reads_kv_bytes),
     # ---- megatron-core -------------------------------------------------------------------------------------
     Fact("dpa_packed_assert", "megatron-core", "DotProductAttention.forward asserts packed_seq_params is None",
-         "platform.Platform.packed_attention, megatron.segment_attention.SegmentDotProductAttention",
+         "platform.Platform.packed_attention, models.segment_attention.SegmentDotProductAttention",
          lambda s: asserts_with(method(_dpa(s), "forward"), "Packed sequence is not supported by DotProductAttention")),
     Fact("dpa_cp_assert", "megatron-core", "DotProductAttention.__init__ asserts context_parallel_size == 1",
          "preflight.layout._check_context_parallel",
