@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
 
 log = logging.getLogger(__name__)
@@ -33,6 +35,30 @@ class StopRequested(TrainingHalted):
     def __init__(self, message: str, signum: int = 0):
         super().__init__(message)
         self.signum = signum
+
+    @classmethod
+    def between_steps(cls, by: str, step: int, newest: Optional[Path]) -> StopRequested:
+        """The stop StopSignals.agreed() asked for (`by`: the signal's name or the stop file), after `step`;
+        `newest`: the newest checkpoint's path, if any."""
+        import signal
+
+        return cls(
+            f"stopped by {by} after step {step}; newest checkpoint: {newest or 'none'}; continue with "
+            "checkpoint.resume=auto",
+            signum=signal.Signals[by].value if by in signal.Signals.__members__ else 0,
+        )
+
+    @classmethod
+    def at_once(cls, step: Optional[int], newest: Optional[Path]) -> StopRequested:
+        """The stop line for Ctrl-C twice (Interrupted), with the step it cut short (None: while the run started)."""
+        import signal
+
+        where = f"after step {step}" if step is not None else "while the run started"
+        return cls(
+            f"stopped at once by a second SIGINT {where} (a checkpoint being written is not published); newest "
+            f"checkpoint: {newest or 'none'}; continue with checkpoint.resume=auto",
+            signum=signal.SIGINT,
+        )
 
 
 @dataclass

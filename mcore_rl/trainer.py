@@ -16,12 +16,10 @@ samples of its share, as `batch.split_for_rank` of the whole batch would cut it 
 docs/architecture.md, "Per-rank step data"). Groups need no cross-rank gather for advantages: every rank
 has every sample's reward and validity from the metadata.
 
-Device memory with actor.offload (docs/memory.md, "Offload around rollout"): the actor's state is on the host
-while the engine generates and the engine sleeps while the actor computes. The sync is the hand-over: wake
-the engine's weights, sync them from the actor, take the actor's reference log-probs for the verification,
-move the actor's state to the host, then wake the engine's KV cache. The reference model is on the host
-except during its own pass. A checkpoint or export after the sync puts the engine to sleep and the actor
-back; the next rollout then syncs again first.
+Who holds the device - the engine (rollout) or the actor (training) - is mcore_rl.colocation's: the step asks for
+a phase, a checkpoint, load or export for the actor's state, and the sync runs inside the hand-over (with
+actor.offload: the engine's weights woken, the sync, the actor's state to the host, the KV cache woken). The
+reference model is on the host except during its own pass.
 """
 
 from __future__ import annotations
@@ -29,6 +27,8 @@ from __future__ import annotations
 import logging
 import os
 import random
+import signal
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,9 +37,50 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mcore_rl.algos import group_advantages
+from mcore_rl.batch import plan_mini_batches
+from mcore_rl.colocation import Colocation, Phase
 from mcore_rl.compat import describe_versions
 from mcore_rl.config import Config, save_config
-from mcore_rl.platform import collectives
+from mcore_rl.data import EpochSampler, load_prompt_dataset
+from mcore_rl.dynamic_sampling import collect, overlong_filtered, round_seed, single_round, split_unit
+from mcore_rl.megatron.actor import Actor
+from mcore_rl.metrics import MetricsLogger, SampleLog
+from mcore_rl.platform import collectives, get_platform
+from mcore_rl.platform.library_warnings import quiet_startup, verbose_requested
+from mcore_rl.plot import plot_run
+from mcore_rl.preflight.resume_changes import CONFIG_FILE, check_resume_changes, describe
+from mcore_rl.rewards import RewardScorer
+from mcore_rl.rollout import make_engine, sampling_params
+from mcore_rl.rollout.data_parallel import generate_local
+from mcore_rl.rollout.weight_sync import (
+    ProbeBatch,
+    default_tolerance,
+    log_prob_gap,
+    shared_probe,
+    sync_weights,
+    verify_due,
+    verify_sync,
+)
+from mcore_rl.run_dir import (
+    Checkpoint,
+    CheckpointManager,
+    OutputWriteError,
+    claim_run_dir_collective,
+    resolve_verified_resume,
+    write_failure,
+)
+from mcore_rl.safety import (
+    STOP_FILE,
+    Interrupted,
+    SkipCounter,
+    StopRequested,
+    StopSignals,
+    check_reward_errors,
+    reward_errors_stop,
+)
+from mcore_rl.step_data import ExchangeStats, dp_ranks, exchange_meta, first_reward_error, local_mini_batches
+from mcore_rl.supervise import tell_launcher
 
 log = logging.getLogger("mcore_rl.trainer")
 CAP_WARN_EVERY = 50  # steps between dynamic sampling's round-cap warnings
@@ -74,19 +115,6 @@ class Trainer:
     """Holds what lives across steps: actor, engine, data sampler, reward function, loggers."""
 
     def __init__(self, cfg: Config):
-        from transformers import AutoTokenizer
-
-        from mcore_rl.data import EpochSampler, load_prompt_dataset
-        from mcore_rl.megatron.actor import Actor
-        from mcore_rl.metrics import MetricsLogger, SampleLog
-        from mcore_rl.platform import get_platform
-        from mcore_rl.rewards import RewardScorer
-        from mcore_rl.rollout import make_engine
-        from mcore_rl.rollout.weight_sync import ProbeBatch
-        from mcore_rl.run_dir import CheckpointManager, claim_run_dir_collective, resolve_verified_resume
-        from mcore_rl.safety import STOP_FILE, SkipCounter, StopSignals
-        from mcore_rl.step_data import dp_ranks
-
         self.cfg = cfg
         # First: a Ctrl-C while the run starts stops it at the first step boundary, like one later on.
         self.stop_signals = StopSignals(Path(cfg.trainer.run_dir) / STOP_FILE, at_once=self._stop_at_once)
@@ -96,61 +124,14 @@ class Trainer:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.run_dir = Path(cfg.trainer.run_dir)
-        resume = resolve_verified_resume(cfg, log)  # the newest checkpoint whose checksums verify
-        if resume is not None:  # refused changes stop here too, for launchers without the pre-flight
-            from mcore_rl.preflight.resume_changes import check_resume_changes, describe
-
-            applied = check_resume_changes(cfg, resume.path)
-            if applied and dist.get_rank() == 0:
-                log.info("resuming from %s with changed settings, applied: %s", resume.path, describe(applied))
-        # One run per run directory: locked for the life of the run, another run's checkpoints refused.
-        self.run_lock = claim_run_dir_collective(cfg, resume, log)
-        if self.rank == 0:
-            save_config(cfg, self.run_dir / "config.yaml")
+        resume = self._claim_run_dir()
         # Cheap, rank-local work first so bad data or reward functions fail before Megatron starts.
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        self.reward_fn = RewardScorer.from_config(cfg.reward, cfg.rollout.max_new_tokens)
-        load = lambda path: load_prompt_dataset(path, self.tokenizer, cfg.data.max_prompt_len, cfg.data.prompt_key)
-        self.train_set = load(cfg.data.train_path)
-        self.val_set = load(cfg.data.val_path) if cfg.data.val_path and cfg.trainer.val_every > 0 else None
-        self.sampler = EpochSampler(
-            len(self.train_set), cfg.data.prompts_per_step, seed=cfg.data.seed, shuffle=cfg.data.shuffle
+        self._load_inputs()
+        self._build_actors()
+        self.colocation = Colocation.start(
+            self.actor, self.platform, cfg.actor.offload, self._build_engine, sync=lambda: self.sync_engine(False)
         )
-
-        self.platform.adapt_megatron()
-        self.actor = Actor(cfg, self.platform)
-        # The pre-flight reads every weight of a small model folder (preflight.FINITE_CHECK_MAX_BYTES); this covers
-        # every size, on the devices, before the engine samples from the weights.
-        self.actor.check_weights_finite(
-            f"model.path = {cfg.model.path}", fix="the input model is damaged: download it again"
-        )
-        if cfg.algo.routing_replay is not None:
-            self.actor.enable_routing_replay()
-        # The data-parallel rank of every rank: who trains on which samples (mcore_rl.step_data).
-        self.dp_of_rank = dp_ranks(self.actor.layout.ranks.dp)
-        # The KL reference is the initial policy: a second, frozen copy of the model in the same layout.
-        self.ref_actor = Actor.frozen(cfg, self.platform) if cfg.algo.kl_coef > 0 else None
-        self.offload = cfg.actor.offload
-        self.rollout_logged = False
-        if self.offload and self.ref_actor is not None:
-            self.ref_actor.offload()  # on the host except during its own pass
-        # vLLM sizes its KV cache for the longest sequence it may see; the model's maximum wastes memory.
-        engine_args = (
-            {"max_model_len": cfg.data.max_prompt_len + cfg.rollout.max_new_tokens}
-            if cfg.rollout.engine == "vllm"
-            else {}
-        )
-        # Only rollout routing replay reads the engine's experts; recording them costs a forward (embedded).
-        engine_args["return_routed_experts"] = cfg.algo.routing_replay == "r3"
-        if self.offload:
-            # vLLM sizes its KV cache once, at start-up, from what the process holds then (vLLM-Ascend: from the
-            # allocator's peak after its own reset, which counts every live tensor): the actor is not there.
-            self.actor.offload()
-            self.platform.reset_peak_memory_stats()
-        self.engine = make_engine(cfg.rollout, cfg.model.path, self.platform, dtype=cfg.model.dtype, **engine_args)
-        # Ready to generate: the engine awake with the actor's weights (it starts from the same HF files as the
-        # actor; a resumed actor differs from it) and, with offload, the actor's state on the host.
-        self.rollout_ready = resume is None
+        self.engine = self.colocation.engine
         self.stop_ids = [self.tokenizer.eos_token_id]
         # T = 1: the check is about weights, and engines score T = 1 cheapest (vLLM: no full-vocab fetch).
         self.probe = ProbeBatch.random(self.actor.hf_config.vocab_size, seed=cfg.trainer.seed)
@@ -166,14 +147,71 @@ class Trainer:
         if resume is not None:
             self.sync_engine(verify=True)
 
+    def _claim_run_dir(self):
+        """The checkpoint to resume from (the newest whose checksums verify; None: a fresh run), the run directory
+        locked for the life of the run (another run's checkpoints refused) and the config written into it."""
+        cfg = self.cfg
+        resume = resolve_verified_resume(cfg, log)
+        if resume is not None:  # refused changes stop here too, for launchers without the pre-flight
+            applied = check_resume_changes(cfg, resume.path)
+            if applied and self.rank == 0:
+                log.info("resuming from %s with changed settings, applied: %s", resume.path, describe(applied))
+        self.run_lock = claim_run_dir_collective(cfg, resume, log)
+        if self.rank == 0:
+            save_config(cfg, self.run_dir / "config.yaml")
+        return resume
+
+    def _load_inputs(self) -> None:
+        """Tokenizer, reward function, prompt datasets and their sampler."""
+        # transformers is imported here, not at the top: `run` quiets the libraries' start-up warnings first
+        from transformers import AutoTokenizer
+
+        cfg = self.cfg
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.reward_fn = RewardScorer.from_config(cfg.reward, cfg.rollout.max_new_tokens)
+        load = lambda path: load_prompt_dataset(path, self.tokenizer, cfg.data.max_prompt_len, cfg.data.prompt_key)
+        self.train_set = load(cfg.data.train_path)
+        self.val_set = load(cfg.data.val_path) if cfg.data.val_path and cfg.trainer.val_every > 0 else None
+        self.sampler = EpochSampler(
+            len(self.train_set), cfg.data.prompts_per_step, seed=cfg.data.seed, shuffle=cfg.data.shuffle
+        )
+
+    def _build_actors(self) -> None:
+        """The actor (its weights checked finite) and, for KL, the frozen reference (actor.offload: on the host
+        except during its own pass)."""
+        cfg = self.cfg
+        self.platform.adapt_megatron()
+        self.actor = Actor(cfg, self.platform)
+        # The pre-flight reads every weight of a small model folder (preflight.FINITE_CHECK_MAX_BYTES); this covers
+        # every size, on the devices, before the engine samples from the weights.
+        self.actor.check_weights_finite(
+            f"model.path = {cfg.model.path}", fix="the input model is damaged: download it again"
+        )
+        if cfg.algo.routing_replay is not None:
+            self.actor.enable_routing_replay()
+        # The data-parallel rank of every rank: who trains on which samples (mcore_rl.step_data).
+        self.dp_of_rank = dp_ranks(self.actor.layout.ranks.dp)
+        # The KL reference is the initial policy: a second, frozen copy of the model in the same layout.
+        self.ref_actor = Actor.frozen(cfg, self.platform) if cfg.algo.kl_coef > 0 else None
+        if cfg.actor.offload and self.ref_actor is not None:
+            self.ref_actor.offload()
+
+    def _build_engine(self):
+        cfg = self.cfg
+        # vLLM sizes its KV cache for the longest sequence it may see; the model's maximum wastes memory.
+        engine_args = (
+            {"max_model_len": cfg.data.max_prompt_len + cfg.rollout.max_new_tokens}
+            if cfg.rollout.engine == "vllm"
+            else {}
+        )
+        # Only rollout routing replay reads the engine's experts; recording them costs a forward (embedded).
+        engine_args["return_routed_experts"] = cfg.algo.routing_replay == "r3"
+        return make_engine(cfg.rollout, cfg.model.path, self.platform, dtype=cfg.model.dtype, **engine_args)
+
     # ---- phases ------------------------------------------------------------------------------
     def rollout(self, examples, n: int, temperature: float, seed: int, stats=None):
         """Generate this rank's replica share, score this rank's part of it, exchange the metadata of every
         sample (tensors). Returns (LocalRollout, StepMeta, this rank's RewardBatch)."""
-        from mcore_rl.rollout import sampling_params
-        from mcore_rl.rollout.data_parallel import generate_local
-        from mcore_rl.step_data import exchange_meta
-
         params = sampling_params(self.cfg.rollout, stop_token_ids=self.stop_ids)
         params.temperature = temperature
         local = generate_local(self.engine, [ex.prompt_ids for ex in examples], n, params, seed=seed)
@@ -191,64 +229,18 @@ class Trainer:
         meta = exchange_meta(local, scored.rewards, scored.valid, stats)
         return local, meta, scored
 
-    # ---- device memory: who holds the device (actor.offload) --------------------------------------
-    def to_training(self) -> None:
-        """The engine sleeps (its memory is the actor's now); with offload the actor's state comes back to the
-        device, bit for bit. The engine then needs a sync before it generates again."""
-        self.engine.sleep()  # a no-op where the engine cannot sleep
-        if self.offload:
-            self.actor.reload()
-        self.rollout_ready = False
-
-    def to_rollout(self) -> None:
-        """Ready to generate: after a checkpoint, an export or a resume, the sync (and hand-over) runs first."""
-        if not self.rollout_ready:
-            self.sync_engine(verify=False)
-
-    def _export_on_device(self):
-        """A fresh export for the verification's rebuild fallback; with offload the actor comes back for it."""
-        with self.actor.resident():
-            yield from self.actor.export_hf_weights()
-
-    def _wake(self, tags) -> None:
-        """Wake the engine's `tags` (None: all) after releasing torch's cached blocks (the training peak), which the
-        engine's allocator could not use (Platform.release_cache)."""
-        self.platform.release_cache()
-        self.engine.wake_up(tags)
-
+    # ---- the engine's weights --------------------------------------------------------------------
     def sync_engine(self, verify: bool) -> dict:
-        """Actor weights -> rollout engine (bucketed), verified against the actor when `verify`.
-
-        With offload the two-phase wake: the engine's weights, the sync, the actor's reference log-probs for the
-        verification, the actor's state to the host, then the engine's KV cache."""
-        from mcore_rl.rollout.base import KV_CACHE, WEIGHTS
-        from mcore_rl.rollout.weight_sync import default_tolerance, sync_weights, verify_sync
-
-        if self.offload:
-            self.to_training()  # the engine asleep, the actor on the device (already so after an update)
-        self._wake([WEIGHTS] if self.offload else None)  # colocated engines slept during the update
-        # gathers write straight into the engine's tensors where it exposes them, and on one host the other ranks
-        # write their shards into a shared-memory engine themselves (each byte moves once)
-        export = self.actor.export_hf_weights(into=self.engine.weight_buffer, shared=self.engine.shared_weights())
-        stats = sync_weights(export, self.engine, self.cfg.rollout.sync_bucket_mb)
+        """Actor weights -> rollout engine (bucketed), verified against the actor when `verify`: the hand-over to
+        the rollout phase (Colocation.handover: the engine's wakes around it, with offload the actor to the host)."""
+        with self.colocation.handover():
+            # gathers write straight into the engine's tensors where it exposes them, and on one host the other ranks
+            # write their shards into a shared-memory engine themselves (each byte moves once)
+            export = self.actor.export_hf_weights(into=self.engine.weight_buffer, shared=self.engine.shared_weights())
+            stats = sync_weights(export, self.engine, self.cfg.rollout.sync_bucket_mb)
+            if verify:  # the verification's reads of the actor, valid after its state left the device
+                reference, export_fn = self.colocation.actor_reads(self.probe)
         out = {"sync/seconds": stats.seconds, "sync/gb_per_s": stats.gb_per_s}
-        reference, export_fn = self.actor.probe_log_probs, self.actor.export_hf_weights
-        if self.offload:
-            if verify:
-                probe = self.probe
-                probe_lp = self.actor.probe_log_probs(probe.sequences, probe.prompt_lens, probe.temperature)
-                reference, export_fn = (lambda *_: probe_lp), self._export_on_device
-            released = self.actor.offload()
-            if not self.rollout_logged:
-                log.info(
-                    "actor.offload: %.1f MiB of the actor's device state released for rollout (%.1f MiB copied to "
-                    "the host; gradients are not copied)",
-                    released / 2**20,
-                    self.actor.host_bytes / 2**20,
-                )
-                self.rollout_logged = True
-            self._wake([KV_CACHE])
-        self.rollout_ready = True
         if verify:
             report = verify_sync(
                 self.engine,
@@ -275,15 +267,10 @@ class Trainer:
             )
         return out
 
-    def _engine_scores(self, probe) -> list:
-        return self.engine.score(probe.sequences, probe.prompt_lens, probe.temperature)
-
     def _calibration(self, scored: list) -> dict:
         """The engine/actor log-prob gap at the initial weights on the first step's own sequences (`scored`: the
         engine's, taken before the update): the run's calibration of the sync tolerances; above them every
         verification would fail (a warning says so)."""
-        from mcore_rl.rollout.weight_sync import default_tolerance, log_prob_gap
-
         cfg, probe = self.cfg, self.probe
         reference = self.actor.probe_log_probs(probe.sequences, probe.prompt_lens, probe.temperature)
         tol = default_tolerance(cfg.model.dtype, cfg.rollout.verify_tolerance, cfg.rollout.verify_high_tolerance)
@@ -318,9 +305,6 @@ class Trainer:
 
     def _check_rewards(self, meta, scored) -> None:
         """Stop when too many of a round's rewards failed (the same decision on every rank)."""
-        from mcore_rl.safety import check_reward_errors, reward_errors_stop
-        from mcore_rl.step_data import first_reward_error
-
         max_rate = self.cfg.reward.max_error_rate
         stopping = reward_errors_stop(meta.errors, meta.size, max_rate)  # the same on every rank
         first_error = first_reward_error(scored.first_error) if stopping else scored.first_error
@@ -329,8 +313,6 @@ class Trainer:
     def generate_step(self, stats):
         """The step's rollout: one round, or with algo.dynamic_sampling rounds until data.prompts_per_step groups
         carry reward signal (mcore_rl.dynamic_sampling). Each round takes the sampler's next prompts."""
-        from mcore_rl.dynamic_sampling import collect, round_seed, single_round, split_unit
-
         cfg, a = self.cfg, self.cfg.algo
         step_seed = cfg.trainer.seed * 1_000_003 + self.step * 7919
 
@@ -370,27 +352,52 @@ class Trainer:
             self.cap_warned = self.step + 1
 
     def train_step(self) -> dict:
-        from mcore_rl.algos import group_advantages
-        from mcore_rl.batch import plan_mini_batches
-        from mcore_rl.dynamic_sampling import overlong_filtered
-        from mcore_rl.rollout.weight_sync import shared_probe, verify_due
-        from mcore_rl.step_data import ExchangeStats, local_mini_batches
-
-        cfg, timer, layout = self.cfg, PhaseTimer(), self.actor.layout
+        """One step: the rollout (after a sync where the engine is behind the actor), the actor's passes and updates
+        on this rank's samples, the sync into the engine. Returns the step's metrics."""
+        timer, exchanged = PhaseTimer(), ExchangeStats()
         step_start = time.perf_counter()
-        exchanged = ExchangeStats()
-        self.to_rollout()
+        self.colocation.ensure(Phase.ROLLOUT)
         with timer("rollout"):
             selection = self.generate_step(exchanged)
-        local, meta = selection.local, selection.meta
-        if self.step == 0 or verify_due(self.step + 1, cfg.rollout.verify_every):
-            # the step's own sequences (of its first round), not random ids
-            self.probe = shared_probe(selection.first_round.groups, self.probe)
         # the initial weights' gap: the engine scores now, awake; the actor once it is back on the device
-        calibration = self._engine_scores(self.probe) if self.step == 0 else None
+        calibration = self._probe_engine(selection)
         with timer("to_training"):
-            self.to_training()  # the engine's memory to the actor's passes (offload: the actor's state back)
+            self.colocation.ensure(Phase.TRAINING)  # the engine's memory to the actor's passes (offload: its state)
         calibration_metrics = self._calibration(calibration) if calibration is not None else {}
+        meta, mini_batches = self._mini_batches(selection, exchanged)
+        update, entropy_sum = self._actor_passes(mini_batches, timer)
+        # An applied step can still overflow the weights (finite gradients, a huge learning rate): stop
+        # before the engine, a checkpoint or the export sees them.
+        self.actor.check_weights_finite(f"step {self.step + 1} made the weights non-finite")
+        with timer("sync"):
+            sync_metrics = self.sync_engine(verify=verify_due(self.step + 1, self.cfg.rollout.verify_every))
+        self.step += 1
+        self.last_applied = [bool(v) for v in update.get("update_successful", [])]
+        metrics = {
+            **self._step_metrics(selection, meta, update, exchanged, timer, step_start),
+            **sync_metrics,
+            **calibration_metrics,
+        }
+        if entropy_sum is not None:
+            metrics["train/entropy_old"] = entropy_sum / max(1, sum(meta.loss_tokens))
+        else:  # on-policy: the update's forward ran on the old policy's weights
+            metrics["train/entropy_old"] = metrics["train/entropy"]
+        return metrics
+
+    def _probe_engine(self, selection) -> "list | None":
+        """The verification's probe from the step's own sequences (of its first round, not random ids) when the
+        next sync is verified or calibrated; on the first step the engine's scores of it (the calibration's)."""
+        if self.step == 0 or verify_due(self.step + 1, self.cfg.rollout.verify_every):
+            self.probe = shared_probe(selection.first_round.groups, self.probe)
+        if self.step != 0:
+            return None
+        return self.engine.score(self.probe.sequences, self.probe.prompt_lens, self.probe.temperature)
+
+    def _mini_batches(self, selection, exchanged):
+        """The step's advantages and plan of mini-batches / DP ranks / micro-batches, and this rank's mini-batches
+        (only the samples its data-parallel rank trains on reach it: mcore_rl.step_data). Returns (the metadata the
+        update counts, after the overlong filter; the mini-batches)."""
+        cfg, layout, meta = self.cfg, self.actor.layout, selection.meta
         # failed rewards (meta.valid False): out of their group and the loss
         advantages = group_advantages(meta.rewards, cfg.rollout.n, cfg.algo.adv_estimator, valid=meta.valid)
         if cfg.algo.overlong_filtering:  # after the advantages: truncated samples still count in their group
@@ -405,9 +412,8 @@ class Trainer:
             layout.seq_len_multiple,
             max_len=cfg.rollout.max_new_tokens,
         )
-        # Only the samples this rank's data-parallel rank trains on reach it (mcore_rl.step_data).
-        mini_batches = local_mini_batches(
-            local,
+        return meta, local_mini_batches(
+            selection.local,
             meta,
             plans,
             advantages,
@@ -417,10 +423,14 @@ class Trainer:
             route_experts=self.actor.hf_config.num_experts if cfg.algo.routing_replay == "r3" else None,
             stats=exchanged,
         )
+
+    def _actor_passes(self, mini_batches, timer: PhaseTimer) -> "tuple[dict[str, list[float]], float | None]":
+        """The old-policy and reference passes, then the updates (algo.ppo_epochs over the mini-batches). Returns the
+        update's metrics (one value per optimizer step) and the old policy's summed entropy (None: on-policy)."""
+        algo = self.cfg.algo
         micro_all = [mb for mini in mini_batches for mb in mini.micro_batches]
-        on_policy = cfg.algo.old_from_update
         entropy_sum = None
-        if not on_policy:
+        if not algo.old_from_update:
             with timer("old_logprob"):
                 entropy_sum = self.old_policy_pass(micro_all)
         if self.ref_actor is not None:
@@ -429,29 +439,25 @@ class Trainer:
                     mb.ref_log_prob = lp
         update: dict[str, list[float]] = {}
         with timer("update"):
-            for _ in range(cfg.algo.ppo_epochs):
+            for _ in range(algo.ppo_epochs):
                 for mini in mini_batches:
-                    for k, v in self.actor.train_policy(mini, cfg.algo, on_policy=on_policy).items():
+                    for k, v in self.actor.train_policy(mini, algo, on_policy=algo.old_from_update).items():
                         update.setdefault(k, []).append(v)
-        # An applied step can still overflow the weights (finite gradients, a huge learning rate): stop
-        # before the engine, a checkpoint or the export sees them.
-        self.actor.check_weights_finite(f"step {self.step + 1} made the weights non-finite")
-        with timer("sync"):
-            sync_metrics = self.sync_engine(verify=verify_due(self.step + 1, cfg.rollout.verify_every))
-        self.step += 1
+        return update, entropy_sum
 
-        self.last_applied = [bool(v) for v in update.get("update_successful", [])]
+    def _step_metrics(self, selection, meta, update, exchanged, timer: PhaseTimer, step_start: float) -> dict:
+        """Rewards, lengths, throughput, phase times and the update's means of a finished step."""
         response_lengths = meta.response_lengths.float()
         num_tokens = int(response_lengths.sum())
         generated_tokens = sum(int(m.response_lengths.sum()) for m in selection.generated)
         elapsed = time.perf_counter() - step_start
         # the rewards of every sample generated this step (all rounds): what the policy earns on fresh prompts
         scored_rewards = torch.cat([m.rewards[m.valid] for m in selection.generated])
-        metrics = {
+        return {
             "reward/mean": float(scored_rewards.mean()) if len(scored_rewards) else 0.0,
             "reward/std": float(scored_rewards.std()) if len(scored_rewards) > 1 else 0.0,
             "reward/errors": sum(m.errors for m in selection.generated),
-            **selection.metrics(cfg.rollout.n, cfg.algo.dynamic_sampling),
+            **selection.metrics(self.cfg.rollout.n, self.cfg.algo.dynamic_sampling),
             "response/length_mean": float(response_lengths.mean()),
             "response/length_max": float(response_lengths.max()),
             "response/clip_ratio": float(meta.truncated.float().mean()),
@@ -463,60 +469,37 @@ class Trainer:
             **{f"time/{k}": v for k, v in timer.seconds.items()},
             **{(k if k.startswith("routing/") else f"train/{k}"): float(np.mean(v)) for k, v in update.items()},
             "train/skipped_steps": float(np.sum(update.get("skipped_steps", [0.0]))),
-            **sync_metrics,
-            **calibration_metrics,
         }
-        if entropy_sum is not None:
-            metrics["train/entropy_old"] = entropy_sum / max(1, sum(meta.loss_tokens))
-        else:  # on-policy: the update's forward ran on the old policy's weights
-            metrics["train/entropy_old"] = metrics["train/entropy"]
-        return metrics
 
     def validate(self) -> dict:
         """Mean reward of one sample per validation prompt (pass@1), greedy."""
         examples = [self.val_set[i] for i in range(min(len(self.val_set), self.cfg.trainer.val_prompts))]
-        self.to_rollout()
+        self.colocation.ensure(Phase.ROLLOUT)
         _, meta, _ = self.rollout(examples, n=1, temperature=0.0, seed=self.cfg.trainer.seed)
         return {"val/reward_mean": float(meta.rewards.double().mean())}
 
     # ---- checkpoints -------------------------------------------------------------------------
     def _stop_if_asked(self) -> None:
         """Between steps (a checkpoint in progress is finished first): stop every rank on SIGTERM/SIGINT."""
-        from mcore_rl.safety import STOP_FILE, StopRequested
-
         name = self.stop_signals.agreed()
         if name:
             self.reward_fn.close()
             if self.rank == 0:
                 (self.run_dir / STOP_FILE).unlink(missing_ok=True)  # a later resume must not stop at once
-            import signal
-
             newest = self.ckpt.latest()
-            raise StopRequested(
-                f"stopped by {name} after step {self.step}; newest checkpoint: "
-                f"{newest.path if newest else 'none'}; continue with checkpoint.resume=auto",
-                signum=signal.Signals[name].value if name in signal.Signals.__members__ else 0,
-            )
+            raise StopRequested.between_steps(name, self.step, newest.path if newest else None)
 
     def _stop_at_once(self) -> None:
         """Ctrl-C twice: say so and end this process where it is. Nothing half-written is ever published (a
         checkpoint's .tmp folder, the export's temporary shards); the run directory's lock is dropped by the
         kernel; the launcher reaps what this process started."""
-        import signal
-        import sys
-
-        from mcore_rl.supervise import tell_launcher
-
         tell_launcher(128 + signal.SIGINT, f"mcore-rl: {_interrupted(self.cfg, self)}")
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)  # stopped as asked, like a StopRequested: the launcher exits 128 + SIGINT
 
     def save(self) -> None:
-        from mcore_rl.preflight.resume_changes import CONFIG_FILE
-
-        if self.offload:
-            self.to_training()  # the actor's state on the device for the writer
+        self.colocation.ensure_actor_state()  # for the writer
         self.actor.check_weights_finite(f"not writing checkpoint step {self.step}")
 
         def write(tmp_dir: Path) -> None:
@@ -536,10 +519,7 @@ class Trainer:
             log.info("saved checkpoint %s", ckpt.path)
 
     def _load(self, path: Path) -> None:
-        from mcore_rl.run_dir import Checkpoint
-
-        if self.offload:
-            self.to_training()  # loaded into the actor on the device; sync_engine hands over afterwards
+        self.colocation.ensure_actor_state()  # loaded into the actor on the device; a sync hands over afterwards
         saved_world = Checkpoint(self.step, Path(path)).meta.get("world_size")
         state_file = Path(path) / f"trainer_state_rank{self.rank}.pt"
         if saved_world is not None and saved_world != self.world:
@@ -556,6 +536,7 @@ class Trainer:
             state = torch.load(state_file, weights_only=False)
         except Exception as e:  # name the checkpoint: torch's own messages ("zip archive corrupted") do not
             raise RuntimeError(f"cannot load checkpoint {path}: {type(e).__name__}: {e}") from e
+        self.colocation.weights_replaced()
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         _set_rng_state(state["rng"])
@@ -566,11 +547,8 @@ class Trainer:
 
     def export_hf(self, out_dir: Path) -> None:
         """Write the actor as a Hugging Face folder (collective)."""
-        if self.offload:
-            self.to_training()
+        self.colocation.ensure_actor_state()
         self.actor.check_weights_finite(f"not writing the Hugging Face export {out_dir}")
-        from mcore_rl.run_dir import OutputWriteError
-
         try:
             self.actor.save_hf(str(out_dir), source_dir=self.cfg.model.path)
         except OutputWriteError as e:
@@ -601,17 +579,13 @@ class Trainer:
         self.reward_fn.close()
         if cfg.checkpoint.save_hf:
             self.export_hf(self.run_dir / "hf")
-        self.engine.close()
+        self.colocation.close()
         self._plot()
 
     def _plot(self) -> None:
         """Rank 0 writes the plots; a failure (a full disk) stops every rank with the same message."""
-        from mcore_rl.run_dir import OutputWriteError, write_failure
-
         failed = None
         if self.rank == 0:
-            from mcore_rl.plot import plot_run
-
             try:
                 pngs = plot_run(self.run_dir)
                 log.info("training done: metrics %s, plots %s", self.run_dir / "metrics.jsonl", pngs[0].parent)
@@ -636,27 +610,14 @@ def _setup_logging() -> None:
     logging.getLogger("mcore_rl.rollout.weight_sync").setLevel(logging.WARNING)
 
 
-def _interrupted(cfg: Config, trainer: "Trainer | None"):
+def _interrupted(cfg: Config, trainer: "Trainer | None") -> StopRequested:
     """The stop line for Ctrl-C twice (safety.Interrupted), with the step it cut short and what is kept."""
-    import signal
-
-    from mcore_rl.run_dir import CheckpointManager
-    from mcore_rl.safety import StopRequested
-
     newest = CheckpointManager(cfg.trainer.run_dir).latest()
     step = getattr(trainer, "step", None)  # a Ctrl-C can come while the trainer is being built
-    where = f"after step {step}" if step is not None else "while the run started"
-    return StopRequested(
-        f"stopped at once by a second SIGINT {where} (a checkpoint being written is not published); newest "
-        f"checkpoint: {newest.path if newest else 'none'}; continue with checkpoint.resume=auto",
-        signum=signal.SIGINT,
-    )
+    return StopRequested.at_once(step, newest.path if newest else None)
 
 
 def run(cfg: Config) -> None:
-    from mcore_rl.platform import get_platform
-    from mcore_rl.platform.library_warnings import quiet_startup, verbose_requested
-
     _setup_logging()
     verbose = verbose_requested(cfg.trainer.verbose)
     # before Megatron is imported: most of its warnings are raised at import time
@@ -664,8 +625,6 @@ def run(cfg: Config) -> None:
     log.info("%s", describe_versions(brief=not verbose))
     if notice:
         log.info("%s", notice)
-    from mcore_rl.safety import Interrupted, StopSignals
-
     torch.manual_seed(cfg.trainer.seed)
     trainer = None
     try:

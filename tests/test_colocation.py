@@ -1,5 +1,6 @@
-"""The device cache is released before every engine wake and before a rebuild beside an awake engine: the trainer's
-real sync on a recording Platform (tests/workers/wake_order.py), and `Platform.release_cache` itself."""
+"""The colocation lifecycle (mcore_rl/colocation.py): its phases and transitions on recording fakes of the actor and
+the engine and a recording Platform, the order of the cache release before every engine wake and before a rebuild
+beside an awake engine in the trainer's real sync (tests/workers/wake_order.py), and `Platform.release_cache` itself."""
 
 import dataclasses
 import gc
@@ -7,7 +8,9 @@ import weakref
 
 import pytest
 
+from mcore_rl.colocation import Colocation, ColocationError, Phase
 from mcore_rl.platform import Platform
+from mcore_rl.rollout.weight_sync import ProbeBatch
 from tests.torchrun_util import REPO, run_worker
 
 
@@ -70,3 +73,153 @@ def test_cache_released_before_each_wake_in_the_trainers_sync(tiny_model_dir, tm
     # the failed verification rebuilds beside the awake engine: the cache released first
     assert got["rebuilt"] == 1.0
     assert phases["sync_rebuild"] == ["empty_cache", "wake_up(all)", "empty_cache", "rebuild_from"]
+
+
+class FakeActor:
+    """Records offload / reload / the verification's reads; `offloaded` as the real actor keeps it."""
+
+    def __init__(self, events: list):
+        self.events, self.offloaded, self.host_bytes = events, False, 0
+
+    def offload(self) -> int:
+        self.events.append("offload")
+        self.offloaded = True
+        return 0
+
+    def reload(self) -> int:
+        self.events.append("reload")
+        self.offloaded = False
+        return 0
+
+    def probe_log_probs(self, sequences, prompt_lens, temperature):
+        self.events.append("probe_log_probs" + (" (offloaded)" if self.offloaded else ""))
+        return [[-1.0]]
+
+
+class FakeEngine:
+    def __init__(self, events: list):
+        self.events = events
+
+    def sleep(self) -> None:
+        self.events.append("sleep")
+
+    def wake_up(self, tags=None) -> None:
+        self.events.append(f"wake_up({','.join(tags) if tags else 'all'})")
+
+    def close(self) -> None:
+        self.events.append("close")
+
+
+def colocated(offload: bool):
+    """A Colocation started the way the trainer starts it; its `sync` is a hand-over recorded as "transfer"."""
+    platform = Recording("cpu")
+    events = platform.events
+    actor = FakeActor(events)
+
+    def sync():
+        with colocation.handover():
+            events.append("transfer")
+
+    colocation = Colocation.start(actor, platform, offload, lambda: FakeEngine(events), sync)
+    return colocation, events
+
+
+def moves(colocation, events: list, fn) -> list:
+    start = len(events)
+    fn()
+    return events[start:]
+
+
+def test_offload_round_trip_moves_the_device_once_each_way():
+    colocation, events = colocated(offload=True)
+    assert events == ["offload"] and colocation.phase is Phase.ROLLOUT  # the engine starts beside no actor state
+    assert moves(colocation, events, lambda: colocation.ensure(Phase.ROLLOUT)) == []  # already there
+    assert moves(colocation, events, lambda: colocation.ensure(Phase.TRAINING)) == ["sleep", "reload"]
+    assert moves(colocation, events, lambda: colocation.ensure(Phase.TRAINING)) == []
+    assert colocation.phase is Phase.TRAINING
+    # the two-phase wake, each wake after the cache release; the actor leaves between the two
+    assert moves(colocation, events, lambda: colocation.ensure(Phase.ROLLOUT)) == [
+        "empty_cache",
+        "wake_up(weights)",
+        "transfer",
+        "offload",
+        "empty_cache",
+        "wake_up(kv_cache)",
+    ]
+    assert colocation.phase is Phase.ROLLOUT
+
+
+def test_resident_actor_wakes_everything_at_once_and_never_moves():
+    colocation, events = colocated(offload=False)
+    assert events == []
+    assert moves(colocation, events, lambda: colocation.ensure(Phase.TRAINING)) == ["sleep"]
+    assert moves(colocation, events, lambda: colocation.ensure(Phase.ROLLOUT)) == [
+        "empty_cache",
+        "wake_up(all)",
+        "transfer",
+    ]
+    # a checkpoint or an export needs the actor's state, which never left the device: the engine stays awake
+    assert moves(colocation, events, colocation.ensure_actor_state) == []
+    assert colocation.phase is Phase.ROLLOUT
+
+
+def test_actor_state_with_offload_is_the_training_phase():
+    colocation, events = colocated(offload=True)
+    assert moves(colocation, events, colocation.ensure_actor_state) == ["sleep", "reload"]
+    assert colocation.phase is Phase.TRAINING
+    assert moves(colocation, events, colocation.ensure_actor_state) == []
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_loaded_weights_put_the_engine_behind(offload):
+    colocation, events = colocated(offload)
+    colocation.ensure_actor_state()
+    colocation.weights_replaced()
+    assert colocation.phase is Phase.TRAINING
+    assert "transfer" in moves(colocation, events, lambda: colocation.ensure(Phase.ROLLOUT))
+
+
+def test_verification_reads_the_actor_before_its_state_leaves():
+    colocation, events = colocated(offload=True)
+    colocation.ensure(Phase.TRAINING)
+    with colocation.handover():
+        reference, _ = colocation.actor_reads(ProbeBatch(sequences=[[1, 2]], prompt_lens=[1]))
+    assert events[-4:] == ["probe_log_probs", "offload", "empty_cache", "wake_up(kv_cache)"]
+    assert reference() == [[-1.0]] and events[-1] == "wake_up(kv_cache)"  # no second pass on the host
+    with pytest.raises(ColocationError, match="actor_reads in the rollout phase: only from handover"):
+        colocation.actor_reads(probe=None)
+
+
+def test_a_failed_transfer_leaves_the_handover_unfinished():
+    colocation, events = colocated(offload=True)
+    with pytest.raises(OSError, match="transport"):
+        with colocation.handover():
+            raise OSError("transport")
+    assert colocation.phase is Phase.HANDOVER and events[-1] == "wake_up(weights)"  # the KV cache stays asleep
+    for ask in (lambda: colocation.ensure(Phase.TRAINING), lambda: colocation.ensure(Phase.ROLLOUT)):
+        with pytest.raises(
+            ColocationError, match=r"in the handover phase: .*\(a weight sync into the engine did not finish\)"
+        ):
+            ask()
+    with pytest.raises(ColocationError, match="handover in the handover phase"):
+        with colocation.handover():
+            pass
+
+
+def test_illegal_requests_raise():
+    colocation, events = colocated(offload=False)
+    for phase in (Phase.HANDOVER, Phase.CLOSED):
+        with pytest.raises(ColocationError, match="only training or rollout can be asked for"):
+            colocation.ensure(phase)
+    colocation.close()
+    assert events[-1] == "close" and colocation.phase is Phase.CLOSED
+    for ask in (lambda: colocation.ensure(Phase.ROLLOUT), colocation.ensure_actor_state, colocation.close):
+        with pytest.raises(ColocationError, match="in the closed phase"):
+            ask()
+
+
+def test_a_sync_that_does_not_hand_over_is_refused():
+    platform = Recording("cpu")
+    colocation = Colocation(FakeActor([]), FakeEngine([]), platform, False, sync=lambda: None, phase=Phase.TRAINING)
+    with pytest.raises(ColocationError, match="did not hand over"):
+        colocation.ensure(Phase.ROLLOUT)

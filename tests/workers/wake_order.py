@@ -42,12 +42,12 @@ def record(obj, method: str, events: list) -> None:
 
 def main():
     args = worker_args(__doc__, config=str, model_dir=str, train=str, val=str, run_dir=str)
-    import mcore_rl.platform as platform_module
+    import mcore_rl.trainer as trainer_module
+    from mcore_rl.colocation import Phase
     from mcore_rl.config import load_config
-    from mcore_rl.trainer import Trainer
 
     platform = recording_platform_class()("cpu")
-    platform_module.get_platform = lambda name="auto": platform  # the trainer asks for its platform by name
+    trainer_module.get_platform = lambda name="auto": platform  # the trainer asks for its platform by name
     cfg = load_config(
         args.config,
         [
@@ -61,7 +61,7 @@ def main():
             "rollout.verify_fallback=rebuild",
         ],
     )
-    trainer = Trainer(cfg)
+    trainer = trainer_module.Trainer(cfg)
     events = platform.events
     for method in ("sleep", "wake_up", "rebuild_from"):
         record(trainer.engine, method, events)
@@ -73,8 +73,8 @@ def main():
         phases[name] = events[start:]
 
     phase("sync_offload", lambda: trainer.sync_engine(verify=True))
-    phase("to_training", trainer.to_training)
-    object.__setattr__(trainer, "offload", False)
+    phase("to_training", lambda: trainer.colocation.ensure(Phase.TRAINING))
+    trainer.colocation.offload = False
     phase("sync_resident", lambda: trainer.sync_engine(verify=False))
 
     # a verification that fails: the engine's weights changed behind the sync's back -> rebuild beside the awake engine
