@@ -37,6 +37,11 @@ from mcore_rl.rollout.base import RolloutSample
 ROUTE_DTYPE = torch.int16  # expert ids < 32768; uint8 would halve it for <= 256 experts
 
 
+def next_token_targets(tokens: torch.Tensor) -> torch.Tensor:
+    """targets[:, t] = tokens[:, t + 1]; the last column has no next token (a placeholder that must be masked)."""
+    return torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)
+
+
 @dataclass
 class MicroBatch:
     """`b` right-padded sequences of length `s` and the per-token tensors the passes read or fill.
@@ -59,6 +64,9 @@ class MicroBatch:
     # actor's router order: a mcore_rl.megatron.routing_replay.MicroBatchRoutes, set by the actor.
     replay_routes: Optional[Any] = None
     position_ids: Optional[torch.Tensor] = None  # [b, s]; default 0..s-1
+    # [b, s] the token each position predicts; None: tokens shifted left by one (`next_token_targets`). Set by
+    # the context-parallel split (mcore_rl/megatron/context_parallel.py), which takes the targets before cutting.
+    labels: Optional[torch.Tensor] = None
     attention_mask: Optional[torch.Tensor] = None  # None: causal (Megatron's default)
     # Packed micro-batch (b = 1): lengths of the segments of the row, in order, summing to s; the last
     # one may be padding. None: b right-padded sequences. Attention never crosses a segment boundary.
@@ -79,6 +87,7 @@ class MicroBatch:
             "entropy",
             "route_valid",
             "position_ids",
+            "labels",
         ):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != shape:
@@ -110,6 +119,10 @@ class MicroBatch:
     @property
     def packed(self) -> bool:
         return self.seq_lengths is not None
+
+    def targets(self) -> torch.Tensor:
+        """[b, s] the next token at each position (`labels`, else the tokens shifted left by one)."""
+        return self.labels if self.labels is not None else next_token_targets(self.tokens)
 
     @property
     def num_tokens(self) -> int:

@@ -145,12 +145,17 @@ def test_sequence_parallel_auto_on_for_moe_and_off_for_tp1():
     assert not lay.sequence_parallel and lay.warnings == ()
 
 
-@pytest.mark.parametrize("platform", [None, "cpu", "cuda", "npu"])
-def test_context_parallel_rejected_on_every_platform(platform):
+def test_context_parallel_pads_sequences_to_twice_cp():
+    lay = validate_layout(ParallelConfig(cp=2), 2, QWEN, platform="cpu")
+    assert lay.cp == 2 and lay.dp == 1 and lay.seq_len_multiple == 4
+
+
+@pytest.mark.parametrize("platform", ["cuda", "npu"])
+def test_context_parallel_refused_on_devices(platform):
+    """Transformer Engine's / MindSpeed's CP attention is not configured: refused in the pre-flight."""
     msg = err(ParallelConfig(cp=2), 2, platform=platform)
-    assert (
-        "actor.parallel.cp = 2: context parallelism is not supported yet" in msg and "set actor.parallel.cp = 1" in msg
-    )
+    assert f"actor.parallel.cp = 2 on {platform}: context parallelism runs on CPU only" in msg, msg
+    assert "cp_comm_type" in msg and "context_parallel_algo" in msg and "set actor.parallel.cp = 1" in msg
 
 
 def test_context_parallel_with_routing_replay_names_routing_replay():
@@ -306,5 +311,5 @@ def test_run_batch_split_rules():
     with pytest.raises(LayoutError, match="rollout.tp = 3"):
         validate_run(cfg, 6, QWEN)
     cfg = load_config(None, ["platform=cuda", "actor.parallel.cp=2"])
-    with pytest.raises(LayoutError, match="context parallelism is not supported yet"):
+    with pytest.raises(LayoutError, match="context parallelism runs on CPU only"):
         validate_run(cfg, 2, QWEN)

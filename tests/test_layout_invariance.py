@@ -28,6 +28,7 @@ from tests.torchrun_util import REPO, run_worker
 
 WORKER = REPO / "tests/workers/loss_layouts.py"
 LOSSES = ("grpo", "gspo", "sapo")
+CP_LOSSES = (*LOSSES, "gspo_token")  # the reference job computes all; the context-parallel job checks all
 SHORTCUT_TOL = 1e-6  # the worker's SHORTCUT_TOL
 
 
@@ -52,9 +53,10 @@ def check_shortcut(got: dict) -> None:
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("loss_layouts")
-    args = dict(out_dir=out, model_dir=tiny_model_dir, tp=1, pp=1, ep=1, n_micro=1, mode="ref")
+    args = dict(out_dir=out, model_dir=tiny_model_dir, tp=1, pp=1, ep=1, cp=1, n_micro=1, mode="ref")
+    args["losses"] = ",".join(CP_LOSSES)
     (ref,) = run_worker(WORKER, 1, **args, timeout=240).results
-    for loss in LOSSES:  # the packed path at world 1 against the padded one
+    for loss in CP_LOSSES:  # the packed path at world 1 against the padded one
         check_packed(loss, ref[loss]["packed"], ref[loss])
     return out, ref
 
@@ -69,7 +71,8 @@ def test_loss_and_update_match_world1(reference, tiny_model_dir, tp, pp, ep, n_m
             validate_layout(ParallelConfig(tp=tp, pp=pp, ep=ep, etp=1), 2, tiny_model_dir, platform="cpu")
         return
     ref_dir, want = reference
-    args = dict(out_dir=ref_dir, model_dir=tiny_model_dir, tp=tp, pp=pp, ep=ep, n_micro=n_micro, mode="check")
+    args = dict(out_dir=ref_dir, model_dir=tiny_model_dir, tp=tp, pp=pp, ep=ep, cp=1, n_micro=n_micro, mode="check")
+    args["losses"] = ",".join(LOSSES)
     results = run_worker(WORKER, 2, **args, timeout=240).results
     for r in results:  # one per rank: both must report
         for loss in LOSSES:
@@ -96,3 +99,39 @@ def check_step_data(got: list[dict], dp: int, batch: int) -> None:
         assert 0 < r["received_bytes"] < r["step_bytes"], r
     assert len(shares) == dp and sorted(i for s in shares.values() for i in s) == list(range(batch)), shares
     print("step data:", [{k: r[k] for k in ("dp_rank", "trained", "received_bytes", "seconds")} for r in got])
+
+
+@pytest.fixture(scope="module")
+def context_parallel(reference, tiny_model_dir):
+    """CP2 x EP2 (world 2: dp 1, the experts folded over the CP ranks), 2 micro-batches, every loss."""
+    ref_dir, want = reference
+    args = dict(out_dir=ref_dir, model_dir=tiny_model_dir, tp=1, pp=1, ep=2, cp=2, n_micro=2, mode="check")
+    args["losses"] = ",".join(CP_LOSSES)
+    return run_worker(WORKER, 2, **args, timeout=300).results, want
+
+
+@pytest.mark.slow
+def test_context_parallel_matches_world1(context_parallel):
+    """Each CP rank computes its load-balanced half of every sequence; log-probs (asserted in the worker), the
+    loss and every update equal the world-1 reference, padded and packed, for grpo / gspo / sapo / gspo_token;
+    per-rank step data brings both CP ranks (one DP rank) the same samples."""
+    results, want = context_parallel
+    for r in results:
+        for loss in CP_LOSSES:
+            got, ref = r[loss], want[loss]
+            assert abs(got["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), (loss, got, ref)
+            assert got["params"] == ref["params"], (loss, got["params"], ref["params"])
+            assert got["update_diff"] <= 1e-5 * got["largest_update"], (loss, got)
+            check_packed(loss, got["packed"], ref)
+    check_step_data([r["step_data"] for r in results], dp=1, batch=8)
+
+
+@pytest.mark.slow
+def test_gspo_without_the_context_parallel_reduction_differs(context_parallel):
+    """The same CP2 GSPO step with the sequence ratio's CP reduction patched out (each rank's ratio from its
+    own half of the sequence): the exactness check above fails on the update."""
+    results, _ = context_parallel
+    for r in results:
+        got = r["unreduced"]
+        assert got["update_diff"] > 1e-5 * got["largest_update"], got
+        print(f"rank {r['rank']} without the reduction: {got}")

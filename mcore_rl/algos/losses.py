@@ -2,8 +2,9 @@
 rollout importance correction. Plain torch; `policy_loss` is the one public entry point.
 
 Tensors are [batch, tokens] over response tokens; `mask` is 1 on valid tokens. Each row holds one
-whole sequence (a sequence never spans micro-batches), so per-sequence quantities such as GSPO's
-length-normalised ratio use only the row's own tokens.
+sequence (a sequence never spans micro-batches), so per-sequence quantities such as GSPO's
+length-normalised ratio use only the row's own tokens - unless the row holds only part of its sequence
+(context parallelism): then `row_sum` adds each per-row sum over the ranks holding the other parts.
 
 Clip-boundary convention: a token counts as clipped only when strictly outside the trust region
 (r > 1 + clip_high with A > 0, r < 1 - clip_low with A < 0, r > dual_clip with A < 0); exactly on the
@@ -13,7 +14,7 @@ derivative from inside the region.)
 
 from __future__ import annotations
 
-from typing import get_args
+from typing import Callable, get_args
 
 import torch
 
@@ -24,10 +25,17 @@ from mcore_rl.algos.kl import LOG_RATIO_CLAMP, kl_estimate
 ROLLOUT_IS_MODES = (None, *get_args(RolloutCorrection))
 
 
-def _masked_seq_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+RowSum = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _masked_seq_mean(values: torch.Tensor, mask: torch.Tensor, row_sum: RowSum = _own) -> torch.Tensor:
     """Per-row mean over valid tokens, [batch, 1]; all-masked rows give 0."""
-    n = sequence_lengths(mask).to(values.dtype).clamp(min=1)
-    return ((values * mask).sum(dim=-1) / n).unsqueeze(-1)
+    n = row_sum(sequence_lengths(mask)).to(values.dtype).clamp(min=1)
+    return (row_sum((values * mask).sum(dim=-1)) / n).unsqueeze(-1)
 
 
 def ppo_clip_token_loss(ratio: torch.Tensor, adv: torch.Tensor, algo: AlgoConfig):
@@ -48,12 +56,13 @@ def _token_log_ratio(log_prob, old_log_prob):
     return (log_prob - old_log_prob.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
-def _sequence_log_ratio(log_prob, old_log_prob, mask):
+def _sequence_log_ratio(log_prob, old_log_prob, mask, row_sum: RowSum = _own):
     """log s_i = (1/n_i) sum_t m d_{i,t}: GSPO's length-normalised sequence log-ratio, [batch, 1]."""
-    return _masked_seq_mean(log_prob - old_log_prob.detach(), mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ratio = _masked_seq_mean(log_prob - old_log_prob.detach(), mask, row_sum)
+    return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
-def pg_token_loss(log_prob, old_log_prob, advantages, mask, algo: AlgoConfig):
+def pg_token_loss(log_prob, old_log_prob, advantages, mask, algo: AlgoConfig, row_sum: RowSum = _own):
     """Per-token policy-gradient loss for algo.loss; returns (loss, ratio, flags dict of bool tensors)."""
     if algo.loss == "grpo":
         ratio = torch.exp(_token_log_ratio(log_prob, old_log_prob))
@@ -61,8 +70,8 @@ def pg_token_loss(log_prob, old_log_prob, advantages, mask, algo: AlgoConfig):
         return loss, ratio, {"clipfrac_upper": up, "clipfrac_lower": lo, "dual_clipfrac": dual}
     if algo.loss == "gspo":
         # one ratio and one (masked-mean) advantage per sequence, broadcast to its tokens
-        seq_ratio = torch.exp(_sequence_log_ratio(log_prob, old_log_prob, mask))
-        seq_adv = _masked_seq_mean(advantages, mask)
+        seq_ratio = torch.exp(_sequence_log_ratio(log_prob, old_log_prob, mask, row_sum))
+        seq_adv = _masked_seq_mean(advantages, mask, row_sum)
         loss, up, lo, dual = ppo_clip_token_loss(seq_ratio, seq_adv, algo)
         shape = log_prob.shape
         return (
@@ -76,7 +85,7 @@ def pg_token_loss(log_prob, old_log_prob, advantages, mask, algo: AlgoConfig):
         )
     if algo.loss == "gspo_token":
         # value s_i, gradient through each token: lp - sg(lp) + sg(log s_i)
-        log_s = _sequence_log_ratio(log_prob, old_log_prob, mask).detach()
+        log_s = _sequence_log_ratio(log_prob, old_log_prob, mask, row_sum).detach()
         ratio = torch.exp(log_prob - log_prob.detach() + log_s)
         loss, up, lo, dual = ppo_clip_token_loss(ratio, advantages, algo)
         return loss, ratio, {"clipfrac_upper": up, "clipfrac_lower": lo, "dual_clipfrac": dual}
@@ -90,13 +99,13 @@ def pg_token_loss(log_prob, old_log_prob, advantages, mask, algo: AlgoConfig):
     raise ValueError(f"unknown loss {algo.loss!r}; use one of {tuple(LOSSES)}")
 
 
-def rollout_is_weight(old_log_prob, rollout_log_prob, mask, algo: AlgoConfig) -> torch.Tensor:
+def rollout_is_weight(old_log_prob, rollout_log_prob, mask, algo: AlgoConfig, row_sum: RowSum = _own) -> torch.Tensor:
     """Detached train/inference importance weight per token (see AlgoConfig.rollout_is)."""
     log_w = (old_log_prob - rollout_log_prob).detach() * mask
     if algo.rollout_is == "token":
         return torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).clamp(max=algo.rollout_is_cap)
     if algo.rollout_is == "sequence":
-        seq = log_w.sum(dim=-1, keepdim=True).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        seq = row_sum(log_w.sum(dim=-1)).unsqueeze(-1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         return torch.exp(seq).clamp(max=algo.rollout_is_cap).expand_as(log_w)
     if algo.rollout_is == "icepop":
         w = torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
@@ -116,13 +125,16 @@ def policy_loss(
     ref_log_prob: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     seq_lens: torch.Tensor | None = None,
+    row_sum: RowSum | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of one micro-batch and its metrics, both as partial sums over GLOBAL denominators.
 
     Args: [batch, tokens] tensors (advantages broadcast per token); `counts` from the full global
     batch (GlobalCounts.from_mask); `rollout_log_prob` when algo.rollout_is is set; `ref_log_prob`
     when algo.kl_coef > 0; `entropy` (differentiable) when algo.entropy_coef > 0 (also logged when
-    given); `seq_lens` only when rows hold partial sequences.
+    given); `seq_lens` only when rows hold partial sequences; `row_sum` when rows hold parts of sequences
+    whose other parts are on other ranks (context parallel): sums a per-row [batch] tensor over them,
+    differentiably (mcore_rl.megatron.context_parallel.row_sum); then `seq_lens` defaults to its mask sums.
 
     loss = agg(w * l_pg) + kl_coef * agg(kl) - entropy_coef * agg(H) with agg = algo.agg_mode and w
     the detached rollout IS weight. Summing `loss` over micro-batches and DP ranks gives the
@@ -159,6 +171,10 @@ def policy_loss(
 
     mask = mask.to(log_prob.dtype)
     advantages = advantages.to(log_prob.dtype)
+    if row_sum is None:
+        row_sum = _own
+    elif seq_lens is None:
+        seq_lens = row_sum(sequence_lengths(mask))
 
     def agg(values):
         return aggregate(values, mask, algo.agg_mode, counts, seq_lens)
@@ -166,13 +182,13 @@ def policy_loss(
     def token_mean(values):  # metrics: detached, summable over micro-batches / ranks
         return (values.detach().to(log_prob.dtype) * mask).sum() / counts.num_tokens
 
-    pg, ratio, flags = pg_token_loss(log_prob, old_log_prob, advantages, mask, algo)
+    pg, ratio, flags = pg_token_loss(log_prob, old_log_prob, advantages, mask, algo, row_sum)
     metrics = {name: token_mean(flag) for name, flag in flags.items()}
     if rollout_log_prob is not None:
         x = (rollout_log_prob - old_log_prob).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         metrics["rollout_mismatch_k3"] = token_mean(torch.exp(-x) + x - 1.0)
     if algo.rollout_is is not None:
-        w = rollout_is_weight(old_log_prob, rollout_log_prob, mask, algo)
+        w = rollout_is_weight(old_log_prob, rollout_log_prob, mask, algo, row_sum)
         pg = pg * w
         metrics["is_weight_mean"] = token_mean(w)
     pg_loss = agg(pg)

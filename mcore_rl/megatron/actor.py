@@ -249,11 +249,6 @@ class Actor:
                     f"sequence length {s} is not a multiple of {multiple} (sequence parallel over tp = "
                     f"{self.layout.tp}): right-pad micro-batches to a multiple of {multiple}"
                 )
-        if micro_batches[0].packed and self.layout.cp > 1:
-            raise ValueError(
-                "packed micro-batches with context parallel (cp > 1) are not supported: set "
-                "actor.max_tokens_per_micro_batch to null (fixed-size micro-batches) or cp = 1"
-            )
         return max(mb.tokens.shape[1] for mb in micro_batches)
 
     def _run_schedule(self, micro_batches: list[MicroBatch], loss_func_for: Callable, forward_only: bool) -> list:
@@ -261,24 +256,27 @@ class Actor:
         from megatron.core.utils import get_model_config
 
         from mcore_rl.compat.megatron import drop_received_activations, output_hidden_states
-        from mcore_rl.megatron.packing import model_inputs
 
         self._require_resident("a forward / backward pass")
-        seq_len = self._check(micro_batches)
-        # pipeline stages exchange activation shapes first when micro-batches differ in length
-        # (packed micro-batches); the schedule reads this flag from the model's config at each p2p call
-        get_model_config(self.model[0]).variable_seq_lengths = len({mb.tokens.shape for mb in micro_batches}) > 1
+        self._check(micro_batches)
         device = self.platform.device
         mode = self.platform.packed_attention
-        batches = iter([mb.to(device) for mb in micro_batches])
+        plans = [self._cp_plan(mb) for mb in micro_batches]
+        inputs = [self._model_inputs(mb.to(device), plan, mode) for mb, plan in zip(micro_batches, plans)]
+        # pipeline stages exchange activation shapes first when micro-batches differ in length
+        # (packed micro-batches); the schedule reads this flag from the model's config at each p2p call
+        shapes = {mb.tokens.shape for mb, _, _ in inputs}
+        get_model_config(self.model[0]).variable_seq_lengths = len(shapes) > 1
+        seq_len = max(s[1] for s in shapes)
+        cp_group = self.layout.groups.cp if self.layout.cp > 1 else None
+        batches = iter(inputs)
 
         def forward_step(data_iterator, model):
-            mb = next(data_iterator)
-            attention_mask, extra = model_inputs(mb, mode)
+            mb, attention_mask, extra = next(data_iterator)
             with output_hidden_states(model) as weight:  # last stage: [b, s, h], not logits
                 output = model(mb.tokens, mb.position_ids, attention_mask, **extra)
             # the schedule calls loss_func(output) on the last stage
-            return output, lambda hidden: loss_func_for(mb, OutputHead(hidden, weight))
+            return output, lambda hidden: loss_func_for(mb, OutputHead(hidden, weight, cp_group))
 
         outputs = get_forward_backward_func()(
             forward_step_func=forward_step,
@@ -292,7 +290,35 @@ class Actor:
         # the schedule leaves the last received activation [s, b, h] on each later stage's decoder: drop it, so that
         # nothing of the pass stays on the device (while offloaded, during rollout)
         drop_received_activations(self.model)
-        return outputs
+        return outputs, plans
+
+    def _cp_plan(self, mb: MicroBatch):
+        """The context-parallel split of `mb` (None at cp = 1): mcore_rl.megatron.context_parallel."""
+        if self.layout.cp == 1:
+            return None
+        from mcore_rl.megatron.context_parallel import plan_shard
+
+        local_multiple = self.layout.tp if self.layout.sequence_parallel else 1
+        return plan_shard(mb, self.layout.cp, self.layout.ranks.cp, local_multiple)
+
+    def _model_inputs(self, mb: MicroBatch, plan, mode: str):
+        """(micro-batch as this rank computes it, attention mask, extra forward kwargs)."""
+        from mcore_rl.megatron.packing import model_inputs
+
+        if plan is None:
+            return (mb, *model_inputs(mb, mode))
+        from mcore_rl.megatron.context_parallel import packed_params, shard
+
+        local = shard(mb, plan)
+        return local, None, {"packed_seq_params": packed_params(plan, self.layout.groups.cp, mb.tokens.device)}
+
+    def _unshard(self, result: torch.Tensor, plan) -> torch.Tensor:
+        """A forward-only result of this rank's part of the sequences -> the whole micro-batch (cp > 1)."""
+        if plan is None:
+            return result
+        from mcore_rl.megatron.context_parallel import unshard
+
+        return unshard(result, plan, self.layout.groups.cp)
 
     def _from_last_stage(self, obj):
         """Broadcast a Python object from the last pipeline stage to every stage."""
@@ -320,8 +346,10 @@ class Actor:
             result = post_fn(head, mb).detach()
             return torch.zeros((), device=head.hidden.device), {"result": result}
 
-        stored = self._run_schedule(micro_batches, collect, forward_only=True)
-        results = [d["result"].cpu() for d in stored] if self.layout.is_last_stage else None
+        stored, plans = self._run_schedule(micro_batches, collect, forward_only=True)
+        results = None
+        if self.layout.is_last_stage:
+            results = [self._unshard(d["result"], plan).cpu() for d, plan in zip(stored, plans)]
         results = self._from_last_stage(results)
         return [r.to(self.platform.device) for r in results]
 
@@ -424,7 +452,7 @@ class Actor:
             record.update({k: torch.as_tensor(v, dtype=torch.float32).detach().clone() for k, v in metrics.items()})
             return loss * scale, record
 
-        stored = self._run_schedule(micro_batches, loss_and_metrics, forward_only=False)
+        stored, _ = self._run_schedule(micro_batches, loss_and_metrics, forward_only=False)
         metrics = self._reduce_metrics(stored) if self.layout.is_last_stage else None
         metrics = self._from_last_stage(metrics)  # the same values on every rank
         lr = self.optimizer.param_groups[0]["lr"]

@@ -23,6 +23,7 @@ Plain torch.distributed (no Megatron import): pass the tensor-parallel group, or
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -292,11 +293,14 @@ class OutputHead:
     parallelism), with the tensor-parallel region op that sums d hidden over TP already applied (any float
     dtype: the projection runs in the weight's dtype, as the output layer's does);
     weight: [V/tp, h] the parameter itself (tied models: the shared embedding), so its gradient reaches the
-    parameter's DDP buffer as the output layer's would.
+    parameter's DDP buffer as the output layer's would;
+    cp_group: under context parallelism the group whose ranks hold the other parts of these sequences
+    (per-sequence sums reduce over it: mcore_rl/megatron/context_parallel.py), else None.
     """
 
     hidden: torch.Tensor
     weight: torch.Tensor
+    cp_group: Any = None
 
     def log_probs(
         self, target: torch.Tensor, temperature: float, group=None, with_entropy: bool = False

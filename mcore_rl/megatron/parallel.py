@@ -69,6 +69,7 @@ def _bind(layout: Layout) -> Layout:
         dp_cp=mpu.get_data_parallel_group(with_context_parallel=True),
         ep=mpu.get_expert_model_parallel_group(),
         etp=mpu.get_expert_tensor_parallel_group(),
+        cp=mpu.get_context_parallel_group(),
     )
     return layout.bind(ranks, groups)
 

@@ -20,28 +20,26 @@ from typing import Callable
 import torch
 
 from mcore_rl.algos import GlobalCounts, policy_loss
-from mcore_rl.batch import MicroBatch, segment_rows
+from mcore_rl.batch import MicroBatch, next_token_targets, segment_rows
 from mcore_rl.config import AlgoConfig
+from mcore_rl.megatron.context_parallel import row_sum as cp_row_sum
 from mcore_rl.megatron.logprobs import OutputHead
 
 
-def next_token_targets(tokens: torch.Tensor) -> torch.Tensor:
-    """targets[:, t] = tokens[:, t + 1]; the last column has no next token (a placeholder that must be masked)."""
-    return torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)
-
-
 def next_token_log_probs(
-    head: OutputHead, tokens: torch.Tensor, temperature: float, tp_group, with_entropy: bool = False
+    head: OutputHead, tokens: torch.Tensor, temperature: float, tp_group, with_entropy: bool = False, targets=None
 ):
-    """Log-probs (and entropy) of each next token [b, s], from the last hidden states and the output weight."""
-    return head.log_probs(next_token_targets(tokens), temperature, tp_group, with_entropy)
+    """Log-probs (and entropy) of each next token [b, s], from the last hidden states and the output weight;
+    `targets` (`MicroBatch.targets()`): the next tokens when they are not the row's own shifted tokens (CP)."""
+    targets = next_token_targets(tokens) if targets is None else targets
+    return head.log_probs(targets, temperature, tp_group, with_entropy)
 
 
 def make_log_prob_fn(temperature: float, tp_group, with_entropy: bool = False) -> Callable:
     """post_fn(head, micro_batch) -> next-token log-probs [b, s] (or [2, b, s] with entropy)."""
 
     def post_fn(head: OutputHead, mb: MicroBatch):
-        log_prob, entropy = next_token_log_probs(head, mb.tokens, temperature, tp_group, with_entropy)
+        log_prob, entropy = next_token_log_probs(head, mb.tokens, temperature, tp_group, with_entropy, mb.targets())
         return torch.stack([log_prob, entropy]) if with_entropy else log_prob
 
     return post_fn
@@ -61,13 +59,17 @@ def make_policy_loss_fn(algo: AlgoConfig, counts: GlobalCounts, tp_group, on_pol
     with_entropy = algo.entropy_coef > 0 or on_policy
 
     def loss_fn(head: OutputHead, mb: MicroBatch):
-        log_prob, entropy = next_token_log_probs(head, mb.tokens, algo.temperature, tp_group, with_entropy)
+        log_prob, entropy = next_token_log_probs(
+            head, mb.tokens, algo.temperature, tp_group, with_entropy, mb.targets()
+        )
         if entropy is not None and algo.entropy_coef == 0:
             entropy = entropy.detach()  # a metric only: no backward through it
         old = log_prob.detach() if on_policy else mb.old_log_prob.float()
         # packed: one row per sequence, so per-sequence reductions see the same rows as the padded layout
         rows = (lambda t: segment_rows(t, mb.seq_lengths)) if mb.packed else (lambda t: t)
         optional = lambda t: None if t is None else rows(t.float())
+        # context parallel: a row holds this rank's part of its sequence; per-sequence sums add every part
+        group = head.cp_group
         return policy_loss(
             rows(log_prob),
             rows(old),
@@ -78,6 +80,7 @@ def make_policy_loss_fn(algo: AlgoConfig, counts: GlobalCounts, tp_group, on_pol
             rollout_log_prob=optional(mb.rollout_log_prob),
             ref_log_prob=optional(mb.ref_log_prob),
             entropy=optional(entropy),
+            row_sum=None if group is None else lambda t: cp_row_sum(t, group),
         )
 
     return loss_fn

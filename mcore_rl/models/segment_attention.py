@@ -23,6 +23,8 @@ actor passes bounds, not params, with this spec (`Platform.packed_attention`); t
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -72,11 +74,27 @@ def segment_causal_attention(
 
 
 class SegmentDotProductAttention(DotProductAttention):
-    """Megatron's local attention, plus packed rows described by their segment bounds (module docstring)."""
+    """Megatron's local attention, plus packed rows described by their segment bounds (module docstring), plus
+    context parallelism (`ContextParallelParams`: K / V gathered over the CP group, mcore_rl/megatron/context_parallel.py)."""
+
+    def __init__(self, config, *args, **kwargs):
+        # Megatron's DotProductAttention asserts context_parallel_size == 1; this class attends across CP
+        # ranks itself (only for ContextParallelParams, and refuses any other input when cp > 1)
+        single = copy.copy(config)
+        single.context_parallel_size = 1
+        super().__init__(single, *args, **kwargs)
+        self.config = config
 
     def forward(
         self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
     ):
+        if getattr(packed_seq_params, "cp_group", None) is not None:
+            return self._context_parallel_forward(query, key, value, packed_seq_params)
+        if self.config.context_parallel_size > 1:
+            raise ValueError(
+                "context parallel attention on the local spec needs the actor's CP split (ContextParallelParams, "
+                "mcore_rl/megatron/context_parallel.py); call the model through mcore_rl.megatron.actor.Actor"
+            )
         if packed_seq_params is not None:
             return self._packed_forward(query, key, value, packed_seq_params)
         if not is_segment_bounds(attention_mask):
@@ -98,7 +116,21 @@ class SegmentDotProductAttention(DotProductAttention):
         unsqueezed = [x.unsqueeze(1) if x.dim() == 3 else x for x in (query, key, value)]
         return self._segment_forward(*unsqueezed, bounds)
 
-    def _segment_forward(self, query, key, value, bounds):
+    def _context_parallel_forward(self, query, key, value, params):
+        """This rank's queries over the keys / values of every CP rank, per sequence, causal by position."""
+        from mcore_rl.megatron.context_parallel import cp_causal_attention
+
+        self._check_plain_softmax()
+        squeezed = [x.squeeze(1) if x.dim() == 4 else x for x in (query, key, value)]  # [T_local, heads, d]
+        scale, dropout = self._scale_and_dropout()
+        return cp_causal_attention(*squeezed, params.cp_index, params.cp_group, scale, dropout)
+
+    def _scale_and_dropout(self) -> tuple[float, float]:
+        # under query-key layer scaling Megatron divides the scale by the layer number and its softmax multiplies it back
+        scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)
+        return scale, (self.attention_dropout.p if self.training else 0.0)
+
+    def _check_plain_softmax(self) -> None:
         if getattr(self.config, "window_size", None) is not None:
             raise ValueError(
                 "packed micro-batches on the local attention do not support sliding windows: unset window_size"
@@ -107,7 +139,8 @@ class SegmentDotProductAttention(DotProductAttention):
             raise ValueError(
                 f"packed micro-batches on the local attention need softmax_type 'vanilla', not {self.config.softmax_type!r}"
             )
-        # under query-key layer scaling Megatron divides the scale by the layer number and its softmax multiplies it back
-        scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)
-        dropout = self.attention_dropout.p if self.training else 0.0
+
+    def _segment_forward(self, query, key, value, bounds):
+        self._check_plain_softmax()
+        scale, dropout = self._scale_and_dropout()
         return segment_causal_attention(query, key, value, bounds, scale, dropout)

@@ -14,7 +14,8 @@ The rules mirror what Megatron-Core asserts later (parallel_state, TransformerCo
   ep * etp | tp * cp * dp                            (MoE parallel folding: EP x ETP x EDP = TP x CP x DP)
   tp | vocabulary                                    (VocabParallelEmbedding; see `_check_vocab`)
   MoE with tp > 1 needs sequence parallel            (Megatron raises in training; turned on with a warning)
-  cp == 1: context parallelism is refused until the actor splits sequences over CP ranks
+  cp > 1 on CPU only: the actor splits every sequence over the CP ranks (mcore_rl/megatron/context_parallel.py)
+          and the local spec's attention gathers K / V; TE's / MindSpeed's CP attention is not configured yet
   etp == 1 on NPU: MindSpeed's grouped linear shards experts on the other dimension (export untested)
   layouts the installed megatron-core cannot run    (compat.megatron.layout_problem: version read from the
                                                      package metadata, Megatron itself is not imported)
@@ -148,6 +149,7 @@ class Groups:
     dp_cp: Any  # data x context parallel: where DDP averages gradients
     ep: Any
     etp: Any
+    cp: Any = None  # context parallel: the ranks holding the other parts of this rank's sequences
 
 
 @dataclass(frozen=True)
@@ -351,19 +353,14 @@ def _sequence_parallel(p: ParallelConfig, dims: ModelDims, warnings: list[str]) 
     return p.sequence_parallel
 
 
-def _check_context_parallel(p: ParallelConfig) -> None:
-    """Context parallelism is refused on every platform: Megatron expects the caller to give each CP rank its
-    own chunks of the sequence (megatron.core.utils.get_batch_on_this_cp_rank) and the actor does not split
-    yet, so cp > 1 would train every CP rank on the whole sequence - silently wrong (docs/devices.md)."""
-    if p.cp > 1:
-        raise LayoutError(
-            f"actor.parallel.cp = {p.cp}: context parallelism is not supported yet (the actor does not split "
-            f"sequences over CP ranks, so results would be silently wrong); set actor.parallel.cp = 1 and use "
-            f"tp / pp / dp for the devices instead"
-        )
-
-
 def _check_platform(p: ParallelConfig, dims: ModelDims, platform: Optional[str]) -> None:
+    if platform in ("cuda", "npu") and p.cp > 1:
+        # the CP attention exists for the local layer spec (CPU); TE's / MindSpeed's are not configured yet
+        raise LayoutError(
+            f"actor.parallel.cp = {p.cp} on {platform}: context parallelism runs on CPU only so far (the local "
+            f"spec's attention gathers K / V over the CP group); Transformer Engine's CP attention (cp_comm_type) "
+            f"and MindSpeed's context_parallel_algo are not configured by the actor yet: set actor.parallel.cp = 1"
+        )
     if platform == "npu" and dims.num_experts and p.expert_tp > 1:  # a dense model has no expert layers
         raise LayoutError(
             f"actor.parallel.etp = {p.expert_tp} on NPU: MindSpeed's grouped expert linear shards on the opposite "
@@ -387,7 +384,6 @@ def validate_layout(parallel: ParallelConfig, world_size: int, dims: Any, platfo
     _check_experts(p, dims)
     edp = _check_expert_folding(p, dp, world_size)
     padded_vocab = _check_vocab(p, dims)
-    _check_context_parallel(p)
     _check_platform(p, dims, platform)
     warnings: list[str] = []
     sp = _sequence_parallel(p, dims, warnings)

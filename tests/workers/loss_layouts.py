@@ -1,11 +1,13 @@
 """Layout invariance of the policy losses (run under torchrun by tests/test_layout_invariance.py).
 
-Arguments: --out-dir --model-dir --tp --pp --ep --n-micro --mode (ref = world-1 reference, writes
-OUT_DIR/ref.pt; check = compare with it), --results (tests/workers/harness.py). For each of grpo / gspo / sapo
-a fresh Actor takes one optimizer step on the same global batch; every rank takes its data-parallel share
+Arguments: --out-dir --model-dir --tp --pp --ep --cp --n-micro --losses (comma-separated names of ALGOS)
+--mode (ref = world-1 reference, writes OUT_DIR/ref.pt; check = compare with it), --results
+(tests/workers/harness.py). For each loss a fresh Actor takes one optimizer step on the same global batch; every rank takes its data-parallel share
 split into N_MICRO micro-batches. Compared with the reference: the global loss, and the update (after - before)
 of EVERY parameter, exported with its Hugging Face name; any mismatch raises.
-In check mode also: the on-policy shortcut equals the two-pass path in that layout.
+In check mode also: the on-policy shortcut equals the two-pass path in that layout. Under context
+parallelism (cp > 1) also, for gspo, the same step with the CP reduction of the sequence ratio patched out
+(`policy_loss.cp_row_sum` = identity): result "unreduced", its measured differences (not asserted here).
 
 Then, in the same job, the packed path: another fresh Actor takes the step on the same global batch cut
 by `split_for_rank(max_tokens=BUDGET)` (DP shares balanced by tokens, sequences packed into rows,
@@ -41,6 +43,11 @@ ALGOS = {
     "gspo": dict(loss="gspo", agg_mode="seq-mean-token-mean", clip_low=0.1, clip_high=0.12, kl_coef=0.05),
     # soft gate + entropy bonus (exercises the entropy gradient through vocab-parallel logits) + temperature
     "sapo": dict(loss="sapo", agg_mode="seq-mean-token-sum-norm", entropy_coef=0.01, temperature=0.8),
+    # the token-level gradient with the sequence ratio's value + sequence-level rollout IS: both reduce a
+    # sequence's tokens (over the CP group under context parallelism)
+    "gspo_token": dict(
+        loss="gspo_token", agg_mode="seq-mean-token-mean", clip_low=0.1, clip_high=0.12, rollout_is="sequence"
+    ),
 }
 
 
@@ -60,11 +67,11 @@ def global_batch():
     return tokens, loss_mask, rewards, noise
 
 
-def compare(tag, name, metrics, update, want, layout_text, loss_abs_tol=0.0):
-    """Loss within REL_TOL relative (or `loss_abs_tol` absolute), every update within REL_TOL x the largest.
-    Returns the measured differences."""
+def compare(tag, name, metrics, update, want, layout_text, loss_abs_tol=0.0, strict=True):
+    """Loss within REL_TOL relative (or `loss_abs_tol` absolute), every update within REL_TOL x the largest
+    (`strict=False`: measured only). Returns the measured differences."""
     rel_loss = abs(metrics["loss"] - want["loss"]) / abs(want["loss"])
-    assert rel_loss <= REL_TOL or abs(metrics["loss"] - want["loss"]) <= loss_abs_tol, (
+    assert not strict or rel_loss <= REL_TOL or abs(metrics["loss"] - want["loss"]) <= loss_abs_tol, (
         f"{tag} {name} {layout_text}: loss {metrics['loss']} vs reference {want['loss']} (rel {rel_loss:.2e})"
     )
     assert set(update) == set(want["update"])
@@ -72,7 +79,7 @@ def compare(tag, name, metrics, update, want, layout_text, loss_abs_tol=0.0):
     worst_name, worst = max(
         ((n, float((update[n] - want["update"][n]).abs().max())) for n in update), key=lambda x: x[1]
     )
-    assert worst <= REL_TOL * scale, (
+    assert not strict or worst <= REL_TOL * scale, (
         f"{tag} {name} {layout_text}: update of {worst_name} differs by {worst:.3e} (largest update {scale:.3e})"
     )
     return dict(
@@ -245,9 +252,20 @@ def check_on_policy_shortcut(make_actor, micro_batches, counts, before):
 
 
 def main():
-    args = worker_args(__doc__, out_dir=str, model_dir=str, tp=int, pp=int, ep=int, n_micro=int, mode=("ref", "check"))
+    args = worker_args(
+        __doc__,
+        out_dir=str,
+        model_dir=str,
+        tp=int,
+        pp=int,
+        ep=int,
+        cp=int,
+        n_micro=int,
+        losses=str,
+        mode=("ref", "check"),
+    )
     out_dir, model_dir, mode = args.out_dir, args.model_dir, args.mode
-    tp, pp, ep, n_micro = args.tp, args.pp, args.ep, args.n_micro
+    tp, pp, ep, cp, n_micro = args.tp, args.pp, args.ep, args.cp, args.n_micro
 
     from safetensors.torch import load_file
 
@@ -265,10 +283,10 @@ def main():
     advantages = group_advantages(rewards, GROUP).unsqueeze(-1).expand(B, S).contiguous()
     ref = torch.load(os.path.join(out_dir, "ref.pt")) if mode == "check" else {}
     results, report = {}, {}
-    for name, params in ALGOS.items():
-        algo = AlgoConfig(**params)
+    for name in args.losses.split(","):
+        algo = AlgoConfig(**ALGOS[name])
         cfg = Config(platform="cpu", model=ModelConfig(path=model_dir))
-        cfg.actor.parallel = ParallelConfig(tp=tp, pp=pp, ep=ep, etp=1)
+        cfg.actor.parallel = ParallelConfig(tp=tp, pp=pp, ep=ep, etp=1, cp=cp)
         # huge eps: Adam's first step ~ lr * grad / eps is linear in the gradient, so any error in
         # its scale (micro-batch or DP averaging) shows in the update, not only in grad_norm
         cfg.actor.optim = OptimConfig(lr=10.0, adam_eps=10.0, clip_grad=0.0)
@@ -309,9 +327,23 @@ def main():
         update = {n: (t.float() - before[n].float()).clone() for n, t in actor.export_hf_weights()}
         results[name] = {"loss": metrics["loss"], "metrics": metrics, "update": update, "log_prob_full": lp_here}
         report[name] = {"loss": metrics["loss"], "metrics": metrics, "params": len(update)}
-        layout_text = f"tp{tp} pp{pp} ep{ep} dp{dp}"
+        layout_text = f"tp{tp} pp{pp} ep{ep} cp{cp} dp{dp}"
         if mode == "check":
             report[name].update(compare("layout", name, metrics, update, ref[name], f"{layout_text} micro{n_micro}"))
+        if mode == "check" and cp > 1 and name == "gspo":  # the same step without the CP reduction of the
+            # sequence ratio: each CP rank's ratio from its own part of the sequence only
+            import mcore_rl.megatron.policy_loss as policy_loss_module
+
+            reduced = policy_loss_module.cp_row_sum
+            policy_loss_module.cp_row_sum = lambda values, group: values
+            try:
+                unreduced = Actor(cfg, platform)
+                got = unreduced.train_step(train_mbs, make_policy_loss_fn(algo, counts, tp_group))
+                got_update = {n: (t.float() - before[n].float()).clone() for n, t in unreduced.export_hf_weights()}
+                del unreduced
+            finally:
+                policy_loss_module.cp_row_sum = reduced
+            report["unreduced"] = compare("unreduced", name, got, got_update, ref[name], layout_text, strict=False)
         else:
             cf = metrics.get("clipfrac_upper", 0.0) + metrics.get("clipfrac_lower", 0.0)
             if name == "grpo":  # every clipping branch is exercised by this batch
@@ -321,7 +353,7 @@ def main():
             if name == "gspo":  # some sequences clipped, some not (so the gradient is not all zero)
                 assert 0 < cf < 1, metrics
         del actor
-        if name == "gspo" and mode == "check":
+        if name == "gspo" and mode == "check" and cp == 1:  # R2 under CP: tests/test_routing_replay.py
             shortcut_mbs = [
                 MicroBatch(
                     mb.tokens,
@@ -368,7 +400,7 @@ def main():
     if mode == "ref" and torch.distributed.get_rank() == 0:
         torch.save(results, os.path.join(out_dir, "ref.pt"))
     torch.distributed.barrier()
-    write_result(args.results, layout=dict(tp=tp, pp=pp, ep=ep, n_micro=n_micro), **report)
+    write_result(args.results, layout=dict(tp=tp, pp=pp, ep=ep, cp=cp, n_micro=n_micro), **report)
 
 
 if __name__ == "__main__":
