@@ -64,6 +64,14 @@ ALLOWED = {
     ("megatron/logprobs.py", "_all_reduce", "all_reduce"): "vocabulary-parallel log-prob reductions "
     "(max / sums of [tokens] tensors in the compute dtype on the device)",
     ("megatron/actor.py", "_from_last_stage", "broadcast_object_list"): "pipeline broadcast of results",
+    ("megatron/context_parallel.py", "unshard", "all_gather"): "context parallel: forward-only outputs "
+    "([tokens] per CP rank) back into whole sequences",
+    ("megatron/context_parallel.py", "forward", "all_reduce"): "context parallel: per-sequence partial sums "
+    "(GSPO's sequence ratio, lengths) over the CP group, differentiable",
+    ("megatron/context_parallel.py", "backward", "all_reduce"): "context parallel: the backward of those sums",
+    ("models/segment_attention.py", "forward", "all_gather"): "context parallel attention: K / V of every CP rank",
+    ("models/segment_attention.py", "backward", "all_reduce"): "context parallel attention: the K / V gradients "
+    "of every CP rank's queries",
     ("megatron/routing_replay.py", "_all_moe_layers", "all_gather_object"): "object gather: MoE layer ids",
     ("megatron/checkpoint.py", "save_checkpoint", "barrier"): "checkpoint fence, no tensor",
     ("megatron/checkpoint.py", "save_checkpoint", "barrier#2"): "checkpoint fence, no tensor",

@@ -15,9 +15,9 @@ The model sees the split through `ContextParallelParams` (Megatron's `PackedSeqP
 cu_seqlens = the padded global bounds): Megatron's RoPE then gives each local token its position inside its
 sequence (megatron-core 0.12.1 and 0.16.1 both: `_apply_rotary_pos_emb_thd` cuts each sequence's padded
 length / cp into the two chunks of this rank, positions 0..L-1 per sequence). The local layer spec's attention
-(`segment_attention.SegmentDotProductAttention`) all-gathers K / V over the CP group (`gather_sequence`:
-its backward sums the K / V gradients of all CP ranks and keeps this rank's part) and attends per sequence
-with a causal mask by the tokens' positions in their sequence.
+(`mcore_rl/models/segment_attention.py`) all-gathers K / V over the CP group (its backward sums the K / V
+gradients of all CP ranks and keeps this rank's part) and attends per sequence with a causal mask by the
+tokens' positions in their sequence (`attention_index` here says which).
 
 Outputs of forward-only passes are all-gathered over CP and put back into the unsplit alignment
 (`unshard`). Loss terms that reduce over a sequence's tokens (GSPO's sequence ratio, sequence-level rollout
@@ -27,7 +27,6 @@ mcore_rl/megatron/policy_loss.py and docs/context-parallel.md.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -36,6 +35,7 @@ import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from mcore_rl.batch import MicroBatch
+from mcore_rl.models.segment_attention import AttentionIndex
 
 # per-token fields of a MicroBatch taken along with the tokens (routes: [b, s, layers, k])
 _TOKEN_FIELDS = (
@@ -164,29 +164,7 @@ def unshard(local: torch.Tensor, plan: ShardPlan, group) -> torch.Tensor:
     return out.view(*lead, b, s)
 
 
-# ---- attention across CP ranks ------------------------------------------------------------------
-
-
-class _GatherSequence(torch.autograd.Function):
-    """All-gather along dim 0 over the CP group; backward: the gradients of every rank summed, this rank's part."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)  # every rank's queries used this rank's keys / values
-        return grad.chunk(dist.get_world_size(ctx.group), dim=0)[dist.get_rank(ctx.group)], None
-
-
-def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
-    """[T_local, ...] of every CP rank -> [cp * T_local, ...] in rank order, differentiable."""
-    return _GatherSequence.apply(x, group)
+# ---- sums over a sequence's parts, attention layout ------------------------------------------------
 
 
 class _RowSum(torch.autograd.Function):
@@ -214,24 +192,6 @@ def row_sum(values: torch.Tensor, group) -> torch.Tensor:
     return _RowSum.apply(values, group)
 
 
-@dataclass(frozen=True)
-class AttentionIndex:
-    """Per sequence (row n): its local queries and all of its keys in the gathered K / V.
-
-    query [n, Lq] index into the local tokens, query_pos [n, Lq] their positions, query_valid [n, Lq];
-    key [n, Lk] index into the gathered [cp * T_local] tokens, key_pos [n, Lk], key_valid [n, Lk]."""
-
-    query: torch.Tensor
-    query_pos: torch.Tensor
-    query_valid: torch.Tensor
-    key: torch.Tensor
-    key_pos: torch.Tensor
-    key_valid: torch.Tensor
-
-    def to(self, device) -> "AttentionIndex":
-        return AttentionIndex(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
-
-
 def attention_index(plan: ShardPlan) -> AttentionIndex:
     """The per-sequence attention layout of `plan` (the same on every CP rank but for the queries)."""
     cp, local = plan.cp, plan.local_tokens
@@ -253,29 +213,6 @@ def attention_index(plan: ShardPlan) -> AttentionIndex:
         start += part
     key_pos = torch.arange(k_len).expand(n, k_len)
     return AttentionIndex(query, query_pos, query_valid, key, key_pos, key_valid)
-
-
-def cp_causal_attention(query, key, value, index: AttentionIndex, group, scale: float, dropout: float):
-    """Causal attention of this rank's queries [T_local, heads, d] over its sequences' keys / values on every CP
-    rank (key / value [T_local, groups, d], all-gathered here); returns [T_local, 1, heads * d]."""
-    tokens, heads, dim = query.shape
-    groups = key.shape[1]
-    index = index.to(query.device)
-    keys = gather_sequence(key, group)
-    values = gather_sequence(value, group)
-
-    def rows(x, at, repeat):  # [T, g, d] -> [n, heads, L, d]
-        x = x[at].transpose(1, 2)
-        return x.repeat_interleave(repeat, dim=1) if repeat > 1 else x
-
-    q = rows(query, index.query, 1)
-    k = rows(keys, index.key, heads // groups)
-    v = rows(values, index.key, heads // groups)
-    allowed = (index.key_pos[:, None, :] <= index.query_pos[:, :, None]) & index.key_valid[:, None, :]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=allowed[:, None], dropout_p=dropout, scale=scale
-    )
-    return out.transpose(1, 2)[index.query_valid].reshape(tokens, 1, heads * dim)
 
 
 @dataclass

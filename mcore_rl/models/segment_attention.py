@@ -24,8 +24,11 @@ actor passes bounds, not params, with this spec (`Platform.packed_attention`); t
 from __future__ import annotations
 
 import copy
+import dataclasses
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 
@@ -73,6 +76,72 @@ def segment_causal_attention(
     return out.transpose(1, 2)[valid].reshape(tokens, 1, heads * dim)
 
 
+# ---- attention across context-parallel ranks (mcore_rl/megatron/context_parallel.py splits the sequences)
+
+
+@dataclass(frozen=True)
+class AttentionIndex:
+    """Per sequence (row n): its local queries and all of its keys in the gathered K / V.
+
+    query [n, Lq] index into the local tokens, query_pos [n, Lq] their positions, query_valid [n, Lq];
+    key [n, Lk] index into the gathered [cp * T_local] tokens, key_pos [n, Lk], key_valid [n, Lk]."""
+
+    query: torch.Tensor
+    query_pos: torch.Tensor
+    query_valid: torch.Tensor
+    key: torch.Tensor
+    key_pos: torch.Tensor
+    key_valid: torch.Tensor
+
+    def to(self, device) -> "AttentionIndex":
+        return AttentionIndex(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along dim 0 over the CP group; backward: the gradients of every rank summed, this rank's part."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)  # every rank's queries used this rank's keys / values
+        return grad.chunk(dist.get_world_size(ctx.group), dim=0)[dist.get_rank(ctx.group)], None
+
+
+def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """[T_local, ...] of every CP rank -> [cp * T_local, ...] in rank order, differentiable."""
+    return _GatherSequence.apply(x, group)
+
+
+def cp_causal_attention(query, key, value, index: AttentionIndex, group, scale: float, dropout: float):
+    """Causal attention of this rank's queries [T_local, heads, d] over its sequences' keys / values on every CP
+    rank (key / value [T_local, groups, d], all-gathered here); returns [T_local, 1, heads * d]."""
+    tokens, heads, dim = query.shape
+    groups = key.shape[1]
+    index = index.to(query.device)
+    keys = gather_sequence(key, group)
+    values = gather_sequence(value, group)
+
+    def rows(x, at, repeat):  # [T, g, d] -> [n, heads, L, d]
+        x = x[at].transpose(1, 2)
+        return x.repeat_interleave(repeat, dim=1) if repeat > 1 else x
+
+    q = rows(query, index.query, 1)
+    k = rows(keys, index.key, heads // groups)
+    v = rows(values, index.key, heads // groups)
+    allowed = (index.key_pos[:, None, :] <= index.query_pos[:, :, None]) & index.key_valid[:, None, :]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed[:, None], dropout_p=dropout, scale=scale
+    )
+    return out.transpose(1, 2)[index.query_valid].reshape(tokens, 1, heads * dim)
+
+
 class SegmentDotProductAttention(DotProductAttention):
     """Megatron's local attention, plus packed rows described by their segment bounds (module docstring), plus
     context parallelism (`ContextParallelParams`: K / V gathered over the CP group, mcore_rl/megatron/context_parallel.py)."""
@@ -118,8 +187,6 @@ class SegmentDotProductAttention(DotProductAttention):
 
     def _context_parallel_forward(self, query, key, value, params):
         """This rank's queries over the keys / values of every CP rank, per sequence, causal by position."""
-        from mcore_rl.megatron.context_parallel import cp_causal_attention
-
         self._check_plain_softmax()
         squeezed = [x.squeeze(1) if x.dim() == 4 else x for x in (query, key, value)]  # [T_local, heads, d]
         scale, dropout = self._scale_and_dropout()
