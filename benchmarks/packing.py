@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def seed_shaped_samples(n: int, max_prompt: int, max_response: int, seed: int):
-    from mcore_rl.rollout.base import RolloutSample
+    from mcore_rl.batch import RolloutSample
 
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(max_prompt // 4, max_prompt + 1, (n,), generator=g)

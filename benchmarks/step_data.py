@@ -143,9 +143,9 @@ def demo_case(model: str, data: str, steps: int) -> None:
 
 
 def qwen3_r3_case(seed: int) -> None:
+    from mcore_rl.batch import RolloutSample
     from mcore_rl.config import load_config
     from mcore_rl.preflight.layout import validate_layout
-    from mcore_rl.rollout.base import RolloutSample
     from mcore_rl.rollout.data_parallel import share
 
     cfg = load_config(os.path.join(REPO, "configs/qwen3_30b_a3b/gpu8_tp2_ep8.yaml"), ["algo.routing_replay=r3"])

@@ -20,7 +20,8 @@ Two ways to cut a rank's share into micro-batches (`split_for_rank`):
     predict the next segment's first token). Outputs of forward passes stay in this packed alignment
     (`unpack_rows` cuts one back into per-sequence pieces).
 
-`mcore_rl.megatron` consumes these containers; this module imports nothing from it.
+`mcore_rl.megatron` consumes these containers and the engines (`mcore_rl.rollout`) produce `RolloutSample`; this
+module imports nothing from either.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from typing import Any, Optional
 import torch
 
 from mcore_rl.algos import GlobalCounts
-from mcore_rl.rollout.base import RolloutSample
 
 ROUTE_DTYPE = torch.int16  # expert ids < 32768; uint8 would halve it for <= 256 experts
 
@@ -40,6 +40,22 @@ ROUTE_DTYPE = torch.int16  # expert ids < 32768; uint8 would halve it for <= 256
 def next_token_targets(tokens: torch.Tensor) -> torch.Tensor:
     """targets[:, t] = tokens[:, t + 1]; the last column has no next token (a placeholder that must be masked)."""
     return torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)
+
+
+@dataclass
+class RolloutSample:
+    """One response to one prompt."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: (
+        torch.Tensor
+    )  # [len(response_ids)] float32, log-prob of each sampled token under the sampling distribution
+    finish_reason: str  # "stop" (hit a stop token) | "length" (max_new_tokens)
+    # [len(prompt_ids) + len(response_ids), num_moe_layers, top_k] int16 expert ids the router chose for every
+    # token of the sequence (prompt too: replaying routes in training needs them for every position), or None
+    # where the engine cannot capture them.
+    routed_experts: Optional[torch.Tensor] = None
 
 
 @dataclass

@@ -32,7 +32,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from mcore_rl.rollout.base import RolloutSample
+from mcore_rl.batch import RolloutSample
 from mcore_rl.rollout.data_parallel import LocalRollout, ReplicaLayout
 from mcore_rl.step_data import StepMeta
 

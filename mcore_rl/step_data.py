@@ -35,11 +35,11 @@ import torch.distributed as dist
 from mcore_rl.batch import (
     MiniBatch,
     MiniBatchPlan,
+    RolloutSample,
     build_mini_batches,
     pack_rollouts,
     step_seq_len,
 )
-from mcore_rl.rollout.base import RolloutSample
 from mcore_rl.rollout.data_parallel import LocalRollout
 
 _META_COLUMNS = 6  # prompt length, response length, truncated, valid, route layers, route top-k

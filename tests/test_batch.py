@@ -9,6 +9,7 @@ import torch
 from mcore_rl.algos import GlobalCounts
 from mcore_rl.batch import (
     MicroBatch,
+    RolloutSample,
     forward_groups,
     merge_packed,
     pack_rollouts,
@@ -17,7 +18,6 @@ from mcore_rl.batch import (
     split_for_rank,
     unpack_rows,
 )
-from mcore_rl.rollout.base import RolloutSample
 
 PAD = 0
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from mcore_rl.algos import group_advantages
-from mcore_rl.batch import pack_rollouts, plan_mini_batches, split_for_rank
+from mcore_rl.batch import RolloutSample, pack_rollouts, plan_mini_batches, split_for_rank
 from mcore_rl.config import ConfigError, load_config
 from mcore_rl.data import EpochSampler
 from mcore_rl.dynamic_sampling import (
@@ -31,7 +31,6 @@ from mcore_rl.dynamic_sampling import (
     single_round,
     split_unit,
 )
-from mcore_rl.rollout.base import RolloutSample
 from mcore_rl.rollout.data_parallel import LocalRollout, ReplicaLayout
 from mcore_rl.safety import TrainingHalted
 from mcore_rl.step_data import (

@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from mcore_rl.algos import group_advantages
-from mcore_rl.batch import pack_rollouts, plan_mini_batches, split_for_rank
-from mcore_rl.rollout.base import RolloutSample
+from mcore_rl.batch import RolloutSample, pack_rollouts, plan_mini_batches, split_for_rank
 from mcore_rl.rollout.data_parallel import LocalRollout, ReplicaLayout, share
 from mcore_rl.step_data import (
     assemble,

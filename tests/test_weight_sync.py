@@ -139,7 +139,7 @@ def test_rebuild_that_cannot_fix_it_raises(tiny_model_dir, actor_dir):
 
 
 def _sample(prompt, response):
-    from mcore_rl.rollout.base import RolloutSample
+    from mcore_rl.batch import RolloutSample
 
     return RolloutSample(prompt, response, torch.zeros(len(response)), "stop")
 

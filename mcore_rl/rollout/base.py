@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 import torch
 
+from mcore_rl.batch import RolloutSample  # the engines' output is the step data's input
+
 if TYPE_CHECKING:
     from mcore_rl.platform.shared_memory import SharedTensors
 
@@ -26,22 +28,6 @@ class SamplingParams:
     max_new_tokens: int = 32
     stop_token_ids: list[int] = field(default_factory=list)
     seed: Optional[int] = None
-
-
-@dataclass
-class RolloutSample:
-    """One response to one prompt."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    logprobs: (
-        torch.Tensor
-    )  # [len(response_ids)] float32, log-prob of each sampled token under the sampling distribution
-    finish_reason: str  # "stop" (hit a stop token) | "length" (max_new_tokens)
-    # [len(prompt_ids) + len(response_ids), num_moe_layers, top_k] int16 expert ids the router chose for every
-    # token of the sequence (prompt too: replaying routes in training needs them for every position), or None
-    # where the engine cannot capture them.
-    routed_experts: Optional[torch.Tensor] = None
 
 
 def check_token_ids(seqs: list[list[int]], what: str, vocab_size: int) -> None:

@@ -128,9 +128,8 @@ def check_per_rank_step_data(actor, algo, tokens, loss_mask, rewards, fields, be
     import dataclasses
 
     from mcore_rl.algos import group_advantages
-    from mcore_rl.batch import pack_field, pack_rollouts, plan_mini_batches, split_for_rank
+    from mcore_rl.batch import RolloutSample, pack_field, pack_rollouts, plan_mini_batches, split_for_rank
     from mcore_rl.megatron.policy_loss import make_policy_loss_fn
-    from mcore_rl.rollout.base import RolloutSample
     from mcore_rl.rollout.data_parallel import LocalRollout, ReplicaLayout
     from mcore_rl.step_data import ExchangeStats, dp_ranks, exchange_meta, local_mini_batches
 
