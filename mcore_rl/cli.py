@@ -20,8 +20,9 @@ from mcore_rl.config import CONFIG_WARNED_ENV, Config, ConfigError, check_paths,
 from mcore_rl.data.task import MULTI_TOKEN_KINDS as WARM_START_KINDS
 from mcore_rl.data.task import TASK_KINDS
 from mcore_rl.models.tiny import ARCHS
+from mcore_rl.preflight.check import describe_run, model_dims
 from mcore_rl.preflight.inputs import check_run_inputs, check_tokenizer
-from mcore_rl.preflight.layout import Layout, LayoutError, ModelDims, validate_run
+from mcore_rl.preflight.layout import Layout, LayoutError, validate_run
 from mcore_rl.run_dir import OutputWriteError, check_run_dir, write_failure
 
 EXIT_BAD_INPUT = 2
@@ -31,62 +32,11 @@ def inside_torchrun() -> bool:
     return "LOCAL_RANK" in os.environ or "WORLD_SIZE" in os.environ
 
 
-def model_dims(cfg: Config, model_config: Optional[str] = None) -> ModelDims:
-    """Dimensions from --model-config (a config.json) or from model.path's config.json."""
-    source = model_config or cfg.model.path
-    if not source:
-        raise ConfigError(
-            "model.path is empty and no --model-config given: set model.path or pass --model-config CONFIG_JSON"
-        )
-    path = Path(source)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        flag = "--model-config" if model_config else "model.path"
-        raise ConfigError(
-            f"{flag} = {source} has no config.json: point it at a Hugging Face checkpoint folder or pass "
-            f"--model-config with the model's config.json (e.g. configs/qwen3_30b_a3b/config.json)"
-        )
-    return ModelDims.from_hf(path)
-
-
 def preflight(
     cfg: Config, world_size: int, model_config: Optional[str] = None, platform: Optional[str] = None
 ) -> Layout:
     """Config is already validated by load_config; check the layout and batch split for `world_size`."""
     return validate_run(cfg, world_size, model_dims(cfg, model_config), platform=platform)
-
-
-def describe(cfg: Config, layout: Layout, nnodes: int, nproc: int) -> str:
-    samples = cfg.data.prompts_per_step * cfg.rollout.n
-    per_rank = samples / (layout.dp * cfg.algo.mini_batches)
-    budget = cfg.actor.max_tokens_per_micro_batch
-    if budget is None:
-        split = f"{per_rank:g} sequences per DP rank each, micro-batches of {layout.micro_batch_size} sequences"
-    else:  # DP shares are balanced by tokens, so a rank's sequence count varies around the mean
-        split = f"~{per_rank:g} sequences per DP rank each, packed into micro-batches of <= {budget} tokens"
-    lines = [
-        f"world {layout.world_size} ({nnodes} node(s) x {nproc} processes)",
-        f"actor: tp{layout.tp} pp{layout.pp} cp{layout.cp} dp{layout.dp} | ep{layout.ep} etp{layout.etp} edp{layout.edp}"
-        f" | sequence_parallel {'on' if layout.sequence_parallel else 'off'} | layers per stage {list(layout.layers_per_stage)}"
-        + (f" x vpp{layout.vpp}" if layout.vpp else "")
-        + f" | vocab {layout.padded_vocab_size}",
-        f"batch: {cfg.data.prompts_per_step} prompts x n {cfg.rollout.n} = {samples} samples/step -> {cfg.algo.mini_batches} "
-        f"mini-batch(es), {split}",
-        f"rollout: {cfg.rollout.engine}"
-        + (
-            f" tp{cfg.rollout.tp} x {layout.world_size // cfg.rollout.tp} replicas"
-            if cfg.rollout.engine == "vllm"
-            else ""
-        ),
-        f"algo: {cfg.algo.loss} ({cfg.algo.agg_mode}), adv {cfg.algo.adv_estimator}, routing replay {cfg.algo.routing_replay or 'off'}"
-        + (
-            ", old log-probs from the update (exactly on-policy)"
-            if cfg.algo.old_from_update
-            else ", old log-probs from a separate pass"
-        ),
-    ]
-    return "\n".join(lines + [f"warning: {w}" for w in layout.warnings])
 
 
 # ---------------------------------------------------------------------------------------------- commands
@@ -152,7 +102,7 @@ def cmd_check(args) -> int:
     layout = preflight(cfg, world, args.model_config)
     stack = check_stack(cfg, cfg.platform, getattr(args, "version_of", None))
     print(f"OK: {args.config}")
-    print(describe(cfg, layout, nnodes, nproc))
+    print(describe_run(cfg, layout, nnodes, nproc))
     print(describe_versions())
     print("\n".join(stack.lines()))
     return 0
@@ -172,7 +122,7 @@ def cmd_plan(args) -> int:
         )
     plan = plan_memory(cfg, layout, dims, args.device_memory)
     print(f"plan: {args.config}")
-    print(describe(cfg, layout, nnodes, nproc))
+    print(describe_run(cfg, layout, nnodes, nproc))
     print(plan.table())
     return 1 if plan.fits is False else 0
 

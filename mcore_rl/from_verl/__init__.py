@@ -113,8 +113,8 @@ def preset_text(conv: Converted, out_name: str) -> str:
 
 def check_preset(path: str | os.PathLike, world: int, model_config: Optional[str] = None) -> tuple[bool, str]:
     """`mcore-rl check` in this process: (passed, the check's report or its error with the fix)."""
-    from mcore_rl.cli import describe, model_dims
     from mcore_rl.config import ConfigError, load_config
+    from mcore_rl.preflight.check import describe_run, model_dims
     from mcore_rl.preflight.layout import LayoutError, validate_run
 
     try:
@@ -127,7 +127,7 @@ def check_preset(path: str | os.PathLike, world: int, model_config: Optional[str
         layout = validate_run(cfg, world, model_dims(cfg, model_config))
     except (ConfigError, LayoutError) as e:
         return False, str(e)
-    return True, describe(cfg, layout, cfg.trainer.nnodes, cfg.trainer.nproc)
+    return True, describe_run(cfg, layout, cfg.trainer.nnodes, cfg.trainer.nproc)
 
 
 def report(conv: Converted) -> str:

@@ -6,6 +6,7 @@ instead of repeating them:
   layout.py          the parallel layout rules, the one `Layout` object, the `ARCHITECTURES` table, the engine
                      capability checks (`validate_layout`, `validate_run`)
   inputs.py          the model folder and the installed packages (`check_run_inputs`)
+  check.py           the model dimensions a check reads, and the report of a run that passed
   hf_tensors.py      the HF tensor names and shapes each architecture needs
   support.py         the support matrix: which releases can run together
   resume_changes.py  which settings a resume may change and which it refuses
