@@ -5,6 +5,7 @@ Nothing here imports Megatron, vLLM or transformers (tests/test_layers.py checks
 instead of repeating them:
   layout.py          the parallel layout rules, the one `Layout` object, the `ARCHITECTURES` table, the engine
                      capability checks (`validate_layout`, `validate_run`)
+  context_parallel.py  where cp > 1 runs and how it pads and cuts sequences
   inputs.py          the model folder and the installed packages (`check_run_inputs`)
   check.py           the model dimensions a check reads, and the report of a run that passed
   hf_tensors.py      the HF tensor names and shapes each architecture needs

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from mcore_rl.config import Config, ConfigError
+from mcore_rl.preflight.context_parallel import split_summary
 from mcore_rl.preflight.layout import Layout, ModelDims
 
 
@@ -59,4 +60,6 @@ def describe_run(cfg: Config, layout: Layout, nnodes: int, nproc: int) -> str:
             else ", old log-probs from a separate pass"
         ),
     ]
+    longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    lines += filter(None, [split_summary(layout.cp, layout.tp, layout.sequence_parallel, longest, budget)])
     return "\n".join(lines + [f"warning: {w}" for w in layout.warnings])

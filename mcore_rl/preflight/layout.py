@@ -35,6 +35,7 @@ from typing import Any, Optional
 
 from mcore_rl.compat import megatron as compat_megatron
 from mcore_rl.config import Config, ParallelConfig
+from mcore_rl.preflight import context_parallel
 
 # Megatron-LM's default `--make-vocab-size-divisible-by`; its vocabulary padding multiple is this x TP.
 MEGATRON_VOCAB_DIVISIBLE_BY = 128
@@ -354,13 +355,9 @@ def _sequence_parallel(p: ParallelConfig, dims: ModelDims, warnings: list[str]) 
 
 
 def _check_platform(p: ParallelConfig, dims: ModelDims, platform: Optional[str]) -> None:
-    if platform in ("cuda", "npu") and p.cp > 1:
-        # the CP attention exists for the local layer spec (CPU); TE's / MindSpeed's are not configured yet
-        raise LayoutError(
-            f"actor.parallel.cp = {p.cp} on {platform}: context parallelism runs on CPU only so far (the local "
-            f"spec's attention gathers K / V over the CP group); Transformer Engine's CP attention (cp_comm_type) "
-            f"and MindSpeed's context_parallel_algo are not configured by the actor yet: set actor.parallel.cp = 1"
-        )
+    problem = context_parallel.platform_problem(p.cp, platform)  # the CP attention exists for the local spec
+    if problem:
+        raise LayoutError(problem)
     if platform == "npu" and dims.num_experts and p.expert_tp > 1:  # a dense model has no expert layers
         raise LayoutError(
             f"actor.parallel.etp = {p.expert_tp} on NPU: MindSpeed's grouped expert linear shards on the opposite "
@@ -394,8 +391,7 @@ def validate_layout(parallel: ParallelConfig, world_size: int, dims: Any, platfo
         warnings.append(
             f"etp = {p.expert_tp} with ep > 1 on CPU: gloo rejects the uneven all-gather of the alltoall dispatcher; etp = 1 avoids it"
         )
-    # Sequence parallel splits the sequence over TP; context parallel splits it into 2*cp load-balanced chunks.
-    seq_multiple = (p.tp if sp else 1) * (2 * p.cp if p.cp > 1 else 1)
+    seq_multiple = context_parallel.sequence_multiple(p.cp, p.tp, sp)
     return Layout(
         world_size=world_size,
         tp=p.tp,

@@ -37,6 +37,7 @@ keep fewer, so on a device the activation rows are an upper estimate.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -232,10 +233,13 @@ def micro_batch_tokens(cfg: Config, layout: Layout, forward: bool = False) -> To
 def layer_activation_bytes(dims: ModelDims, layout: Layout, tok: Tokens, b: int) -> int:
     """Bytes one transformer layer keeps for backward on one rank (no recompute).
 
-    Attention (T = tokens of this CP rank, t = T / tp under sequence parallelism, q = heads * head_dim):
+    Attention (T = tokens of this CP rank, t = T / tp under sequence parallelism, q = heads * head_dim; with
+    context parallelism a rank's queries attend over its sequences' keys / values gathered from all cp ranks):
       input norm: fp32 input + normalised output (4 + b) t h, and the QKV linear's input b t h
-      q / k norms: (4 + b) T (q + kv) / tp; rotated q, GQA-expanded k and v, the context: 4 b T q / tp
-      scores: fp32 softmax output + its cast, (4 + b) per score (b = 4: the same tensor), mbs * heads/tp * s^2
+      q / k norms: (4 + b) T (q + kv) / tp; rotated q and the context: 2 b T q / tp; the GQA-expanded k and v
+      of the whole sequences (cp T tokens): 2 b cp T q / tp
+      scores: fp32 softmax output + its cast, (4 + b) per score (b = 4: the same tensor), this rank's queries
+      over the whole sequence's keys: mbs * heads/tp * (s / cp) * s
     MoE (k = top-k, f = expert FFN / etp, E = experts): pre-MLP norm (4 + b) t h, router input in fp32
       4 t h (b < 4), router probabilities 3 x 4 t E; per routed row (t k of them): the sorted tokens and
       the expert outputs before unpermute 2 b h, fc1 output + SiLU + product 4 b f.
@@ -247,10 +251,9 @@ def layer_activation_bytes(dims: ModelDims, layout: Layout, tok: Tokens, b: int)
     t, T = tok.local, tok.attn
     half = b if b != FP32 else 0  # a cast to fp32 of an fp32 tensor is the tensor itself
     attn = (FP32 + half + b) * t * h
-    attn += (FP32 + half) * T * (q + kv) // tp + 4 * b * T * q // tp
+    attn += (FP32 + half) * T * (q + kv) // tp + 2 * b * T * q // tp + 2 * b * T * layout.cp * q // tp
     heads = dims.num_attention_heads // tp
-    seq_cp = tok.seq // layout.cp
-    attn += (FP32 + half) * tok.rows * heads * seq_cp * seq_cp
+    attn += (FP32 + half) * tok.rows * heads * (tok.seq // layout.cp) * tok.seq
     if dims.num_experts:
         f = dims.moe_ffn_hidden_size // layout.etp
         rows = t * dims.moe_top_k
@@ -536,34 +539,37 @@ def levers(cfg: Config, layout: Layout, dims: ModelDims, plan: MemoryPlan) -> li
 
 
 def layout_levers(cfg: Config, layout: Layout, dims: ModelDims, plan: MemoryPlan, count: int = 2) -> list[str]:
-    """Other layouts of the same world size (tp, pp, ep; etp 1) that fit, lowest peak first."""
+    """Other layouts of the same world size (tp, pp, ep; etp 1; cp as it is, or 2x / 4x it: context parallelism
+    divides the activations of long sequences) that fit, lowest peak first."""
     from mcore_rl.preflight.layout import LayoutError, validate_run
 
     found = []
     world = layout.world_size
-    for tp in (1, 2, 4, 8):
-        for pp in (1, 2, 4, 8):
-            for ep in (1, 2, 4, 8, 16, 32, 64):
-                if (tp, pp, ep) == (layout.tp, layout.pp, layout.ep) or world % (tp * pp * layout.cp):
-                    continue
-                c = _with(
-                    _with(_with(_with(cfg, "actor.parallel.tp", tp), "actor.parallel.pp", pp), "actor.parallel.ep", ep),
-                    "actor.parallel.etp",
-                    1,
+    for tp, pp, cp, ep in itertools.product((1, 2, 4, 8), (1, 2, 4, 8), _cp_sizes(layout.cp), (1, 2, 4, 8, 16, 32, 64)):
+        if (tp, pp, cp, ep) == (layout.tp, layout.pp, layout.cp, layout.ep) or world % (tp * pp * cp):
+            continue
+        c = cfg
+        for key, value in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep), ("etp", 1)):
+            c = _with(c, f"actor.parallel.{key}", value)
+        try:
+            lay = validate_run(c, world, dims)
+        except LayoutError:
+            continue
+        p = plan_memory(c, lay, dims, plan.device_bytes / GIB, with_levers=False)
+        if p.fits:
+            sizes = f"tp{tp} pp{pp}" + (f" cp{cp}" if cp > 1 else "") + f" ep{ep} etp1"
+            found.append(
+                (
+                    p.peak.total,
+                    f"layout {sizes} (dp{lay.dp}, edp{lay.edp}) -> peak {_gib(p.peak.total)} GiB ({p.peak.name})",
                 )
-                try:
-                    lay = validate_run(c, world, dims)
-                except LayoutError:
-                    continue
-                p = plan_memory(c, lay, dims, plan.device_bytes / GIB, with_levers=False)
-                if p.fits:
-                    found.append(
-                        (
-                            p.peak.total,
-                            f"layout tp{tp} pp{pp} ep{ep} etp1 (dp{lay.dp}, edp{lay.edp}) -> peak {_gib(p.peak.total)} GiB ({p.peak.name})",
-                        )
-                    )
+            )
     return [text for _, text in sorted(found)[:count]]
+
+
+def _cp_sizes(cp: int) -> tuple[int, ...]:
+    """The context-parallel sizes a layout lever tries: the run's, and 2x / 4x it."""
+    return (cp, 2 * cp, 4 * cp)
 
 
 def _with(cfg: Config, dotted: str, value) -> Config:

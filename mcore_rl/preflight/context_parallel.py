@@ -1,0 +1,64 @@
+"""Context parallelism's pre-flight rules: where it runs, and what it asks of a run's sequences.
+
+With actor.parallel.cp = c > 1 the CP ranks of one DP rank hold the same samples, and every sequence is cut
+into 2c chunks: CP rank r holds chunks r and 2c-1-r (the first and the last chunks together, so causal
+attention's work is even across ranks). A sequence is padded to a multiple of 2c tokens for the cut, and a
+micro-batch's row to a multiple of 2c x tp under sequence parallelism (`sequence_multiple`). The sizes:
+world = tp x pp x cp x dp and, for MoE, ep x etp divides tp x cp x dp (`validate_layout`).
+
+CP splits tokens, not heads: the attention of the local layer spec gathers K / V over the CP group and each
+rank attends with its own queries (mcore_rl/megatron/context_parallel.py), so CP adds no rule on the head
+counts (TP's stay). That attention is the only CP attention the actor configures so far, so cp > 1 runs on
+CPU; on CUDA (Transformer Engine's CP attention, `cp_comm_type`) and NPU (MindSpeed's `context_parallel_algo`)
+it is refused before launch (`platform_problem`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+# The platforms whose CP attention the actor does not configure yet; the local layer spec's (K / V gathered over
+# the CP group) runs on CPU.
+_NOT_CONFIGURED = ("cuda", "npu")
+
+
+def sequence_multiple(cp: int, tp: int, sequence_parallel: bool) -> int:
+    """Rows are padded to a multiple of this: 2 x cp chunks (cp > 1), each split over TP under sequence parallelism."""
+    return (tp if sequence_parallel else 1) * (2 * cp if cp > 1 else 1)
+
+
+def padded_length(tokens: int, cp: int) -> int:
+    """A sequence of `tokens` as the CP split pads it: a multiple of 2 x cp (itself with cp 1)."""
+    return tokens if cp <= 1 else math.ceil(max(tokens, 1) / (2 * cp)) * 2 * cp
+
+
+def refusal(platform: Optional[str]) -> Optional[str]:
+    """Why `platform` ("cpu" / "cuda" / "npu"; None or "auto": decided at start) cannot run cp > 1, or None."""
+    if platform not in _NOT_CONFIGURED:
+        return None
+    return (
+        "context parallelism runs on CPU only so far (the local spec's attention gathers K / V over the CP group); "
+        "Transformer Engine's CP attention (cp_comm_type) and MindSpeed's context_parallel_algo are not configured "
+        "by the actor yet"
+    )
+
+
+def platform_problem(cp: int, platform: Optional[str]) -> Optional[str]:
+    """The pre-flight error for cp > 1 on a platform that cannot run it (naming the key and the fix), or None."""
+    why = refusal(platform) if cp > 1 else None
+    return None if why is None else f"actor.parallel.cp = {cp} on {platform}: {why}: set actor.parallel.cp = 1"
+
+
+def split_summary(cp: int, tp: int, sequence_parallel: bool, longest: int, budget: Optional[int]) -> Optional[str]:
+    """One line for `mcore-rl check`: how sequences are cut over the CP ranks (None with cp 1)."""
+    if cp <= 1:
+        return None
+    multiple = sequence_multiple(cp, tp, sequence_parallel)
+    per_rank = padded_length(longest, cp) // cp
+    row = f"micro-batches of <= {budget} tokens" if budget is not None else "padded micro-batches"
+    return (
+        f"context parallel: cp{cp}, each sequence in {2 * cp} load-balanced chunks (padded to a multiple of "
+        f"{2 * cp} tokens), rows to a multiple of {multiple}; the longest sequence ({longest} tokens) is "
+        f"{per_rank} tokens per CP rank; {row} are split the same way"
+    )
