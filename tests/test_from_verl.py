@@ -392,6 +392,32 @@ def test_fsdp_actor_maps_to_data_parallelism_and_ulysses_is_listed(tmp_path):
     assert got["reward.overlong_buffer"] == 0 and got["trainer.steps"] == 500 and got["model.recompute"] is True
 
 
+def test_ulysses_maps_to_context_parallelism_where_cp_runs(tmp_path):
+    """The same run where CP runs (CPU; on CUDA and NPU the pre-flight refuses cp > 1 until their CP attention is
+    configured): Ulysses SP 4 -> actor.parallel.cp 4 (Megatron CP, said so in the comment), the SP group's
+    budget split over the CP group; without trainer.device (verl's default cuda) whole sequences per device."""
+    script = tmp_path / "qwen2_5_3b_gspo_16.sh"
+    script.write_text(
+        (DATA / "qwen2_5_3b_gspo_npu16.sh").read_text().replace("trainer.device=npu", "trainer.device=cpu")
+    )
+    got, conv = converted(script, tmp_path)
+    rows, settings = conv.conversion.rows, conv.conversion.settings
+    assert got["platform"] == "cpu" and got["actor.parallel.cp"] == 4
+    row = rows["actor_rollout_ref.actor.ulysses_sequence_parallel_size"]
+    assert row.status == "mapped" and row.target == "actor.parallel.cp"
+    comment = settings["actor.parallel.cp"].source
+    assert "Megatron context parallelism of the same size" in comment and "not Ulysses' all-to-all" in comment
+    assert got["actor.max_tokens_per_micro_batch"] == 2560 * 4
+    assert "split over the CP group" in settings["actor.max_tokens_per_micro_batch"].source
+    text = (tmp_path / "qwen2_5_3b_gspo_16.yaml").read_text()
+    assert "cp: 4  # actor_rollout_ref.actor.ulysses_sequence_parallel_size=4: Megatron context parallelism" in text
+    script.write_text(script.read_text().replace("    trainer.device=cpu \\\n", ""))
+    got, conv = converted(script, tmp_path)
+    row = conv.conversion.rows["actor_rollout_ref.actor.ulysses_sequence_parallel_size"]
+    assert got["actor.parallel.cp"] == 1 and row.status == "not supported" and "context_parallel_algo" in row.why
+    assert got["actor.max_tokens_per_micro_batch"] == 2560 * 4
+
+
 def test_fsdp_grpo_with_unsupported_keys(tmp_path):
     got, conv = converted(DATA / "grpo_fsdp_qwen2_5_3b.sh", tmp_path)
     rows = conv.conversion.rows

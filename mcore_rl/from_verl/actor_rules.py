@@ -7,6 +7,7 @@ from typing import Optional
 
 from mcore_rl.from_verl.keys import MODEL, OT, A, F, M, R
 from mcore_rl.from_verl.verl_run import Setting, VerlRun, int_or_note, truthy
+from mcore_rl.preflight import context_parallel
 
 
 def cluster(run: VerlRun) -> None:
@@ -55,21 +56,7 @@ def layout(run: VerlRun) -> None:
         run.set(f"actor.parallel.{dim}", 1, source=source)
     run.set("actor.optim.use_distributed_optimizer", True, source=f"{source}; FSDP shards the optimizer state")
     run.mark(A + "strategy", "mapped", "actor.parallel", "FSDP -> data parallelism over the world (tp = pp = ep = 1)")
-    for key in (F + "ulysses_sequence_parallel_size", A + "ulysses_sequence_parallel_size"):
-        sp = run.as_int(key, 1)
-        if sp > 1:
-            run.mark(
-                key,
-                "not supported",
-                "",
-                (
-                    f"Ulysses sequence parallelism {sp}: context parallelism is this project's way to split sequences "
-                    f"and is refused today; instead every device holds whole sequences (DP over the world) and takes "
-                    f"the SP group's token budget (ppo_max_token_len_per_gpu x {sp})"
-                ),
-            )
-        else:
-            run.mark(key, "not needed", "", "1: no sequence parallelism")
+    _ulysses_as_context_parallel(run)
     size = run.get(F + "fsdp_size")
     if size in (-1, None):
         run.mark(F + "fsdp_size", "not needed", "", "-1: one sharding group over all devices")
@@ -77,13 +64,51 @@ def layout(run: VerlRun) -> None:
         run.mark(F + "fsdp_size", "not supported", "", f"{size}: hybrid sharding; here one group over all DP ranks")
 
 
-def ulysses(run: VerlRun) -> int:
-    if run.strategy != "fsdp":
-        return 1
+def _ulysses_key(run: VerlRun) -> str:
     key = A + "ulysses_sequence_parallel_size"
-    if not run.given(key):
-        key = F + "ulysses_sequence_parallel_size"
-    return max(1, run.as_int(key, 1))
+    return key if run.given(key) else F + "ulysses_sequence_parallel_size"
+
+
+def ulysses(run: VerlRun) -> int:
+    """The FSDP actor's Ulysses sequence-parallel size (1 for the Megatron actor, which has CP instead)."""
+    return max(1, run.as_int(_ulysses_key(run), 1)) if run.strategy == "fsdp" else 1
+
+
+def _ulysses_as_context_parallel(run: VerlRun) -> None:
+    """Ulysses SP n -> actor.parallel.cp = n: both split each sequence's tokens over n devices (the same math);
+    where cp > 1 cannot run (the pre-flight's platform rule) every device holds whole sequences instead."""
+    keys = (F + "ulysses_sequence_parallel_size", A + "ulysses_sequence_parallel_size")
+    sp = ulysses(run)
+    if sp == 1:
+        for key in keys:
+            run.mark(key, "not needed", "", "1: no sequence parallelism")
+        return
+    why = context_parallel.refusal(str(run.get("trainer.device")))  # where the verl run ran (default cuda)
+    given = [k for k in keys if run.given(k)]
+    if why is None:
+        run.set(
+            "actor.parallel.cp",
+            sp,
+            *given,
+            source=f"{run.source(_ulysses_key(run))}: Megatron context parallelism of the same size - each "
+            f"sequence's tokens split over {sp} devices in load-balanced chunks, keys / values exchanged; not "
+            f"Ulysses' all-to-all over heads (the same math)",
+        )
+        return
+    for key in given:
+        run.mark(
+            key,
+            "not supported",
+            "actor.parallel.cp",
+            f"Ulysses sequence parallelism {sp} would be context parallelism {sp} here, which this platform cannot "
+            f"run ({why}); instead every device holds whole sequences (DP over "
+            f"the world) and takes the SP group's token budget (ppo_max_token_len_per_gpu x {sp})",
+        )
+
+
+def _context_parallel_size(run: VerlRun) -> int:
+    setting = run.out.settings.get("actor.parallel.cp")
+    return int(setting.value) if setting and setting.value else 1
 
 
 def offload(run: VerlRun) -> None:
@@ -217,7 +242,8 @@ def _micro_batches(run: VerlRun) -> None:
     sp = ulysses(run)
     if truthy(run.get(dyn_key)):
         budget = run.as_int(budget_key) * sp
-        rule = f" x ulysses {sp} (the SP group's budget, on one device here)" if sp > 1 else ""
+        where = "split over the CP group" if _context_parallel_size(run) == sp else "on one device"
+        rule = f" x ulysses {sp} (the SP group's budget, {where} here)" if sp > 1 else ""
         run.set(
             "actor.max_tokens_per_micro_batch",
             budget,
