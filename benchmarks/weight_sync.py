@@ -13,8 +13,8 @@ the sync's rate over the memcpy rate of that moment (on a shared machine the loa
 second); and the strict ratio: the best sync over the fastest memcpy seen in the whole run (best of 5 copies
 of 512 MB before and after the syncs, and the paired ones).
 The sync runs as the trainer's does: the engine's parameters live in a shared-memory region
-(`engine.shared_weights()`), so every rank writes its own shards straight into them and rank 0 copies only its
-own (`into=engine.weight_buffer, shared=...`; mcore_rl/platform/shared_memory.py); `--baseline` also times, in
+(`engine.capabilities.receiver.shared`), so every rank writes its own shards straight into them and rank 0 copies only its
+own (`into=receiver.buffer, shared=receiver.shared`; mcore_rl/platform/shared_memory.py); `--baseline` also times, in
 the same run, the gather-into-buffers-then-copy path (no `into`, no `shared`: the peer's shards travel through
 the gather's shared segments and the engine copies every tensor). Prints the sync's GB/s, memcpy GB/s and their ratio (target >= 0.5), and the gloo all_gather rate between
 the two processes (the transport the exporter's gathers use: on one CPU host it is the bottleneck) next to
@@ -160,6 +160,7 @@ def main() -> None:
     from mcore_rl.models.bridge import ModelBridge
     from mcore_rl.platform import get_platform
     from mcore_rl.platform.shm_gather import GroupGather
+    from mcore_rl.rollout.base import COPY_IN
     from mcore_rl.rollout.embedded import EmbeddedEngine
     from mcore_rl.rollout.weight_sync import sync_weights
     from mcore_rl.weights.exporter import HFExporter
@@ -212,8 +213,8 @@ def main() -> None:
             moment = paired.gb_per_s(volume) if paired is not None else 0.0
             dist.barrier()
             # ranks without an engine only contribute their shards (written into rank 0's engine, or its segments)
-            into = engine.weight_buffer if engine is not None and direct else None
-            shared = engine.shared_weights() if engine is not None and direct else None
+            receiver = engine.capabilities.receiver if engine is not None and direct else COPY_IN
+            into, shared = receiver.buffer, receiver.shared
             stats = sync_weights(
                 exporter.export(chunks, receive=engine is not None, into=into, shared=shared),
                 engine,

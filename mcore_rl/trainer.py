@@ -236,7 +236,8 @@ class Trainer:
         with self.colocation.handover():
             # gathers write straight into the engine's tensors where it exposes them, and on one host the other ranks
             # write their shards into a shared-memory engine themselves (each byte moves once)
-            export = self.actor.export_hf_weights(into=self.engine.weight_buffer, shared=self.engine.shared_weights())
+            receiver = self.engine.capabilities.receiver
+            export = self.actor.export_hf_weights(into=receiver.buffer, shared=receiver.shared)
             stats = sync_weights(export, self.engine, self.cfg.rollout.sync_bucket_mb)
             if verify:  # the verification's reads of the actor, valid after its state left the device
                 reference, export_fn = self.colocation.actor_reads(self.probe)

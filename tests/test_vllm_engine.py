@@ -19,7 +19,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make setup-vllm creat
 
 from mcore_rl.config import RolloutConfig  # noqa: E402
 from mcore_rl.rollout.base import SamplingParams  # noqa: E402
-from mcore_rl.rollout.vllm_engine import ReplicaLayout, VllmEngine  # noqa: E402
+from mcore_rl.rollout.vllm_engine import ReplicaLayout, VllmEngine, VllmSettings  # noqa: E402
+from tests.test_engine_protocol import check_capabilities  # noqa: E402
 from tests.torchrun_util import run_worker  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -76,7 +77,8 @@ def test_reload_path_read_from_the_installed_vllm():
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     # in_place: the GPU/NPU path and its verification fallback (CPU's default for MoE is "rebuild", tested below)
-    eng = VllmEngine(RolloutConfig(tp=1), tiny_model_dir, dtype="float32", max_model_len=256, reload="in_place")
+    settings = VllmSettings.of(RolloutConfig(tp=1), dtype="float32", max_model_len=256, reload="in_place")
+    eng = VllmEngine(tiny_model_dir, settings)
     yield eng
     eng.close()
 
@@ -90,7 +92,7 @@ def test_replica_layout_shares_cover_every_item_once():
 
 def test_bad_layout_is_rejected_before_start(tiny_model_dir):
     with pytest.raises(ValueError, match="rollout.tp = 3 must be >= 1 and divide the world size 1"):
-        VllmEngine(RolloutConfig(tp=3), tiny_model_dir)
+        VllmEngine(tiny_model_dir, VllmSettings.of(RolloutConfig(tp=3)))
 
 
 def test_generate_n_samples_stop_tokens_and_seed(engine):
@@ -127,9 +129,16 @@ def test_routed_experts_none_on_cpu(engine):
 
     out = engine.generate(PROMPTS[:1], n=1, params=SamplingParams(max_new_tokens=2, seed=1))
     if current_platform.is_cpu():
-        assert not engine.routes_enabled and out[0][0].routed_experts is None
+        assert not engine.capabilities.routes and out[0][0].routed_experts is None
     else:  # [prompt + response, moe layers, top-k]
         assert out[0][0].routed_experts.shape[1:] == (2, 2)
+
+
+def test_capabilities_match_what_the_engine_does(engine):
+    """Its own replicas (world 1: one), weights copied in and not read back (tests/test_engine_protocol.py)."""
+    caps = check_capabilities(engine, PROMPTS[0])
+    assert caps.handles_data_parallel and engine.replicas == ReplicaLayout(0, 1, 1)
+    assert not caps.reads_weights and caps.receiver.kind == "copy"
 
 
 def test_bad_requests_fail_with_clear_errors(engine):
@@ -152,6 +161,7 @@ def test_sleep_wake_up_keep_the_engine_usable(engine, caplog):
     with caplog.at_level("INFO", logger="mcore_rl.rollout.vllm_engine"):
         engine.sleep()
         engine.wake_up()
+    assert engine.capabilities.sleeps == (not current_platform.is_cpu())
     if current_platform.is_cpu():
         assert "no-ops on this platform" in caplog.text
     after = engine.generate(PROMPTS[:1], n=2, params=params)
@@ -256,7 +266,7 @@ def test_rebuild_mode_buffers_a_sync_and_rebuilds_once_complete(engine, tiny_mod
     """reload="rebuild" (the CPU default for MoE models): nothing changes until the last weight arrives, then
     one exact rebuild; repeated, to show a rebuilt engine can be rebuilt again."""
     with pytest.raises(ValueError, match="reload='sometimes'"):
-        VllmEngine(RolloutConfig(tp=1), tiny_model_dir, reload="sometimes")
+        VllmSettings.of(RolloutConfig(tp=1), reload="sometimes")  # refused before vLLM starts
     seqs, plens = probe_batch(engine)
     before = engine.score(seqs, plens)
     engine.reload_mode = "rebuild"

@@ -543,8 +543,8 @@ class Actor:
     # ---- weights -----------------------------------------------------------------------------
     def export_hf_weights(self, receive: bool = True, into=None, shared=None):
         """See HFExporter.export: collective, every rank gets every full tensor; `into` (e.g. a
-        rollout engine's `weight_buffer`) lets the gathers write straight into the consumer's memory, `shared`
-        (its `shared_weights()`) lets the other ranks of the host write their shards there too."""
+        rollout engine's `capabilities.receiver.buffer`) lets the gathers write straight into the consumer's memory, `shared`
+        (its `receiver.shared`) lets the other ranks of the host write their shards there too."""
         self._require_resident("export_hf_weights")
         return self.exporter.export(self.model, receive=receive, into=into, shared=shared)
 

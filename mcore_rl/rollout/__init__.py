@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from mcore_rl.config import RolloutConfig
-from mcore_rl.rollout.base import RolloutEngine, RolloutSample, SamplingParams
+from mcore_rl.rollout.base import EngineCapabilities, RolloutEngine, RolloutSample, SamplingParams
 
-__all__ = ["RolloutEngine", "RolloutSample", "SamplingParams", "make_engine", "sampling_params"]
+__all__ = ["EngineCapabilities", "RolloutEngine", "RolloutSample", "SamplingParams", "make_engine", "sampling_params"]
 
 
 def sampling_params(
@@ -29,8 +29,8 @@ def make_engine(
 ) -> RolloutEngine:
     """Build the engine named by `cfg.engine` for the HF checkpoint at `model_path`.
 
-    `platform` (mcore_rl.platform.Platform or None for CPU) places the embedded engine on the local device.
-    Extra keyword arguments go to the engine's constructor.
+    `platform` (mcore_rl.platform.Platform or None for CPU) places the embedded engine on the local device (vLLM
+    picks its own). Extra keyword arguments go to the embedded engine's constructor / vLLM's `VllmSettings`.
     """
     if cfg.engine == "embedded":
         from mcore_rl.rollout.embedded import EmbeddedEngine
@@ -39,11 +39,11 @@ def make_engine(
         return EmbeddedEngine(model_path, dtype=dtype, device=device, **kwargs)
     if cfg.engine == "vllm":
         try:
-            from mcore_rl.rollout.vllm_engine import VllmEngine
+            from mcore_rl.rollout.vllm_engine import VllmEngine, VllmSettings
         except ImportError as err:
             raise ImportError(
                 f"rollout.engine=vllm but vLLM cannot be imported ({err}); install it "
                 f"(make setup-vllm on CPU) or use rollout.engine=embedded"
             ) from err
-        return VllmEngine(cfg, model_path, platform=platform, dtype=dtype, **kwargs)
+        return VllmEngine(model_path, VllmSettings.of(cfg, dtype=dtype, **kwargs))
     raise ValueError(f"rollout.engine={cfg.engine!r}; use 'embedded' or 'vllm'")

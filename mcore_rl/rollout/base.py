@@ -1,10 +1,11 @@
-"""The rollout engine interface: every engine (embedded transformers, vLLM, vLLM-Ascend) implements it."""
+"""The rollout engine protocol: what every engine (embedded transformers, vLLM, vLLM-Ascend) implements, and the
+capabilities it declares for what only some engines offer."""
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -53,8 +54,69 @@ def check_generate_request(prompts: list[list[int]], n: int, params: SamplingPar
     check_token_ids(prompts, "prompt", vocab_size)
 
 
+def check_score_request(
+    sequences: list[list[int]], prompt_lens: list[int], temperature: float, vocab_size: int
+) -> None:
+    """The checks every engine's score() makes before any work."""
+    if len(sequences) != len(prompt_lens):
+        raise ValueError(f"score(): {len(sequences)} sequences but {len(prompt_lens)} prompt lengths")
+    if temperature <= 0:
+        raise ValueError(f"score(): temperature={temperature}; log-probs need temperature > 0")
+    check_token_ids(sequences, "sequence", vocab_size)
+    for i, (s, p) in enumerate(zip(sequences, prompt_lens)):
+        if not 1 <= p < len(s):
+            raise ValueError(f"sequence {i}: prompt_len {p} must be in [1, {len(s) - 1}] for length {len(s)}")
+
+
+@dataclass(frozen=True)
+class WeightReceiver:
+    """Where an engine lets a sync put its weights besides `load_weights` (the copy every engine takes).
+
+    `buffer(name)`: the engine's own tensor holding Hugging Face weight `name` (a view where the engine fuses
+    several; None for a name it does not hold), for an exporter that writes new weights straight into it. An
+    engine that offers buffers skips, in `load_weights`, a given tensor that already IS its own.
+    `shared`: those tensors in a shared-memory region other processes of the host map and write
+    (mcore_rl/platform/shared_memory.py), named as `buffer` names them."""
+
+    buffer: Optional[Callable[[str], Optional[torch.Tensor]]] = None
+    shared: Optional["SharedTensors"] = None
+
+    @property
+    def kind(self) -> str:
+        """ "shared" (a region other processes write), "buffers" (in place, this process) or "copy" (load_weights)."""
+        return "shared" if self.shared is not None else "buffers" if self.buffer is not None else "copy"
+
+
+COPY_IN = WeightReceiver()  # load_weights only: the engine's memory is not reachable from outside
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine offers beyond the protocol every engine implements (`RolloutEngine`); callers read these
+    flags instead of probing for methods.
+
+    handles_data_parallel: the engine places its replicas itself (`data_parallel.DataParallelEngine`): every rank
+        passes the same full prompt list, `generate_share` returns the rank's replica share.
+    routes: samples carry `routed_experts` (rollout routing replay, R3).
+    reads_weights: the engine reads its weights back (`WeightReader`: name the tensors a failed sync got wrong,
+        compare fingerprints).
+    sleeps: `sleep` releases device memory (else `sleep` / `wake_up` keep it allocated).
+    receiver: where a sync may write the weights (`WeightReceiver`)."""
+
+    handles_data_parallel: bool = False
+    routes: bool = False
+    reads_weights: bool = False
+    sleeps: bool = False
+    receiver: WeightReceiver = COPY_IN
+
+
 class RolloutEngine(abc.ABC):
-    """Generates responses and receives new weights from the actor."""
+    """Generates responses and receives new weights from the actor: what every engine implements."""
+
+    @property
+    @abc.abstractmethod
+    def capabilities(self) -> EngineCapabilities:
+        """What this engine offers now (the receiver may change when the engine rebuilds its model)."""
 
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[RolloutSample]]:
@@ -65,47 +127,39 @@ class RolloutEngine(abc.ABC):
         """Log-probs of the given response tokens (positions >= prompt_len) under the engine's current weights."""
 
     @abc.abstractmethod
+    def weight_names(self) -> set[str]:
+        """The Hugging Face names a complete sync must deliver."""
+
+    @abc.abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Take new weights as (Hugging Face name, full tensor) pairs; may be called with a stream of buckets."""
 
-    def weight_names(self) -> Optional[set[str]]:
-        """The Hugging Face names a complete sync must deliver, or None if the engine cannot tell."""
-        return None
-
-    def weight_buffer(self, name: str) -> Optional[torch.Tensor]:
-        """The engine's own tensor holding Hugging Face weight `name` (a view where the engine fuses several),
-        for an exporter that writes new weights straight into it; None where the engine's memory is not
-        reachable that way (then `load_weights` copies). An engine that returns tensors here must skip, in
-        `load_weights`, a given tensor that already IS its own."""
-        return None
-
-    def shared_weights(self) -> Optional["SharedTensors"]:
-        """The engine's weights in a shared-memory region other processes of its host can map and write
-        (mcore_rl/platform/shared_memory.py), named as `weight_buffer` names them; None where they are not
-        (then only this process writes into them, through `weight_buffer` or `load_weights`)."""
-        return None
-
-    def weight_diffs(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Optional[dict[str, float]]:
-        """Max abs difference between the engine's copy of each given tensor and the given value, or None
-        where the engine cannot read its weights back (used to name the tensors a failed sync got wrong)."""
-        return None
-
-    def weight_fingerprints(self, names: list[str]) -> Optional[dict[str, torch.Tensor]]:
-        """name -> `weight_sync.fingerprint(name, weight)` of the engine's copy of each weight, in Hugging Face
-        layout; None when the engine cannot read its weights back that way (then the check is skipped)."""
-        return None
-
+    @abc.abstractmethod
     def rebuild_from(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Recreate the model from complete weights by a path known to be exact (the fallback after a sync
         fails verification)."""
-        raise NotImplementedError(f"{type(self).__name__} has no exact rebuild path; use rollout.verify_fallback=error")
 
-    def close(self) -> None:
-        """Release the engine before the process groups go away. Default: no-op."""
-
+    @abc.abstractmethod
     def sleep(self) -> None:
-        """Release memory while the actor trains (colocated). Default: no-op."""
+        """Release memory while the actor trains (colocated); keeps it where `capabilities.sleeps` is False."""
 
+    @abc.abstractmethod
     def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
-        """Restore memory before the next rollout: `tags` (a subset of MEMORY_TAGS) or all of it (None).
-        Default: no-op."""
+        """Restore memory before the next rollout: `tags` (a subset of MEMORY_TAGS) or all of it (None)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the engine before the process groups go away."""
+
+
+class WeightReader(abc.ABC):
+    """An engine that reads its weights back (`EngineCapabilities.reads_weights`)."""
+
+    @abc.abstractmethod
+    def weight_diffs(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """Max abs difference between the engine's copy of each given tensor and the given value."""
+
+    @abc.abstractmethod
+    def weight_fingerprints(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """name -> `weight_sync.fingerprint(name, weight)` of the engine's copy of each weight, in Hugging Face
+        layout."""

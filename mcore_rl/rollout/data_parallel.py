@@ -1,7 +1,7 @@
 """Spread a step's prompts over rollout replicas: who generates, holds and scores which sample.
 
 A replica is `tp` consecutive ranks (the embedded engine: one rank, tp = 1; vLLM's external launcher:
-`rollout.tp` ranks, `handles_data_parallel = True`). Replica q generates the contiguous prompt share
+`rollout.tp` ranks, a `DataParallelEngine`: `capabilities.handles_data_parallel`). Replica q generates the contiguous prompt share
 `share(P, q, world / tp)`; its ranks all hold the same samples afterwards. `generate_local` returns that share
 as a `LocalRollout` (no exchange); `mcore_rl.step_data` then moves each sample only to the ranks that train
 on it. Sample i of the step is sample i % n of prompt i // n (group order).
@@ -15,6 +15,7 @@ the full list (the vLLM multi-process test); the trainer does not use it.
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -57,6 +58,21 @@ class ReplicaLayout:
     def holders(self, replica: int) -> range:
         """The ranks of replica `replica` (each holds its samples after generation)."""
         return range(replica * self.tp, (replica + 1) * self.tp)
+
+
+class DataParallelEngine(RolloutEngine):
+    """An engine that places its replicas itself (`capabilities.handles_data_parallel`): every rank passes the
+    same full prompt list; `generate` returns every result on every rank, `generate_share` this replica's."""
+
+    @property
+    @abc.abstractmethod
+    def replicas(self) -> ReplicaLayout:
+        """Where this process sits among the engine's replicas."""
+
+    @abc.abstractmethod
+    def generate_share(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[RolloutSample]]:
+        """Like generate(), without the gather: the results of this replica's share (`replicas.share`) only;
+        prompt i of the full list is seeded from `params.seed + i * n`."""
 
 
 @dataclass
@@ -116,9 +132,9 @@ def generate_local(
     The seeds are the same as ever: an engine that places replicas itself gets `seed` and seeds prompt i
     from it; the embedded engine's replica seeds from `seed + its first prompt`, so results depend only on
     the world size."""
-    if getattr(engine, "handles_data_parallel", False):
+    if engine.capabilities.handles_data_parallel:
         params.seed = seed
-        return LocalRollout(engine.layout, len(prompts), n, engine.generate_share(prompts, n, params))
+        return LocalRollout(engine.replicas, len(prompts), n, engine.generate_share(prompts, n, params))
     rank, world = _world()
     replicas = ReplicaLayout(rank, world, 1)
     mine = replicas.share(len(prompts))
@@ -131,7 +147,7 @@ def generate_global(
     engine: RolloutEngine, prompts: list[list[int]], n: int, params: SamplingParams, seed: int
 ) -> list[list[RolloutSample]]:
     """n samples for every prompt, identical on all ranks (every rank's share pickled to every rank)."""
-    if getattr(engine, "handles_data_parallel", False):
+    if engine.capabilities.handles_data_parallel:
         params.seed = seed
         return engine.generate(prompts, n, params)
     local = generate_local(engine, prompts, n, params, seed)

@@ -15,11 +15,11 @@ Sampling is our own loop over a KV cache on left-padded batches (each prompt rep
   router record the top-k expert ids of every token fed through the model, prompt tokens included; each sample
   gets them as int16 ``[prompt + response, moe_layers, k]`` (else ``routed_experts`` is None).
 - weights: ``load_weights`` copies (Hugging Face checkpoint name, tensor) pairs into the live parameters in
-  place; ``weight_buffer(name)`` hands out those parameters (or slices) so an exporter can gather into them
+  place; ``weight_buffer(name)`` (``capabilities.receiver.buffer``) hands out those parameters (or slices) so an exporter can gather into them
   directly, and a pair that already is the engine's own tensor is then skipped. transformers >= 5 stores the experts of a layer fused as 3-D ``gate_up_proj`` / ``down_proj``; the
   checkpoint's per-expert names are mapped onto slices of those (see ``_weight_targets``). On the CPU the
   parameters live in one shared-memory region (mcore_rl/platform/shared_memory.py) whose table of weight names
-  ``shared_weights()`` hands out: the exporter's other ranks on the same host map it and write their shards
+  ``capabilities.receiver.shared`` hands out: the exporter's other ranks on the same host map it and write their shards
   straight into the engine (ModelBridge.export_hf_weights `shared`); ``share_weights=False`` keeps plain memory.
 """
 
@@ -37,7 +37,16 @@ import torch
 from mcore_rl.compat import transformers as compat_transformers
 from mcore_rl.models.hf_io import torch_dtype
 from mcore_rl.platform.shared_memory import SharedRegion, SharedTensors, share_parameters
-from mcore_rl.rollout.base import RolloutEngine, RolloutSample, SamplingParams, check_generate_request, check_token_ids
+from mcore_rl.rollout.base import (
+    EngineCapabilities,
+    RolloutEngine,
+    RolloutSample,
+    SamplingParams,
+    WeightReader,
+    WeightReceiver,
+    check_generate_request,
+    check_score_request,
+)
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +154,7 @@ def _filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
     return scaled
 
 
-class EmbeddedEngine(RolloutEngine):
+class EmbeddedEngine(RolloutEngine, WeightReader):
     """A Hugging Face causal LM that samples, scores and takes weights in place."""
 
     def __init__(
@@ -251,10 +260,17 @@ class EmbeddedEngine(RolloutEngine):
             log.warning("embedded engine: parameters stay in private memory (%s)", e)
             return None
 
-    # ----- weights -----
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """One process, one replica; routes where the model has MoE layers and they are recorded; it reads its
+        weights back; it never sleeps; the sync writes into its parameters (shared on the CPU)."""
+        return EngineCapabilities(
+            routes=self.return_routed_experts and self.num_moe_layers > 0,
+            reads_weights=True,
+            receiver=WeightReceiver(buffer=self.weight_buffer, shared=self._shared),
+        )
 
-    def shared_weights(self) -> Optional[SharedTensors]:
-        return self._shared
+    # ----- weights -----
 
     def close(self) -> None:
         if self._shared is not None:
@@ -279,6 +295,7 @@ class EmbeddedEngine(RolloutEngine):
         return target
 
     def weight_buffer(self, name: str) -> Optional[torch.Tensor]:
+        """The parameter (or slice) holding weight `name`, None for a name the model lacks (WeightReceiver.buffer)."""
         return self._targets.get(name)
 
     @torch.no_grad()
@@ -456,14 +473,7 @@ class EmbeddedEngine(RolloutEngine):
 
     @torch.no_grad()
     def score(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float = 1.0) -> list[torch.Tensor]:
-        if len(sequences) != len(prompt_lens):
-            raise ValueError(f"score(): {len(sequences)} sequences but {len(prompt_lens)} prompt lengths")
-        if temperature <= 0:
-            raise ValueError(f"score(): temperature={temperature}; log-probs need temperature > 0")
-        check_token_ids(sequences, "sequence", self.config.vocab_size)
-        for i, (s, p) in enumerate(zip(sequences, prompt_lens)):
-            if not 1 <= p < len(s):
-                raise ValueError(f"sequence {i}: prompt_len {p} must be in [1, {len(s) - 1}] for length {len(s)}")
+        check_score_request(sequences, prompt_lens, temperature, self.config.vocab_size)
         longest = max(len(s) for s in sequences)
         # bound the [rows, seq, vocab] fp32 logits of one chunk to ~256 MB
         rows = max(1, min(self.max_batch_tokens // longest, (64 << 20) // max(1, longest * self.config.vocab_size)))

@@ -68,7 +68,7 @@ import time
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -79,13 +79,14 @@ from mcore_rl.preflight.layout import validate_rollout_tp
 from mcore_rl.rollout.base import (
     MEMORY_TAGS,
     WEIGHTS,
-    RolloutEngine,
+    EngineCapabilities,
     RolloutSample,
     SamplingParams,
     check_generate_request,
-    check_token_ids,
+    check_score_request,
 )
-from mcore_rl.rollout.data_parallel import ReplicaLayout
+from mcore_rl.rollout.data_parallel import DataParallelEngine, ReplicaLayout
+from mcore_rl.rollout.vllm_requests import generate_params, prefill_params, prompt_logprobs, samples_of
 
 log = logging.getLogger(__name__)
 
@@ -238,57 +239,65 @@ def _shutdown_engine_client(client) -> None:
         client.shutdown()
 
 
-class VllmEngine(RolloutEngine):
+@dataclasses.dataclass(frozen=True)
+class VllmSettings:
+    """How a VllmEngine starts: the rollout config's engine fields (`of`) and what the caller knows of the run.
+
+    `sleep_level`: vLLM's, 1 offloads the weights while asleep, 2 discards them. `reload`: how load_weights
+    applies weights, "auto" | "in_place" | "rebuild" (module docstring). `llm_kwargs`: passed to vLLM's LLM()
+    last (they override the engine's own)."""
+
+    tp: int
+    gpu_memory_utilization: float
+    enforce_eager: bool
+    kv_cache_gb: Optional[float]
+    rebuild_dir: Optional[str]  # node-local folder of a rebuild's weight copy; None: the temporary directory
+    dtype: str = "bfloat16"
+    seed: int = 0
+    max_model_len: Optional[int] = None
+    return_routed_experts: bool = True
+    sleep_level: int = 1
+    reload: str = "auto"
+    llm_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, cfg: RolloutConfig, **fields: Any) -> "VllmSettings":
+        """The settings of rollout config `cfg`, with `fields` (dtype, seed, max_model_len, ...) on top."""
+        return cls(
+            tp=cfg.tp,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enforce_eager=cfg.enforce_eager,
+            kv_cache_gb=cfg.kv_cache_gb,
+            rebuild_dir=cfg.rebuild_dir,
+            **fields,
+        )
+
+    def __post_init__(self) -> None:
+        torch_dtype(self.dtype)  # an unknown name raises, listing the choices
+        if self.sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level={self.sleep_level}; vLLM offers 1 (offload weights) or 2 (discard them)")
+        if self.reload not in _RELOAD_MODES:
+            raise ValueError(f"reload={self.reload!r}; use one of {list(_RELOAD_MODES)}")
+
+
+class VllmEngine(DataParallelEngine):
     """vLLM in every trainer process (external launcher), ``tp``-way tensor parallel, ``world / tp`` replicas."""
 
-    # generate()/generate_share()/score() take the full prompt list and split it over replicas themselves
-    # (mcore_rl.rollout.data_parallel.generate_local reads this flag and `layout`)
-    handles_data_parallel = True
-
-    def __init__(
-        self,
-        cfg: RolloutConfig,
-        model_path: str,
-        platform: Any = None,
-        dtype: str = "bfloat16",
-        seed: int = 0,
-        max_model_len: Optional[int] = None,
-        return_routed_experts: bool = True,
-        sleep_level: int = 1,
-        llm_kwargs: Optional[dict] = None,
-        reload: str = "auto",
-    ):
-        """`cfg` gives tp, gpu_memory_utilization and enforce_eager; `platform` is unused (vLLM picks its own
-        platform: CUDA, the vllm-ascend plugin, or CPU), accepted so every engine is built the same way.
-        `reload`: how load_weights applies weights, "auto" | "in_place" | "rebuild" (module docstring)."""
+    def __init__(self, model_path: str, settings: VllmSettings):
+        """Start vLLM on the Hugging Face folder `model_path`. vLLM picks its own platform (CUDA, the
+        vllm-ascend plugin, or CPU)."""
         _check_ascend_stack()
+        self.settings = settings
         self.model_path = str(model_path)
         self._original_path = self.model_path
         self.hf_config = _read_hf_config(self.model_path)
-        self.layout = self._check_layout(cfg.tp)
-        torch_dtype(dtype)  # an unknown name raises, listing the choices
-        if sleep_level not in (1, 2):
-            raise ValueError(f"sleep_level={sleep_level}; vLLM offers 1 (offload weights) or 2 (discard them)")
-        if reload not in _RELOAD_MODES:
-            raise ValueError(f"reload={reload!r}; use one of {list(_RELOAD_MODES)}")
+        self._replicas = self._check_layout(settings.tp)
         self.vocab_size = int(self.hf_config["vocab_size"])
         self.eos_token_id = self.hf_config.get("eos_token_id")
-        self._settings = dict(
-            tp=cfg.tp,
-            dtype=dtype,
-            seed=seed,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            enforce_eager=cfg.enforce_eager,
-            max_model_len=max_model_len,
-            kv_cache_gb=getattr(cfg, "kv_cache_gb", None),
-            llm_kwargs=dict(llm_kwargs or {}),
-        )
-        self.sleep_level = sleep_level
-        self._want_routes = return_routed_experts
         self._sleeping: set[str] = set()  # MEMORY_TAGS released by sleep() and not woken since
         self._logged: set[str] = set()
         self._rebuild_dir: Optional[str] = None  # the folder of the last rebuild (deleted at the next / close)
-        self._rebuild_base = getattr(cfg, "rebuild_dir", None) or tempfile.gettempdir()
+        self._rebuild_base = settings.rebuild_dir or tempfile.gettempdir()
         self._rebuilds = 0
         self._sleep_mode = False
         self._names = _checkpoint_names(self.model_path)
@@ -298,9 +307,19 @@ class VllmEngine(RolloutEngine):
             self._units.setdefault(unit, set()).add(name)
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
         self._buffered: dict[str, torch.Tensor] = {}  # reload "rebuild": weights of the sync in progress
-        self.reload_mode = self._pick_reload_mode(reload)
+        self.reload_mode = self._pick_reload_mode(settings.reload)
         self.llm = self._start(self.model_path)
         self._gather_group = self._make_gather_group()
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """Its own replicas; routes where vLLM returns them; sleeps where vLLM's sleep mode is on; weights are
+        copied in (load_weights) and cannot be read back."""
+        return EngineCapabilities(handles_data_parallel=True, routes=self.routes_enabled, sleeps=self._sleep_mode)
+
+    @property
+    def replicas(self) -> ReplicaLayout:
+        return self._replicas
 
     # ----- start-up -----
 
@@ -339,31 +358,31 @@ class VllmEngine(RolloutEngine):
         from vllm.engine.arg_utils import EngineArgs
         from vllm.platforms import current_platform
 
-        s = self._settings
+        s = self.settings
         args: dict[str, Any] = dict(
             model=path,
             tokenizer=self._original_path,
-            tensor_parallel_size=s["tp"],
+            tensor_parallel_size=s.tp,
             distributed_executor_backend="external_launcher",
-            dtype=s["dtype"],
-            seed=s["seed"],
-            gpu_memory_utilization=s["gpu_memory_utilization"],
-            enforce_eager=s["enforce_eager"],
+            dtype=s.dtype,
+            seed=s.seed,
+            gpu_memory_utilization=s.gpu_memory_utilization,
+            enforce_eager=s.enforce_eager,
             max_logprobs=self.vocab_size,  # score() at T != 1 asks for the whole vocabulary's prompt log-probs
         )
-        if s["max_model_len"] is not None:
-            args["max_model_len"] = s["max_model_len"]
-        if s["kv_cache_gb"] is not None:
-            args["kv_cache_memory_bytes"] = int(s["kv_cache_gb"] * (1 << 30))
+        if s.max_model_len is not None:
+            args["max_model_len"] = s.max_model_len
+        if s.kv_cache_gb is not None:
+            args["kv_cache_memory_bytes"] = int(s.kv_cache_gb * (1 << 30))
         elif current_platform.is_cpu():
             # On CPU every colocated rank shares the host's memory, and vLLM's CPU worker takes
             # gpu_memory_utilization of ALL of it per process: split it over the processes of this host.
             local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            args["gpu_memory_utilization"] = s["gpu_memory_utilization"] / max(local, 1)
+            args["gpu_memory_utilization"] = s.gpu_memory_utilization / max(local, 1)
             self._log_once(
                 "cpu_kv",
                 "vLLM on CPU: KV cache budget gpu_memory_utilization %.2f / %d local processes",
-                s["gpu_memory_utilization"],
+                s.gpu_memory_utilization,
                 local,
             )
         # The one version branch: logprobs_mode appeared in vLLM 0.10.1; older V1 builds return raw (T = 1)
@@ -377,14 +396,14 @@ class VllmEngine(RolloutEngine):
             self._sleep_mode = True
         if routes:
             args["enable_return_routed_experts"] = True
-        args.update(s["llm_kwargs"])
+        args.update(s.llm_kwargs)
         return args
 
     def _routes_possible(self) -> bool:
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        if not self._want_routes:
+        if not self.settings.return_routed_experts:
             return False
         if "enable_return_routed_experts" not in inspect.signature(LLM.__init__).parameters:
             self._log_once("routes", "vLLM engine: this vLLM cannot return routed experts; routed_experts = None")
@@ -420,7 +439,7 @@ class VllmEngine(RolloutEngine):
 
     def _make_gather_group(self):
         """A gloo group over all ranks for gathering results across replicas (python objects, any backend)."""
-        if self.layout.num_replicas == 1:
+        if self.replicas.num_replicas == 1:
             return None
         return torch.distributed.new_group(backend="gloo")
 
@@ -551,7 +570,7 @@ class VllmEngine(RolloutEngine):
             self._log_once("sleep", "vLLM engine: sleep/wake_up are no-ops on this platform; memory stays allocated")
             return
         if not self._sleeping:
-            self.llm.sleep(level=self.sleep_level)
+            self.llm.sleep(level=self.settings.sleep_level)
             self._sleeping = set(MEMORY_TAGS)
 
     def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
@@ -580,122 +599,47 @@ class VllmEngine(RolloutEngine):
                 "the kept tokens (the trainer's log_softmax(logits/T) is not)",
             )
 
-    def _vllm_params(self, params: SamplingParams, n: int, seed: Optional[int]):
-        import vllm
-
-        return vllm.SamplingParams(
-            n=n,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k if params.top_k > 0 else -1,
-            max_tokens=params.max_new_tokens,
-            stop_token_ids=list(params.stop_token_ids),
-            seed=seed,
-            logprobs=0,  # the sampled token's log-prob only
-            detokenize=False,
-        )
-
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[RolloutSample]]:
         """All ranks pass the same prompts; each replica generates its share; every rank returns all results."""
         return self._gather(self.generate_share(prompts, n, params))
 
     def generate_share(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[RolloutSample]]:
-        """Like generate(), without the gather: the results of this replica's share (`self.layout.share`)
+        """Like generate(), without the gather: the results of this replica's share (`self.replicas.share`)
         only (the trainer moves each sample to the ranks that train on it: mcore_rl.step_data)."""
         self._check_awake("generate")
         self._check_sampling(prompts, n, params)
-        mine = self.layout.share(len(prompts))
+        mine = self.replicas.share(len(prompts))
         local: list[list[RolloutSample]] = []
         if len(mine):
             requests = [{"prompt_token_ids": list(prompts[i])} for i in mine]
-            sps = [self._vllm_params(params, n, None if params.seed is None else params.seed + i * n) for i in mine]
+            sps = [generate_params(params, n, None if params.seed is None else params.seed + i * n) for i in mine]
             outputs = self.llm.generate(requests, sps, use_tqdm=False)
-            local = [self._samples(prompts[i], out) for i, out in zip(mine, outputs)]
+            local = [samples_of(prompts[i], out) for i, out in zip(mine, outputs)]
         return local
 
-    def _samples(self, prompt: list[int], out) -> list[RolloutSample]:
-        samples = []
-        for c in sorted(out.outputs, key=lambda c: c.index):
-            ids = list(c.token_ids)
-            if c.logprobs is None or len(c.logprobs) != len(ids):
-                raise RuntimeError(
-                    f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-probs for {len(ids)} tokens"
-                )
-            logprobs = torch.tensor([step[t].logprob for step, t in zip(c.logprobs, ids)], dtype=torch.float32)
-            if c.finish_reason not in ("stop", "length"):
-                raise RuntimeError(f"vLLM finished a sample with reason {c.finish_reason!r} (expected stop/length)")
-            samples.append(
-                RolloutSample(
-                    prompt_ids=list(prompt),
-                    response_ids=ids,
-                    logprobs=logprobs,
-                    finish_reason=c.finish_reason,
-                    routed_experts=self._routes(c, len(prompt) + len(ids)),
-                )
-            )
-        return samples
-
-    @staticmethod
-    def _routes(completion, length: int) -> Optional[torch.Tensor]:
-        routes = getattr(completion, "routed_experts", None)
-        if routes is None:
-            return None
-        routes = torch.as_tensor(routes).to(torch.int16)
-        if routes.shape[0] == length - 1:  # the last sampled token never went through the model
-            routes = torch.cat([routes, routes[-1:]], 0)
-        if routes.shape[0] != length:
-            raise RuntimeError(f"vLLM returned routes for {routes.shape[0]} tokens of a {length}-token sequence")
-        return routes
-
     def score(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float = 1.0) -> list[torch.Tensor]:
-        """Log-probs of the response tokens via vLLM's prompt log-probs (a prefill; nothing is sampled).
-
-        vLLM's prompt log-probs ignore temperature; at T != 1 the whole vocabulary's log-probs are fetched per
-        position and re-normalised as log_softmax(lp / T), which equals log_softmax(logits / T).
-        """
+        """Log-probs of the response tokens via vLLM's prompt log-probs (a prefill; nothing is sampled; at T != 1
+        from the whole vocabulary's: vllm_requests.prompt_logprobs)."""
         self._check_awake("score")
-        if len(sequences) != len(prompt_lens):
-            raise ValueError(f"score(): {len(sequences)} sequences but {len(prompt_lens)} prompt lengths")
-        if temperature <= 0:
-            raise ValueError(f"score(): temperature={temperature}; log-probs need temperature > 0")
-        check_token_ids(sequences, "sequence", self.vocab_size)
-        for i, (s, p) in enumerate(zip(sequences, prompt_lens)):
-            if not 1 <= p < len(s):
-                raise ValueError(f"sequence {i}: prompt_len {p} must be in [1, {len(s) - 1}] for length {len(s)}")
-        import vllm
-
-        mine = self.layout.share(len(sequences))
+        check_score_request(sequences, prompt_lens, temperature, self.vocab_size)
+        mine = self.replicas.share(len(sequences))
         local: list[torch.Tensor] = []
         if len(mine):
-            full_vocab = temperature != 1.0
-            sp = vllm.SamplingParams(max_tokens=1, prompt_logprobs=-1 if full_vocab else 0, detokenize=False)
-            outputs = self.llm.generate([{"prompt_token_ids": list(sequences[i])} for i in mine], sp, use_tqdm=False)
+            requests = [{"prompt_token_ids": list(sequences[i])} for i in mine]
+            outputs = self.llm.generate(requests, prefill_params(temperature), use_tqdm=False)
             for i, out in zip(mine, outputs):
-                local.append(self._prompt_logprobs(out.prompt_logprobs, sequences[i], prompt_lens[i], temperature))
+                local.append(
+                    prompt_logprobs(out.prompt_logprobs, sequences[i], prompt_lens[i], temperature, self.vocab_size)
+                )
         return self._gather(local)
-
-    def _prompt_logprobs(self, steps, seq: list[int], prompt_len: int, temperature: float) -> torch.Tensor:
-        # steps[k] holds the log-probs of position k given tokens < k (steps[0] is None)
-        values = []
-        for k in range(prompt_len, len(seq)):
-            step = steps[k]
-            if temperature == 1.0:
-                values.append(step[seq[k]].logprob)
-                continue
-            full = torch.full((self.vocab_size,), float("-inf"), dtype=torch.float64)
-            for tok, lp in step.items():
-                if tok < self.vocab_size:
-                    full[tok] = lp.logprob
-            values.append(torch.log_softmax(full / temperature, -1)[seq[k]].item())
-        return torch.tensor(values, dtype=torch.float32)
 
     def _gather(self, local: list) -> list:
         """Concatenate the replicas' results in replica order (= prompt order); TP peers hold equal copies."""
-        if self.layout.num_replicas == 1:
+        if self.replicas.num_replicas == 1:
             return local
-        parts: list = [None] * self.layout.world
+        parts: list = [None] * self.replicas.world
         torch.distributed.all_gather_object(parts, local, group=self._gather_group)
         out: list = []
-        for replica in range(self.layout.num_replicas):
-            out += parts[replica * self.layout.tp]
+        for replica in range(self.replicas.num_replicas):
+            out += parts[replica * self.replicas.tp]
         return out

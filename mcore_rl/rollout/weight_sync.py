@@ -369,10 +369,10 @@ def check_weights(engine: Optional[RolloutEngine], fingerprints: dict[str, torch
     checked = differ = unsupported = 0
     examples: list[str] = []
     if engine is not None and fingerprints:
-        got = engine.weight_fingerprints(list(fingerprints))
-        if got is None:
+        if not engine.capabilities.reads_weights:
             unsupported = 1
         else:
+            got = engine.weight_fingerprints(list(fingerprints))
             for name, sent in fingerprints.items():
                 checked += 1
                 mine = got[name].cpu()  # the engine's dtype: compare with what its copy_ of `sent` would hold
@@ -390,10 +390,10 @@ def _drain(stream: WeightStream) -> None:
 
 def _worst_tensors(engine: Optional[RolloutEngine], export_fn: Callable[[], WeightStream], group) -> str:
     """Name the tensors whose engine copy differs most from the actor's export, over all ranks."""
+    diffs = None
     if engine is None:
         _drain(export_fn())
-        diffs = None
-    else:
+    elif engine.capabilities.reads_weights:
         diffs = engine.weight_diffs(export_fn())
     top = sorted(diffs.items(), key=lambda kv: -kv[1])[:5] if diffs is not None else None
     gathered = [top]

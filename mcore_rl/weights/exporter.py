@@ -88,7 +88,7 @@ class HFExporter:
         through shared memory: each shard's rows go straight into the consumer's q / k / v, gate / up, ...
         tensors (row_plan.py). Anything else is gathered into reused buffers as without `into`; `self.stats`
         says how many bytes went which way.
-        `shared`: the consumer's weights in a shared-memory region (`RolloutEngine.shared_weights()`, the CPU
+        `shared`: the consumer's weights in a shared-memory region (`EngineCapabilities.receiver.shared`, the CPU
         embedded engine's), given by a receiving rank. Where every receiving rank of a TP / EP group gives one and
         every rank of the group can map them (one host; ETP likewise), each rank writes its own shards into every
         receiving engine, at the places `into` would give (the same placement code, run on the receiver's table):

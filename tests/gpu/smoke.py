@@ -632,12 +632,13 @@ def stage_vllm(ctx) -> str:
     if importlib.util.find_spec("vllm") is None:
         raise Skip("vLLM not installed (it cannot fit the 64 MiB carry)")
     from mcore_rl.config import RolloutConfig
-    from mcore_rl.rollout.vllm_engine import VllmEngine
+    from mcore_rl.rollout.vllm_engine import VllmEngine, VllmSettings
     from mcore_rl.rollout.weight_sync import ProbeBatch, default_tolerance, sync_weights, verify_sync
 
     model, _ = _tiny_paths(ctx)
     actor = ctx.get("actor_bfloat16") or _actor(ctx, "bfloat16")
-    engine = VllmEngine(RolloutConfig(tp=1, gpu_memory_utilization=0.3), model, dtype="bfloat16", max_model_len=256)
+    settings = VllmSettings.of(RolloutConfig(tp=1, gpu_memory_utilization=0.3), dtype="bfloat16", max_model_len=256)
+    engine = VllmEngine(model, settings)
     stats = sync_weights(actor.export_hf_weights(), engine, bucket_mb=64)
     report = verify_sync(
         engine,

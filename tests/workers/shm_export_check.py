@@ -90,13 +90,13 @@ def check_shared_engine(exporter, chunks, expected: dict, tiny_dir: str, what: s
 
     rank = dist.get_rank()
     engine = EmbeddedEngine(tiny_dir, config=exporter.bridge.hf_config)
-    assert engine.shared_weights() is not None, f"{what}: the CPU engine has no shared-memory region"
+    assert engine.capabilities.receiver.shared is not None, f"{what}: the CPU engine has no shared-memory region"
     out = {}
     for attempt, receive in enumerate((True, rank == 0)):
         exporter._gather = GroupGather(max_chunk_bytes=4096)
         for p in engine.model.parameters():
             p.data.normal_()  # in place: the region stays, its bytes are garbage until the export rewrites them
-        into, shared = (engine.weight_buffer, engine.shared_weights()) if receive else (None, None)
+        into, shared = (engine.weight_buffer, engine.capabilities.receiver.shared) if receive else (None, None)
         for name, t in exporter.export(chunks, gather_batch_mb=0.05, receive=receive, into=into, shared=shared):
             engine.load_weights([(name, t)])
         segments = [s for s in exporter._gather._transports.values() if s is not None]
@@ -133,7 +133,7 @@ def check_disagreement_raises(exporter, chunks, engine) -> str:
         exporter._direct_memo.clear()
     exporter._gather = GroupGather(max_chunk_bytes=4096)
     receive = rank == 0
-    into, shared = (engine.weight_buffer, engine.shared_weights()) if receive else (None, None)
+    into, shared = (engine.weight_buffer, engine.capabilities.receiver.shared) if receive else (None, None)
     try:
         for _ in exporter.export(chunks, gather_batch_mb=0.05, receive=receive, into=into, shared=shared):
             pass

@@ -42,14 +42,14 @@ def main() -> None:
     from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 
     assert get_tensor_model_parallel_world_size() == tp, "vLLM did not form TP groups of rollout.tp ranks"
-    assert engine.layout.num_replicas == world // tp
+    assert engine.replicas.num_replicas == world // tp
     # generate_global hands the full list to an engine that splits it itself and gathers the results
     out = generate_global(engine, prompts, 2, SamplingParams(max_new_tokens=6), seed=7)
     assert [len(g) for g in out] == [2] * len(prompts)
     assert [g[0].prompt_ids for g in out] == prompts
     # the trainer's path (generate_local -> engine.generate_share): this replica's share only, the same samples
     local = generate_local(engine, prompts, 2, SamplingParams(max_new_tokens=6), seed=7)
-    assert local.replicas == engine.layout and local.prompts == engine.layout.share(len(prompts))
+    assert local.replicas == engine.replicas and local.prompts == engine.replicas.share(len(prompts))
     got = [[s.response_ids for s in g] for g in local.groups]
     assert got == [[s.response_ids for s in out[i]] for i in local.prompts], "generate_share differs from generate"
     samples = [s for g in out for s in g]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from mcore_rl.config import RolloutConfig
 from mcore_rl.megatron.parallel import destroy_parallel
 from mcore_rl.rollout.base import SamplingParams
-from mcore_rl.rollout.vllm_engine import VllmEngine
+from mcore_rl.rollout.vllm_engine import VllmEngine, VllmSettings
 from mcore_rl.rollout.weight_sync import ProbeBatch, SyncVerificationError, sync_weights, verify_sync
 from mcore_rl.weights.exporter import HFExporter
 from tests.workers.harness import worker_args, write_result
@@ -41,9 +41,8 @@ def move_actor(model, seed: int, scale: float = 0.02) -> None:
 def main(layout: str, rollout_tp: int, engine_ckpt: str, actor_ckpt: str, reload: str, rounds: int, results) -> None:
     logging.basicConfig(level=logging.WARNING)
     bridge, model, bound = build_actor(layout, actor_ckpt)
-    engine = VllmEngine(
-        RolloutConfig(tp=int(rollout_tp)), engine_ckpt, dtype="float32", max_model_len=256, reload=reload
-    )
+    settings = VllmSettings.of(RolloutConfig(tp=int(rollout_tp)), dtype="float32", max_model_len=256, reload=reload)
+    engine = VllmEngine(engine_ckpt, settings)
     reference = actor_logprobs(model, bound.tp)
     exporter = HFExporter(bridge)
     export = lambda: exporter.export([model])  # noqa: E731
@@ -52,7 +51,7 @@ def main(layout: str, rollout_tp: int, engine_ckpt: str, actor_ckpt: str, reload
     result = {
         "layout": layout,
         "rollout_tp": int(rollout_tp),
-        "replicas": engine.layout.num_replicas,
+        "replicas": engine.replicas.num_replicas,
         "reload_mode": engine.reload_mode,
         "rounds": [],
     }
