@@ -213,7 +213,7 @@ def test_reload_from_folder_without_a_second_engine():
 
 
 def test_rebuild_folder_written_once_and_atomically(tmp_path):
-    from mcore_rl.rollout.vllm_engine import wait_for_folder, write_folder_once
+    from mcore_rl.rollout.rebuild_folder import wait_for_folder, write_folder_once
 
     folder = str(tmp_path / "copy")
     (tmp_path / "copy").mkdir()

@@ -64,11 +64,10 @@ import os
 import re
 import shutil
 import tempfile
-import time
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -86,6 +85,7 @@ from mcore_rl.rollout.base import (
     check_score_request,
 )
 from mcore_rl.rollout.data_parallel import DataParallelEngine, ReplicaLayout
+from mcore_rl.rollout.rebuild_folder import local_rank, node_folder, wait_for_folder, write_folder_once
 from mcore_rl.rollout.vllm_requests import generate_params, prefill_params, prompt_logprobs, samples_of
 
 log = logging.getLogger(__name__)
@@ -175,37 +175,6 @@ def reload_from_folder_in_worker(worker: Any, folder: str) -> str:
     from mcore_rl.compat.vllm import reload_from_folder
 
     return reload_from_folder(worker.model_runner, folder)
-
-
-def _local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", "0"))
-
-
-def write_folder_once(folder: str, write: Callable[[str], None]) -> None:
-    """Write a folder atomically: `write(tmp)` fills a sibling temporary folder, renamed when complete, so
-    readers (`wait_for_folder`) never see a partial copy."""
-    tmp = f"{folder}.partial"
-    shutil.rmtree(folder, ignore_errors=True)  # a leftover of an earlier job must not pass for this copy
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
-        write(tmp)
-        os.rename(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def wait_for_folder(folder: str, timeout_s: float = 3600.0, poll_s: float = 0.5) -> None:
-    """Wait until the node's writer has renamed `folder` into place (write_folder_once)."""
-    deadline = time.monotonic() + timeout_s
-    while not os.path.isdir(folder):
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"rebuild folder {folder} did not appear within {timeout_s:.0f} s: local rank 0 of this node writes "
-                f"it; rollout.rebuild_dir must be a node-local directory every rank of the node can read"
-            )
-        time.sleep(poll_s)
 
 
 @contextmanager
@@ -508,8 +477,8 @@ class VllmEngine(DataParallelEngine):
             folder, owned = str(weights), False
             _read_hf_config(folder)
         else:
-            folder, owned = self._node_folder(self._rebuilds), True
-            if _local_rank() == 0:
+            folder, owned = node_folder(self._rebuild_base, self._rebuilds), True
+            if local_rank() == 0:
                 write_folder_once(folder, lambda tmp: self._write_folder(tmp, weights))
             else:
                 for _ in weights:  # the exporter's gathers are collective: take part, keep nothing
@@ -524,20 +493,10 @@ class VllmEngine(DataParallelEngine):
             self._shutdown()
             self.llm = self._start(folder)
             self.model_path = folder
-        if self._rebuild_dir is not None and self._rebuild_dir != folder and _local_rank() == 0:
+        if self._rebuild_dir is not None and self._rebuild_dir != folder and local_rank() == 0:
             shutil.rmtree(self._rebuild_dir, ignore_errors=True)
         self._rebuild_dir = folder if owned else None
         log.info("vLLM engine reloaded from %s (exact path)", folder)
-
-    def _node_folder(self, count: int) -> str:
-        """The same folder name on every rank of the job (one copy per node)."""
-        job = re.sub(
-            r"[^A-Za-z0-9_.-]",
-            "_",
-            "_".join(os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"))
-            or str(os.getpid()),
-        )
-        return os.path.join(self._rebuild_base, f"mcore_rl_vllm_rebuild_{job}_{count}")
 
     def _write_folder(self, folder: str, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Config/tokenizer files of the original folder + the given (complete) weights as safetensors shards."""
@@ -557,7 +516,7 @@ class VllmEngine(DataParallelEngine):
 
     def close(self) -> None:
         self._shutdown()
-        if self._rebuild_dir is not None and _local_rank() == 0:
+        if self._rebuild_dir is not None and local_rank() == 0:
             shutil.rmtree(self._rebuild_dir, ignore_errors=True)
         self._rebuild_dir = None
 
