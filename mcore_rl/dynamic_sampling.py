@@ -37,6 +37,7 @@ from mcore_rl.rollout.data_parallel import LocalRollout, ReplicaLayout
 from mcore_rl.step_data import StepMeta
 
 ROUND_SEED_STRIDE = 104_729  # a prime, so round r of step s does not reuse another (step, round)'s seed
+CAP_WARN_EVERY = 50  # steps between the round cap's warnings
 
 
 def round_seed(step_seed: int, round_index: int) -> int:
@@ -151,6 +152,25 @@ class Selection:
         if dynamic:
             out.update({"groups/kept": self.kept, "groups/dropped": self.dropped, "groups/rounds": self.rounds})
         return out
+
+
+@dataclass
+class CapWarnings:
+    """The round cap's warning: the first time, then at most every CAP_WARN_EVERY steps with a count (a solved task
+    hits the cap every step; groups/kept in the metrics has every step)."""
+
+    steps: int = 0  # steps that ended at the cap so far
+    warned: int = 0  # the last step warned
+
+    def line(self, short: Optional[str], step: int) -> Optional[str]:
+        """The warning for `step` (Selection.short: None when the step had its groups), or None: not now."""
+        if short is None:
+            return None
+        self.steps += 1
+        if self.steps > 1 and step - self.warned < CAP_WARN_EVERY:
+            return None
+        self.warned = step
+        return short + (f" ({self.steps} steps at the cap so far)" if self.steps > 1 else "")
 
 
 def _flat_counts(metas: list[StepMeta], n: int) -> tuple[int, int]:

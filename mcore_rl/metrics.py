@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -38,6 +39,21 @@ METRICS_FILE = "metrics.jsonl"
 REWARD_KEYS = ("reward/mean", "reward_mean", "reward")
 THROUGHPUT_KEYS = ("perf/tokens_per_s", "tokens_per_s")
 STEP_WINDOW = 20  # steps whose median wall time gives s/step and the ETA
+
+
+class PhaseTimer:
+    """Wall seconds per phase of a step (rollout, old_logprob, update, sync, ...): the time/* metrics."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
 def to_python(value: Any) -> Any:

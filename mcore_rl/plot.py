@@ -24,7 +24,7 @@ GROUPS: tuple[tuple[str, str], ...] = (
     ("clip fractions", r"clipfrac"),
     ("grad norm", r"grad_norm"),
     ("train / rollout mismatch", r"mismatch|is_weight"),
-    ("seconds per phase", r"^time/"),  # the trainer's PhaseTimer: time/rollout, time/update, time/sync, ...
+    ("seconds per phase", r"^time/"),  # metrics.PhaseTimer: time/rollout, time/update, time/sync, ...
 )
 SKIP = {"step", "time"}
 

@@ -30,7 +30,6 @@ import random
 import signal
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -43,9 +42,9 @@ from mcore_rl.colocation import Colocation, Phase
 from mcore_rl.compat import describe_versions
 from mcore_rl.config import Config, save_config
 from mcore_rl.data import EpochSampler, load_prompt_dataset
-from mcore_rl.dynamic_sampling import collect, overlong_filtered, round_seed, single_round, split_unit
+from mcore_rl.dynamic_sampling import CapWarnings, collect, overlong_filtered, round_seed, single_round, split_unit
 from mcore_rl.megatron.actor import Actor
-from mcore_rl.metrics import MetricsLogger, SampleLog
+from mcore_rl.metrics import MetricsLogger, PhaseTimer, SampleLog
 from mcore_rl.platform import collectives, get_platform
 from mcore_rl.platform.library_warnings import quiet_startup, verbose_requested
 from mcore_rl.plot import plot_run
@@ -83,22 +82,6 @@ from mcore_rl.step_data import ExchangeStats, dp_ranks, exchange_meta, first_rew
 from mcore_rl.supervise import tell_launcher
 
 log = logging.getLogger("mcore_rl.trainer")
-CAP_WARN_EVERY = 50  # steps between dynamic sampling's round-cap warnings
-
-
-class PhaseTimer:
-    """Wall seconds per phase of a step (rollout, old_logprob, update, sync, ...)."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, name: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
 def _rng_state() -> dict:
@@ -139,7 +122,7 @@ class Trainer:
         self.step = 0
         self.skips = SkipCounter(cfg.trainer.max_consecutive_skips)
         self.last_applied: list[bool] = []
-        self.cap_steps, self.cap_warned = 0, 0  # dynamic sampling: steps at the round cap, last step warned
+        self.cap_warnings = CapWarnings()
         if resume is not None:
             self._load(resume.path)
         self.metrics = MetricsLogger(cfg.trainer.run_dir, cfg, rank=self.rank, start_step=self.step)
@@ -338,19 +321,10 @@ class Trainer:
             a.dynamic_sampling_at_cap,
             self.step + 1,
         )
-        self._warn_at_cap(selection.short)
+        warning = self.cap_warnings.line(selection.short, self.step + 1)
+        if warning and self.rank == 0:
+            log.warning("%s", warning)
         return selection
-
-    def _warn_at_cap(self, short) -> None:
-        """The round cap's warning: the first time, then at most every CAP_WARN_EVERY steps with a count (a
-        solved task hits the cap every step; groups/kept in the metrics has every step)."""
-        if short is None:
-            return
-        self.cap_steps += 1
-        if self.rank == 0 and (self.cap_steps == 1 or self.step + 1 - self.cap_warned >= CAP_WARN_EVERY):
-            since = f" ({self.cap_steps} steps at the cap so far)" if self.cap_steps > 1 else ""
-            log.warning("%s%s", short, since)
-            self.cap_warned = self.step + 1
 
     def train_step(self) -> dict:
         """One step: the rollout (after a sync where the engine is behind the actor), the actor's passes and updates

@@ -22,6 +22,8 @@ from mcore_rl.batch import RolloutSample, pack_rollouts, plan_mini_batches, spli
 from mcore_rl.config import ConfigError, load_config
 from mcore_rl.data import EpochSampler
 from mcore_rl.dynamic_sampling import (
+    CAP_WARN_EVERY,
+    CapWarnings,
     MergedRollout,
     collect,
     feasible_groups,
@@ -178,6 +180,18 @@ def test_round_cap_warns_and_trains_on_what_the_layout_splits():
     sel = collect(generate, want=4, n=N, max_rounds=2, unit=16, at_cap="train", step=7)
     assert isinstance(sel.local, LocalRollout) and sel.meta.size == 4 * N and sel.rounds == 2
     assert sel.kept == 2 and "training on the first round as generated" in sel.short
+
+
+def test_round_cap_warns_first_then_every_fifty_steps_with_a_count():
+    warnings = CapWarnings()
+    lines = {step: warnings.line(None if step % 2 else "short", step) for step in range(1, 2 * CAP_WARN_EVERY + 5)}
+    shown = {step: line for step, line in lines.items() if line is not None}
+    # every even step ends at the cap: the first one is said plainly, then one line per CAP_WARN_EVERY steps
+    assert shown == {
+        2: "short",
+        2 + CAP_WARN_EVERY: f"short ({CAP_WARN_EVERY // 2 + 1} steps at the cap so far)",
+        2 + 2 * CAP_WARN_EVERY: f"short ({CAP_WARN_EVERY + 1} steps at the cap so far)",
+    }
 
 
 def test_round_cap_error():
