@@ -129,3 +129,15 @@ def test_embedded_engine_capabilities(tiny_model_dir, prompt, share_weights):
 def test_embedded_engine_without_routes_says_so(tiny_model_dir, prompt):
     engine = EmbeddedEngine(tiny_model_dir, return_routed_experts=False, share_weights=False)
     assert not check_capabilities(engine, prompt).routes
+
+
+def test_an_engine_asked_for_routes_it_cannot_give_is_refused_at_start(tiny_model_dir, tiny_dense_dirs):
+    """make_engine reads `capabilities.routes`: R3 on an engine without routes (here a dense model; in a run, vLLM
+    on CPU) stops before any step, and an engine that has them starts."""
+    from mcore_rl.config import RolloutConfig
+    from mcore_rl.rollout import make_engine
+
+    with pytest.raises(ValueError, match="algo.routing_replay=r3 .* use algo.routing_replay=r2"):
+        make_engine(RolloutConfig(), tiny_dense_dirs["qwen3"], return_routed_experts=True)
+    assert make_engine(RolloutConfig(), tiny_model_dir, return_routed_experts=True).capabilities.routes
+    assert not make_engine(RolloutConfig(), tiny_model_dir, return_routed_experts=False).capabilities.routes

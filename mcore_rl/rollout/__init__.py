@@ -31,7 +31,21 @@ def make_engine(
 
     `platform` (mcore_rl.platform.Platform or None for CPU) places the embedded engine on the local device (vLLM
     picks its own). Extra keyword arguments go to the embedded engine's constructor / vLLM's `VllmSettings`.
+    An engine asked for routed experts (`return_routed_experts=True`: routing replay R3) that cannot return them
+    is refused here, before a step samples without them.
     """
+    engine = _build_engine(cfg, model_path, platform, dtype, kwargs)
+    if kwargs.get("return_routed_experts") and not engine.capabilities.routes:
+        engine.close()
+        raise ValueError(
+            f"algo.routing_replay=r3 replays the experts the engine chose, but rollout.engine={cfg.engine} cannot "
+            f"return them here (vLLM: only where it can capture routed experts, not on CPU; the log says why): "
+            f"use algo.routing_replay=r2 (routes recorded in the actor's old-log-prob pass) or rollout.engine=embedded"
+        )
+    return engine
+
+
+def _build_engine(cfg: RolloutConfig, model_path: str, platform: Any, dtype: str, kwargs: dict) -> RolloutEngine:
     if cfg.engine == "embedded":
         from mcore_rl.rollout.embedded import EmbeddedEngine
 
