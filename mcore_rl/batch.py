@@ -33,6 +33,7 @@ from typing import Any, Optional
 import torch
 
 from mcore_rl.algos import GlobalCounts
+from mcore_rl.preflight.layout import check_step_split
 
 ROUTE_DTYPE = torch.int16  # expert ids < 32768; uint8 would halve it for <= 256 experts
 
@@ -511,12 +512,8 @@ def plan_mini_batches(
     mini-batches are consecutive slices of the step. max_len: the Dr.GRPO denominator L_max."""
     if (micro_batch_size is None) == (max_tokens is None):
         raise ValueError("split_for_rank: give exactly one of micro_batch_size and max_tokens")
-    per_mini, rest = divmod(len(lengths), num_mini_batches)
-    if rest:
-        raise ValueError(
-            f"global batch of {len(lengths)} sequences does not split into {num_mini_batches} mini-batches: "
-            f"choose data.prompts_per_step x rollout.n divisible by algo.mini_batches"
-        )
+    check_step_split(len(lengths), num_mini_batches, dp_size, micro_batch_size)
+    per_mini = len(lengths) // num_mini_batches
     plans = []
     for m in range(num_mini_batches):
         rows = slice(m * per_mini, (m + 1) * per_mini)
@@ -530,13 +527,7 @@ def plan_mini_batches(
 
 
 def _fixed_parts(size: int, dp_size: int, micro_batch_size: int) -> list[list[list[int]]]:
-    per_rank, rest = divmod(size, dp_size)
-    if rest or per_rank % micro_batch_size:
-        raise ValueError(
-            f"mini-batch of {size} sequences does not split into {dp_size} data-parallel ranks x "
-            f"micro-batches of {micro_batch_size}: choose data.prompts_per_step x rollout.n divisible by "
-            f"algo.mini_batches x dp x actor.parallel.micro_batch_size"
-        )
+    per_rank = size // dp_size  # check_step_split made it whole, and a multiple of micro_batch_size
     return [
         [
             list(range(d * per_rank + s, d * per_rank + s + micro_batch_size))

@@ -72,12 +72,6 @@ def feasible_groups(count: int, n: int, unit: int) -> int:
     return count
 
 
-def split_unit(mini_batches: int, dp: int, micro_batch_size: Optional[int]) -> int:
-    """Samples a step must be a multiple of: mini-batches, and with fixed-size micro-batches also data-parallel
-    ranks x micro-batch size (`batch.plan_mini_batches`); token-budget micro-batches take any count per rank."""
-    return mini_batches * (dp * micro_batch_size if micro_batch_size else 1)
-
-
 class MergedRollout:
     """Chosen groups of several rounds as one step (group order: picks[k] is group k of the step).
 

@@ -42,12 +42,13 @@ from mcore_rl.colocation import Colocation, Phase
 from mcore_rl.compat import describe_versions
 from mcore_rl.config import Config, save_config
 from mcore_rl.data import EpochSampler, load_prompt_dataset
-from mcore_rl.dynamic_sampling import CapWarnings, collect, overlong_filtered, round_seed, single_round, split_unit
+from mcore_rl.dynamic_sampling import CapWarnings, collect, overlong_filtered, round_seed, single_round
 from mcore_rl.megatron.actor import Actor
 from mcore_rl.metrics import MetricsLogger, PhaseTimer, SampleLog
 from mcore_rl.platform import collectives, get_platform
 from mcore_rl.platform.library_warnings import quiet_startup, verbose_requested
 from mcore_rl.plot import plot_run
+from mcore_rl.preflight.layout import split_unit
 from mcore_rl.preflight.resume_changes import CONFIG_FILE, check_resume_changes, describe
 from mcore_rl.rewards import RewardScorer
 from mcore_rl.rollout import make_engine, sampling_params

@@ -106,10 +106,13 @@ def test_split_for_rank_packs_engine_routes_for_r3():
 
 def test_split_for_rank_rejects_uneven_splits_with_the_fix():
     batch = pack_rollouts(samples_of([(2, 2)] * 6), torch.zeros(6), torch.zeros(6), PAD)
-    with pytest.raises(ValueError, match="divisible by algo.mini_batches x dp x actor.parallel.micro_batch_size"):
+    # the pre-flight's rule and message (preflight.layout.check_step_split), with the fix
+    with pytest.raises(ValueError, match=r"6 samples .* must split evenly over dp 4 x algo.mini_batches 1 = 4: make"):
         split_for_rank(batch, num_mini_batches=1, dp_size=4, dp_rank=0, micro_batch_size=1)
-    with pytest.raises(ValueError, match="micro-batches of 4"):
+    with pytest.raises(ValueError, match=r"micro_batch_size = 4: use a micro_batch_size in \[1, 3\]"):
         split_for_rank(batch, num_mini_batches=1, dp_size=2, dp_rank=0, micro_batch_size=4)
+    with pytest.raises(ValueError, match=r"6 samples .* must split evenly over algo.mini_batches 4 = 4"):
+        split_for_rank(batch, num_mini_batches=4, dp_size=2, dp_rank=0, max_tokens=64)
 
 
 def test_micro_batch_to_keeps_every_field():

@@ -31,8 +31,8 @@ from mcore_rl.dynamic_sampling import (
     group_signal,
     overlong_filtered,
     single_round,
-    split_unit,
 )
+from mcore_rl.preflight.layout import split_unit
 from mcore_rl.rollout.data_parallel import LocalRollout, ReplicaLayout
 from mcore_rl.safety import TrainingHalted
 from mcore_rl.step_data import (

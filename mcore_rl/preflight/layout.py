@@ -515,20 +515,42 @@ def validate_run(cfg: Config, world_size: int, dims: Any, platform: Optional[str
     warnings = list(layout.warnings)
     if cfg.rollout.engine == "vllm":
         warnings += validate_rollout_tp(cfg.rollout.tp, world_size, dims).warnings
-    samples = cfg.data.prompts_per_step * cfg.rollout.n
     packed = cfg.actor.max_tokens_per_micro_batch is not None  # DP shares are then balanced by tokens, not counts
-    splits = cfg.algo.mini_batches if packed else layout.dp * cfg.algo.mini_batches
+    check_step_split(
+        cfg.data.prompts_per_step * cfg.rollout.n,
+        cfg.algo.mini_batches,
+        layout.dp,
+        None if packed else layout.micro_batch_size,
+        f"data.prompts_per_step {cfg.data.prompts_per_step} x rollout.n {cfg.rollout.n}",
+    )
+    return dataclasses.replace(layout, warnings=tuple(warnings))
+
+
+def split_unit(mini_batches: int, dp: int, micro_batch_size: Optional[int]) -> int:
+    """What a step's sample count must be a multiple of: `mini_batches`, and with fixed-size micro-batches also
+    dp x micro_batch_size (None: token-budget micro-batches, which take any count per DP rank)."""
+    return mini_batches * (dp * micro_batch_size if micro_batch_size else 1)
+
+
+def check_step_split(
+    samples: int,
+    mini_batches: int,
+    dp: int,
+    micro_batch_size: Optional[int],
+    source: str = "data.prompts_per_step x rollout.n",
+) -> None:
+    """The rule of `split_unit`, with the fix: the pre-flight checks it for the configured step, and
+    `batch.plan_mini_batches` for the samples it is given (a step of dynamic sampling's merged groups)."""
+    splits = mini_batches if micro_batch_size is None else dp * mini_batches
     if samples % splits:
         raise LayoutError(
-            f"a step's {samples} samples (data.prompts_per_step {cfg.data.prompts_per_step} x rollout.n {cfg.rollout.n}) must split "
-            f"evenly over {'' if packed else f'dp {layout.dp} x '}algo.mini_batches {cfg.algo.mini_batches} = {splits}: "
+            f"a step's {samples} samples ({source}) must split evenly over "
+            f"{'' if micro_batch_size is None else f'dp {dp} x '}algo.mini_batches {mini_batches} = {splits}: "
             f"make prompts_per_step * n a multiple of {splits}"
         )
     per_rank = samples // splits
-    mbs = layout.micro_batch_size
-    if not packed and per_rank % mbs:
+    if micro_batch_size is not None and per_rank % micro_batch_size:
         raise LayoutError(
-            f"each DP rank's mini-batch of {per_rank} samples must split into micro-batches of actor.parallel.micro_batch_size = {mbs}: "
-            f"use a micro_batch_size in {_divisors(per_rank)}"
+            f"each DP rank's mini-batch of {per_rank} samples must split into micro-batches of "
+            f"actor.parallel.micro_batch_size = {micro_batch_size}: use a micro_batch_size in {_divisors(per_rank)}"
         )
-    return dataclasses.replace(layout, warnings=tuple(warnings))
