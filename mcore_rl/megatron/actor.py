@@ -87,12 +87,7 @@ def _build_optimizer(chunks, optim: OptimConfig, dtype: torch.dtype, total_steps
         optimizer_offload_fraction=optim.optimizer_offload_fraction,
     )
     optimizer = get_megatron_optimizer(config, chunks)
-    decay_steps = optim.decay_steps or total_steps
-    if optim.warmup_steps >= max(decay_steps, 1) and optim.decay_style != "constant":
-        raise ValueError(
-            f"actor.optim.warmup_steps = {optim.warmup_steps} must be < decay steps {decay_steps}: "
-            f"lower warmup_steps or raise decay_steps / trainer.steps"
-        )
+    decay_steps = optim.decay_steps or total_steps  # warmup < decay steps: checked at load (config.py)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if optim.warmup_steps else optim.lr,
