@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mcore_rl.preflight.memory_plan import LOGPROB_CHUNK_ELEMENTS  # the one value; the memory plan counts it
+
 CHUNK_ELEMENTS = 1 << 25  # default chunk: ~32M fp32 values (128 MiB) per temporary
 
 
@@ -177,10 +179,6 @@ def vocab_parallel_log_probs(
 # From the last hidden states: the output projection fused into the chunks (no [tokens, V/tp] logits)
 # ---------------------------------------------------------------------------------------------------------
 
-# fused path: ~64M fp32 values (256 MiB) per [chunk, V/tp] temporary; smaller chunks make thin matrix
-# products and re-read the whole fp32 weight-gradient accumulator once per chunk
-FUSED_CHUNK_ELEMENTS = 1 << 26
-
 
 def _project(hidden_chunk: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
     """Scaled fp32 logits of one chunk, computed as the output layer does (in the weight's dtype)."""
@@ -278,7 +276,7 @@ def fused_output_log_probs(
         target.reshape(-1).long(),
         float(opts.temperature),
         opts.group,
-        opts.chunk(FUSED_CHUNK_ELEMENTS, weight.shape[0]),
+        opts.chunk(LOGPROB_CHUNK_ELEMENTS, weight.shape[0]),
         opts.with_entropy,
     )
     return log_prob.view(lead), (entropy.view(lead) if opts.with_entropy else None)

@@ -56,7 +56,10 @@ RUNTIME_RESERVE = 0.08
 # vLLM's own non-KV, non-weight memory beyond the weights (activations of its profile run, graphs),
 # when kv_cache_gb is given instead of gpu_memory_utilization.
 ENGINE_OVERHEAD_GIB = 2.0
-LOGPROB_CHUNK_ELEMENTS = 1 << 26  # mcore_rl.megatron.logprobs.FUSED_CHUNK_ELEMENTS (no torch import here)
+# tokens x V/tp values per chunk of the fused log-prob head (mcore_rl.megatron.logprobs projects this many at a
+# time): ~64M fp32 values (256 MiB) per [chunk, V/tp] temporary; smaller chunks make thin matrix products and
+# re-read the whole fp32 weight-gradient accumulator once per chunk. Defined here, where the plan counts it.
+LOGPROB_CHUNK_ELEMENTS = 1 << 26
 # fp32 [chunk, V/tp] temporaries alive at once in fused_output_log_probs' forward (z, shifted, exp) and backward
 # (log p, g, g's fp32 copy for the weight gradient), plus one in the model dtype (the projection's output / g's cast)
 LOGPROB_CHUNK_TEMPS = 3
