@@ -480,12 +480,6 @@ def _check_combinations(cfg: Config) -> list[str]:
         r.n >= 2,
         f"rollout.n = {r.n}: group advantages ({a.adv_estimator}) need at least 2 samples per prompt; set rollout.n >= 2",
     )
-    if a.routing_replay is not None and cfg.actor.parallel.cp > 1:
-        raise ConfigError(
-            f"algo.routing_replay={a.routing_replay} with actor.parallel.cp = {cfg.actor.parallel.cp}: routing replay "
-            f"records and replays the routes of whole sequences and does not split them over context-parallel ranks "
-            f"(RoutingReplay.install refuses cp > 1); set actor.parallel.cp = 1 or algo.routing_replay=null"
-        )
     o = cfg.actor.optim
     if o.optimizer_offload_fraction > 0:
         _require(

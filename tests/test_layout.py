@@ -7,7 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from mcore_rl.compat import megatron as compat_megatron
-from mcore_rl.config import ConfigError, ParallelConfig, load_config
+from mcore_rl.config import ParallelConfig, load_config
 from mcore_rl.preflight.layout import (
     ARCHITECTURES,
     LayoutError,
@@ -156,14 +156,6 @@ def test_context_parallel_refused_on_devices(platform):
     msg = err(ParallelConfig(cp=2), 2, platform=platform)
     assert f"actor.parallel.cp = 2 on {platform}: context parallelism runs on CPU only" in msg, msg
     assert "cp_comm_type" in msg and "context_parallel_algo" in msg and "set actor.parallel.cp = 1" in msg
-
-
-def test_context_parallel_with_routing_replay_names_routing_replay():
-    for replay in ("r2", "r3"):
-        with pytest.raises(
-            ConfigError, match=f"algo.routing_replay={replay} with actor.parallel.cp = 2: routing replay"
-        ):
-            load_config(None, ["actor.parallel.cp=2", f"algo.routing_replay={replay}"])
 
 
 def test_expert_tp_refused_on_npu_only():

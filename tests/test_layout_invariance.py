@@ -114,7 +114,9 @@ def context_parallel(reference, tiny_model_dir):
 def test_context_parallel_matches_world1(context_parallel):
     """Each CP rank computes its load-balanced half of every sequence; log-probs (asserted in the worker), the
     loss and every update equal the world-1 reference, padded and packed, for grpo / gspo / sapo / gspo_token;
-    per-rank step data brings both CP ranks (one DP rank) the same samples."""
+    per-rank step data brings both CP ranks (one DP rank) the same samples; R3 with the batch's natural routes
+    split like the tokens gives mismatch 0 and the reference step; R2's on-policy shortcut equals the two-pass
+    path under CP."""
     results, want = context_parallel
     for r in results:
         for loss in CP_LOSSES:
@@ -123,6 +125,10 @@ def test_context_parallel_matches_world1(context_parallel):
             assert got["params"] == ref["params"], (loss, got["params"], ref["params"])
             assert got["update_diff"] <= 1e-5 * got["largest_update"], (loss, got)
             check_packed(loss, got["packed"], ref)
+        r3 = r["r3"]
+        assert r3["token_mismatch"] == 0.0 and r3["rel_loss"] <= 1e-5, r3
+        assert r3["update_diff"] <= 1e-5 * r3["largest_update"], r3
+        check_shortcut(r["shortcut"])
     check_step_data([r["step_data"] for r in results], dp=1, batch=8)
 
 

@@ -518,9 +518,19 @@ class Actor:
             raise RuntimeError("routing replay is not enabled: call Actor.enable_routing_replay() first")
         return self.replay
 
+    def _local_tokens(self, values: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """A per-token field [b, s, ...] of `mb` as this rank computes it: itself, or under context parallelism
+        this CP rank's part ([1, T / cp, ...], the split of the forward passes)."""
+        plan = self._cp_plan(mb)
+        if plan is None:
+            return values
+        from mcore_rl.megatron.context_parallel import take_local
+
+        return take_local(values, plan)
+
     def _store_routes(self, micro_batches: list[MicroBatch], routes) -> None:
         """Recorded routes -> each micro-batch's `replay_routes` (the mismatch metric counts response tokens only)."""
-        valid = [mb.loss_mask > 0 for mb in micro_batches]
+        valid = [self._local_tokens(mb.loss_mask > 0, mb) for mb in micro_batches]
         for mb, mb_routes in zip(micro_batches, self.replay.with_valid(routes, valid).micro_batches):
             mb.replay_routes = mb_routes
 
@@ -530,9 +540,8 @@ class Actor:
         for mb in micro_batches:
             if mb.replay_routes is None:  # R3: the engine's routes, in the router's order (kept for later epochs)
                 mb.require("routed_experts", "route_valid")
-                (mb.replay_routes,) = self.replay.routes_from_rollout(
-                    [mb.routed_experts], [mb.route_valid]
-                ).micro_batches
+                routes, valid = (self._local_tokens(t, mb) for t in (mb.routed_experts, mb.route_valid))
+                (mb.replay_routes,) = self.replay.routes_from_rollout([routes], [valid]).micro_batches
         return RecordedRoutes([mb.replay_routes for mb in micro_batches])
 
     # ---- weights -----------------------------------------------------------------------------

@@ -131,6 +131,12 @@ def _take(values: torch.Tensor, index: torch.Tensor, fill=0) -> torch.Tensor:
     return torch.where(keep, picked, torch.full_like(picked, fill)).unsqueeze(0)
 
 
+def take_local(values: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
+    """A per-token field [b, s, ...] -> this CP rank's part [1, T_local, ...] (zeros / False on inserted padding;
+    routes: a real token's experts there, so every padding token still has k distinct experts)."""
+    return _take(values, plan.index[plan.rank], None if values.dim() > 2 else 0)
+
+
 def shard(mb: MicroBatch, plan: ShardPlan) -> MicroBatch:
     """This CP rank's micro-batch: one packed row of its parts of the sequences, targets taken before the split."""
     index = plan.index[plan.rank]
@@ -139,7 +145,7 @@ def shard(mb: MicroBatch, plan: ShardPlan) -> MicroBatch:
     for name in _TOKEN_FIELDS:
         value = getattr(mb, name)
         if value is not None:
-            fields[name] = _take(value, index, None if name == "routed_experts" else 0)
+            fields[name] = take_local(value, plan)
     device = mb.tokens.device
     return MicroBatch(
         tokens=_take(mb.tokens, index),

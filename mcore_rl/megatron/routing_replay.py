@@ -29,6 +29,9 @@ the natural path must use the same arithmetic for the replay of its own routes t
 Routes are stored as each router sees tokens: [s_local * b, k] in Megatron's sequence-major order
 (s_local = s / tp under sequence parallelism), keyed by the global layer number; with PP a rank
 holds only its own layers. So R2 routes are tied to the layout that recorded them (the actor's).
+Under context parallelism the router sees this CP rank's part of the sequences: the actor hands
+`routes_from_rollout` / `with_valid` the CP-local fields ([1, T / cp, ...], `context_parallel.take_local`),
+so R3 routes are split like the tokens.
 """
 
 from __future__ import annotations
@@ -211,10 +214,6 @@ class RoutingReplay:
             raise ValueError(
                 "routing replay does not support moe_token_dispatcher_type='alltoall_seq' (its router "
                 "gathers logits over TP inside routing): use 'alltoall' or 'allgather'"
-            )
-        if getattr(cfg, "context_parallel_size", 1) > 1:
-            raise ValueError(
-                f"routing replay does not support context parallel (cp = {cfg.context_parallel_size}): use cp = 1"
             )
         replay = cls(
             sites,

@@ -5,9 +5,11 @@ Arguments: --out-dir --model-dir --tp --pp --ep --cp --n-micro --losses (comma-s
 (tests/workers/harness.py). For each loss a fresh Actor takes one optimizer step on the same global batch; every rank takes its data-parallel share
 split into N_MICRO micro-batches. Compared with the reference: the global loss, and the update (after - before)
 of EVERY parameter, exported with its Hugging Face name; any mismatch raises.
-In check mode also: the on-policy shortcut equals the two-pass path in that layout. Under context
+In check mode also: the on-policy shortcut equals the two-pass path in that layout (under R2). Under context
 parallelism (cp > 1) also, for gspo, the same step with the CP reduction of the sequence ratio patched out
-(`policy_loss.cp_row_sum` = identity): result "unreduced", its measured differences (not asserted here).
+(`policy_loss.cp_row_sum` = identity): result "unreduced", its measured differences (not asserted here); and
+the step under R3 with the batch's natural routes (recorded by the reference job) as the engine's routes:
+result "r3", mismatch 0 and the reference loss and update.
 
 Then, in the same job, the packed path: another fresh Actor takes the step on the same global batch cut
 by `split_for_rank(max_tokens=BUDGET)` (DP shares balanced by tokens, sequences packed into rows,
@@ -250,6 +252,51 @@ def check_on_policy_shortcut(make_actor, micro_batches, counts, before):
     )
 
 
+# R3 under context parallelism: the engine's routes ([b, s, layers, k] per micro-batch) are split over the CP ranks
+# like the tokens. Routes recorded at world 1 are the batch's natural routes, so replaying them must give the
+# reference step (mismatch 0, the same loss and update).
+def natural_routes(actor, tokens) -> torch.Tensor:
+    """[B, S, moe_layers, k] the experts every router of the world-1 actor picks for the batch (R2 recording)."""
+    from mcore_rl.batch import MicroBatch
+    from mcore_rl.megatron.policy_loss import make_log_prob_fn
+
+    actor.enable_routing_replay()
+    with actor.replay.recording() as recorded:
+        actor.forward_only([MicroBatch(tokens)], make_log_prob_fn(1.0, None))
+    ids = recorded.routes.micro_batches[0].ids  # layer -> [S * B, k], Megatron's sequence-major order
+    b, s = tokens.shape
+    per_layer = [ids[layer].long().view(s, b, -1).transpose(0, 1) for layer in actor.replay.moe_layers]
+    return torch.stack(per_layer, dim=2).to(torch.int16)
+
+
+def check_r3_routes(actor, algo, micro_batches, routes):
+    """One GSPO step under routing_replay=r3 with `routes` (this DP rank's rows) as the engine's routes."""
+    import dataclasses
+
+    from safetensors.torch import load_file
+
+    from mcore_rl.algos import GlobalCounts
+    from mcore_rl.batch import MiniBatch
+    from mcore_rl.config import AlgoConfig
+
+    actor.enable_routing_replay()
+    mbs, start = [], 0
+    for mb in micro_batches:
+        n = mb.tokens.shape[0]
+        part = routes[start : start + n]
+        mbs.append(
+            dataclasses.replace(mb, routed_experts=part, route_valid=torch.ones(part.shape[:2], dtype=torch.bool))
+        )
+        start += n
+    counts = GlobalCounts.from_mask(global_batch()[1])
+    metrics = actor.train_policy(MiniBatch(counts, mbs), AlgoConfig(**{**ALGOS["gspo"], "routing_replay": "r3"}))
+    before = load_file(os.path.join(actor.cfg.model.path, "model.safetensors"))
+    update = {n: (t.float() - before[n].float()).clone() for n, t in actor.export_hf_weights()}
+    mismatch = metrics["routing/token_mismatch"]
+    assert mismatch == 0.0, f"r3 under cp: the replayed natural routes mismatch the routers ({mismatch})"
+    return dict(loss=metrics["loss"], token_mismatch=mismatch, update=update)
+
+
 def main():
     args = worker_args(
         __doc__,
@@ -352,7 +399,12 @@ def main():
             if name == "gspo":  # some sequences clipped, some not (so the gradient is not all zero)
                 assert 0 < cf < 1, metrics
         del actor
-        if name == "gspo" and mode == "check" and cp == 1:  # R2 under CP: tests/test_routing_replay.py
+        if name == "gspo" and mode == "ref":  # the batch's natural routes: R3 routes of the CP check below
+            results["routes"] = natural_routes(Actor(cfg, platform), tokens)
+        if name == "gspo" and mode == "check" and cp > 1:
+            report["r3"] = check_r3_routes(Actor(cfg, platform), algo, train_mbs, ref["routes"][rows.start : rows.stop])
+            report["r3"].update(compare("r3", name, report["r3"], report["r3"].pop("update"), ref[name], layout_text))
+        if name == "gspo" and mode == "check":
             shortcut_mbs = [
                 MicroBatch(
                     mb.tokens,
