@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from transformers import AutoTokenizer
 
 from mcore_rl.algos import group_advantages
 from mcore_rl.batch import plan_mini_batches
@@ -43,7 +44,6 @@ from mcore_rl.compat import describe_versions
 from mcore_rl.config import Config, save_config
 from mcore_rl.data import EpochSampler, load_prompt_dataset
 from mcore_rl.dynamic_sampling import CapWarnings, collect, overlong_filtered, round_seed, single_round
-from mcore_rl.megatron.actor import Actor
 from mcore_rl.metrics import MetricsLogger, PhaseTimer, SampleLog
 from mcore_rl.platform import collectives, get_platform
 from mcore_rl.platform.library_warnings import quiet_startup, verbose_requested
@@ -147,9 +147,6 @@ class Trainer:
 
     def _load_inputs(self) -> None:
         """Tokenizer, reward function, prompt datasets and their sampler."""
-        # transformers is imported here, not at the top: `run` quiets the libraries' start-up warnings first
-        from transformers import AutoTokenizer
-
         cfg = self.cfg
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.reward_fn = RewardScorer.from_config(cfg.reward, cfg.rollout.max_new_tokens)
@@ -163,6 +160,10 @@ class Trainer:
     def _build_actors(self) -> None:
         """The actor (its weights checked finite) and, for KL, the frozen reference (actor.offload: on the host
         except during its own pass)."""
+        # Here, not at the top: the actor imports Megatron, whose warnings are raised at import time, after `run`
+        # has quieted the known ones (platform.library_warnings.quiet_startup).
+        from mcore_rl.megatron.actor import Actor
+
         cfg = self.cfg
         self.platform.adapt_megatron()
         self.actor = Actor(cfg, self.platform)

@@ -1,6 +1,8 @@
 """Step data: pack_rollouts (padding, label alignment) and split_for_rank (mini-batches x DP x micro-batches)."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -138,6 +140,15 @@ def test_trainer_imports_nothing_from_megatron():
     assert not [m for m, _ in modules if m == "megatron" or m.startswith("megatron.")], modules
     ours = [(m, n) for m, n in modules if m.startswith("mcore_rl.megatron")]
     assert ours == [("mcore_rl.megatron.actor", "Actor")], ours
+
+
+def test_importing_the_trainer_loads_no_megatron():
+    """`trainer.run` quiets Megatron's import-time warnings before the actor (and with it Megatron) is imported, so
+    importing the trainer module itself loads no Megatron, mbridge or vLLM."""
+    code = "import sys, mcore_rl.trainer; print(sorted({m.split('.')[0] for m in sys.modules} & {'megatron', 'mbridge', 'vllm'}))"
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 # ---- token-budget partition and packing ------------------------------------------------------
