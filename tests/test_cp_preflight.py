@@ -48,6 +48,29 @@ def test_check_refuses_cp_on_devices_before_launch(platform):
         validate_layout(cfg.actor.parallel, 8, QWEN_JSON, platform=platform)
 
 
+def test_cp_counts_in_the_world_and_in_the_expert_folding():
+    """world = tp x pp x cp x dp; EP x ETP folds into TP x CP x DP; CP adds no rule on the heads (it splits
+    tokens): TP's rule on the 4 KV heads of Qwen3-30B-A3B stays the only one."""
+
+    def layout(world, **sizes):
+        return validate_layout(
+            load_config(None, [f"actor.parallel.{k}={v}" for k, v in sizes.items()]).actor.parallel,
+            world,
+            QWEN_JSON,
+            platform="cpu",
+        )
+
+    with pytest.raises(LayoutError, match=r"world size 6 is not divisible by tp\*pp\*cp = 2\*1\*2 = 4"):
+        layout(6, tp=2, cp=2, ep=1)
+    with pytest.raises(LayoutError, match=r"ep\*etp = 4\*1 = 4 must divide tp\*cp\*dp = 1\*2\*1 = 2"):
+        layout(2, cp=2, ep=4, etp=1)
+    lay = layout(16, tp=2, cp=4, ep=8, etp=1)
+    assert (lay.tp, lay.cp, lay.dp, lay.edp) == (2, 4, 2, 2) and lay.tp * lay.pp * lay.cp * lay.dp == 16
+    assert layout(8, cp=8, ep=1).cp == 8  # 8 CP ranks over 32 heads / 4 KV heads: no head rule for CP
+    with pytest.raises(LayoutError, match="query groups"):
+        layout(8, tp=8, ep=1)  # TP's: 4 KV heads do not split over 8
+
+
 def test_the_split_summary_names_the_chunks_and_the_tokens_per_rank():
     line = cp_rules.split_summary(4, 4, True, 34816, 34816)
     assert line.startswith("context parallel: cp4, each sequence in 8 load-balanced chunks (padded to a multiple of 8")
