@@ -145,8 +145,9 @@ def worker(model_dir: str, overrides: list[str], out_json: str) -> None:
     from mcore_rl.batch import MicroBatch
     from mcore_rl.config import load_config
     from mcore_rl.platform import get_platform
-    from mcore_rl.preflight.layout import ModelDims, validate_run
+    from mcore_rl.preflight.layout import ModelDims
     from mcore_rl.preflight.memory_plan import plan_memory
+    from mcore_rl.preflight.run import validate_run
 
     cfg = load_config(None, [f"model.path={model_dir}", *COMMON, *overrides])
     platform = get_platform("cpu")

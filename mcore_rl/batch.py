@@ -33,7 +33,7 @@ from typing import Any, Optional
 import torch
 
 from mcore_rl.algos import GlobalCounts
-from mcore_rl.preflight.layout import check_step_split
+from mcore_rl.preflight.run import check_step_split
 
 ROUTE_DTYPE = torch.int16  # expert ids < 32768; uint8 would halve it for <= 256 experts
 

@@ -22,7 +22,8 @@ from mcore_rl.data.task import TASK_KINDS
 from mcore_rl.models.tiny import ARCHS
 from mcore_rl.preflight.check import describe_run, model_dims
 from mcore_rl.preflight.inputs import check_run_inputs, check_tokenizer
-from mcore_rl.preflight.layout import Layout, LayoutError, validate_run
+from mcore_rl.preflight.layout import Layout, LayoutError
+from mcore_rl.preflight.run import validate_run
 from mcore_rl.run_dir import OutputWriteError, check_run_dir, write_failure
 
 EXIT_BAD_INPUT = 2

@@ -48,8 +48,8 @@ from mcore_rl.metrics import MetricsLogger, PhaseTimer, SampleLog
 from mcore_rl.platform import collectives, get_platform
 from mcore_rl.platform.library_warnings import quiet_startup, verbose_requested
 from mcore_rl.plot import plot_run
-from mcore_rl.preflight.layout import split_unit
 from mcore_rl.preflight.resume_changes import CONFIG_FILE, check_resume_changes, describe
+from mcore_rl.preflight.run import split_unit
 from mcore_rl.rewards import RewardScorer
 from mcore_rl.rollout import make_engine, sampling_params
 from mcore_rl.rollout.data_parallel import generate_local

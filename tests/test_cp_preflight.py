@@ -11,8 +11,9 @@ import pytest
 
 from mcore_rl.config import load_config
 from mcore_rl.preflight import context_parallel as cp_rules
-from mcore_rl.preflight.layout import LayoutError, ModelDims, validate_layout, validate_run
+from mcore_rl.preflight.layout import LayoutError, ModelDims, validate_layout
 from mcore_rl.preflight.memory_plan import Tokens, layer_activation_bytes, micro_batch_tokens, plan_memory
+from mcore_rl.preflight.run import validate_run
 from tests.test_cli import QWEN_JSON
 
 

@@ -32,7 +32,7 @@ from mcore_rl.dynamic_sampling import (
     overlong_filtered,
     single_round,
 )
-from mcore_rl.preflight.layout import split_unit
+from mcore_rl.preflight.run import split_unit
 from mcore_rl.rollout.data_parallel import LocalRollout, ReplicaLayout
 from mcore_rl.safety import TrainingHalted
 from mcore_rl.step_data import (

@@ -8,14 +8,10 @@ import torch.distributed as dist
 
 from mcore_rl.compat import megatron as compat_megatron
 from mcore_rl.config import ParallelConfig, load_config
-from mcore_rl.preflight.layout import (
-    ARCHITECTURES,
-    LayoutError,
-    ModelDims,
-    validate_layout,
-    validate_rollout_tp,
-    validate_run,
-)
+from mcore_rl.preflight.architectures import ARCHITECTURES
+from mcore_rl.preflight.engines import validate_rollout_tp
+from mcore_rl.preflight.layout import LayoutError, ModelDims, validate_layout
+from mcore_rl.preflight.run import validate_run
 
 # Qwen3-30B-A3B
 QWEN = ModelDims(

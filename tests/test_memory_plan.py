@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from mcore_rl.config import load_config
-from mcore_rl.preflight.layout import ModelDims, validate_run
+from mcore_rl.preflight.layout import ModelDims
 from mcore_rl.preflight.memory_plan import plan_memory, stage_params, state_bytes, total_params
+from mcore_rl.preflight.run import validate_run
 from tests.test_cli import QWEN_JSON, cli
 
 PRESETS = sorted(QWEN_JSON.parent.glob("*.yaml"))

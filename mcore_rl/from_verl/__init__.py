@@ -115,7 +115,8 @@ def check_preset(path: str | os.PathLike, world: int, model_config: Optional[str
     """`mcore-rl check` in this process: (passed, the check's report or its error with the fix)."""
     from mcore_rl.config import ConfigError, load_config
     from mcore_rl.preflight.check import describe_run, model_dims
-    from mcore_rl.preflight.layout import LayoutError, validate_run
+    from mcore_rl.preflight.layout import LayoutError
+    from mcore_rl.preflight.run import validate_run
 
     try:
         cfg = load_config(path)

@@ -3,9 +3,11 @@
 Nothing here imports Megatron, vLLM or transformers (tests/test_layers.py checks it in a fresh interpreter), so
 `mcore-rl check` / `plan` / `train` decide in a second, and the engines and the actor build on these rules
 instead of repeating them:
-  layout.py          the parallel layout rules, the one `Layout` object, the `ARCHITECTURES` table, the engine
-                     capability checks (`validate_layout`, `validate_run`)
-  context_parallel.py  where cp > 1 runs and how it pads and cuts sequences
+  run.py             the whole run (`validate_run`): architecture, engine, layout, the step's split
+  layout.py          the actor's parallel layout rules and the one `Layout` object (`validate_layout`), `ModelDims`
+  context_parallel.py  context parallelism's rules
+  architectures.py   the `ARCHITECTURES` table and the check of a run's model against it
+  engines.py         the rollout engine: vLLM's tensor-parallel size, what a platform's engine cannot deliver
   inputs.py          the model folder and the installed packages (`check_run_inputs`)
   check.py           the model dimensions a check reads, and the report of a run that passed
   hf_tensors.py      the HF tensor names and shapes each architecture needs

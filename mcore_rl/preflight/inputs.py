@@ -14,7 +14,7 @@ from packaging.version import Version
 
 from mcore_rl.compat import transformers as compat_transformers
 from mcore_rl.config import Config, ConfigError
-from mcore_rl.preflight.layout import ARCHITECTURES
+from mcore_rl.preflight.architectures import ARCHITECTURES
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -163,7 +163,7 @@ def check_model_type(folder: str | os.PathLike) -> dict:
     folder = Path(folder)
     config = _read_config_json(folder)
     model_type = config.get("model_type")
-    if model_type not in ARCHITECTURES:  # the one table of supported architectures (preflight/layout.py)
+    if model_type not in ARCHITECTURES:  # the one table of supported architectures (preflight/architectures.py)
         raise ConfigError(
             f"model.path = {folder}: model_type {model_type!r} is not supported; mcore-rl trains "
             f"{', '.join(ARCHITECTURES)} models"

@@ -19,9 +19,7 @@ The rules mirror what Megatron-Core asserts later (parallel_state, TransformerCo
   etp == 1 on NPU: MindSpeed's grouped linear shards experts on the other dimension (export untested)
   layouts the installed megatron-core cannot run    (compat.megatron.layout_problem: version read from the
                                                      package metadata, Megatron itself is not imported)
-and, for the run as a whole (`validate_run`): the model's `model_type` is one of ARCHITECTURES, MoE-only
-features (routing replay) are not asked of a dense model, and the rollout engine of the platform can deliver
-what the algorithm asks of it (`check_engine_capabilities`).
+The rules of the run as a whole (architecture, engine, how a step's samples split) are in `preflight.run`.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from mcore_rl.compat import megatron as compat_megatron
-from mcore_rl.config import Config, ParallelConfig
+from mcore_rl.config import ParallelConfig
 from mcore_rl.preflight import context_parallel
 
 # Megatron-LM's default `--make-vocab-size-divisible-by`; its vocabulary padding multiple is this x TP.
@@ -43,22 +41,6 @@ MEGATRON_VOCAB_DIVISIBLE_BY = 128
 
 class LayoutError(ValueError):
     """An impossible parallel layout; the message names the rule, the numbers and a fix."""
-
-
-@dataclass(frozen=True)
-class Architecture:
-    """What the project supports for one Hugging Face `model_type` (bridge, actor, both engines, weight sync)."""
-
-    moe: bool
-    example: str  # the real model the presets use
-
-
-# The one table of supported architectures: HF config.json `model_type` -> what it is.
-ARCHITECTURES: dict[str, Architecture] = {
-    "qwen3_moe": Architecture(moe=True, example="Qwen3-30B-A3B"),
-    "qwen3": Architecture(moe=False, example="Qwen3-8B"),
-    "qwen2": Architecture(moe=False, example="Qwen2.5-3B-Instruct"),
-}
 
 
 @dataclass(frozen=True)
@@ -211,7 +193,7 @@ class Layout:
         return -(-length // self.seq_len_multiple) * self.seq_len_multiple
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -246,7 +228,7 @@ def _check_world(p: ParallelConfig, world_size: int) -> int:
 def _check_heads(p: ParallelConfig, dims: ModelDims) -> None:
     for what, n in (("attention heads", dims.num_attention_heads), ("query groups (KV heads)", dims.num_query_groups)):
         if n % p.tp:
-            ok = _divisors(math.gcd(dims.num_attention_heads, dims.num_query_groups))
+            ok = divisors(math.gcd(dims.num_attention_heads, dims.num_query_groups))
             raise LayoutError(f"tp = {p.tp} must divide the model's {n} {what}: use tp in {ok}")
 
 
@@ -256,7 +238,7 @@ def _stage_layers(p: ParallelConfig, dims: ModelDims) -> tuple[int, ...]:
     if first is None and last is None:
         if n % p.pp:
             raise LayoutError(
-                f"pp = {p.pp} must divide the model's {n} layers: use pp in {_divisors(n)}, or set "
+                f"pp = {p.pp} must divide the model's {n} layers: use pp in {divisors(n)}, or set "
                 f"actor.parallel.num_layers_in_first_stage / num_layers_in_last_stage for uneven stages"
             )
         stages = (n // p.pp,) * p.pp
@@ -290,7 +272,7 @@ def _stage_layers(p: ParallelConfig, dims: ModelDims) -> tuple[int, ...]:
         if bad:
             raise LayoutError(
                 f"virtual_pp = {p.virtual_pp} must divide the layers of every pipeline stage {list(stages)}: "
-                f"use virtual_pp in {_divisors(math.gcd(*stages))}"
+                f"use virtual_pp in {divisors(math.gcd(*stages))}"
             )
     return stages
 
@@ -305,12 +287,12 @@ def _check_experts(p: ParallelConfig, dims: ModelDims) -> None:
         return
     if dims.num_experts % p.ep:
         raise LayoutError(
-            f"ep = {p.ep} must divide the model's {dims.num_experts} experts: use ep in {_divisors(dims.num_experts)}"
+            f"ep = {p.ep} must divide the model's {dims.num_experts} experts: use ep in {divisors(dims.num_experts)}"
         )
     if dims.moe_ffn_hidden_size and dims.moe_ffn_hidden_size % etp:
         raise LayoutError(
             f"expert tensor parallel etp = {etp} must divide the expert FFN size {dims.moe_ffn_hidden_size}: "
-            f"use etp in {[d for d in _divisors(dims.moe_ffn_hidden_size) if d <= 8]} (etp defaults to tp; set actor.parallel.etp)"
+            f"use etp in {[d for d in divisors(dims.moe_ffn_hidden_size) if d <= 8]} (etp defaults to tp; set actor.parallel.etp)"
         )
 
 
@@ -320,7 +302,7 @@ def _check_expert_folding(p: ParallelConfig, dp: int, world_size: int) -> int:
     expert = p.ep * etp
     if dense % expert:
         need = p.pp * math.lcm(p.tp * p.cp, expert)
-        fits = [e for e in _divisors(dense) if dense % (e * etp) == 0]
+        fits = [e for e in divisors(dense) if dense % (e * etp) == 0]
         raise LayoutError(
             f"ep*etp = {p.ep}*{etp} = {expert} must divide tp*cp*dp = {p.tp}*{p.cp}*{dp} = {dense} "
             f"(world {world_size} = tp{p.tp} x pp{p.pp} x cp{p.cp} x dp{dp}; MoE folding EP x ETP x EDP = TP x CP x DP): "
@@ -337,7 +319,7 @@ def _check_vocab(p: ParallelConfig, dims: ModelDims) -> int:
         padded = -(-dims.vocab_size // multiple) * multiple
         raise LayoutError(
             f"tp = {p.tp} must divide the vocabulary size {dims.vocab_size} (the embedding and output layer are split over TP): "
-            f"use tp in {[d for d in _divisors(dims.vocab_size) if d <= 64]}, or pad the checkpoint's embedding/lm_head rows "
+            f"use tp in {[d for d in divisors(dims.vocab_size) if d <= 64]}, or pad the checkpoint's embedding/lm_head rows "
             f"to {padded} (Megatron-LM's padding: a multiple of make_vocab_size_divisible_by {MEGATRON_VOCAB_DIVISIBLE_BY} x tp {p.tp})"
         )
     return dims.vocab_size
@@ -411,146 +393,3 @@ def validate_layout(parallel: ParallelConfig, world_size: int, dims: Any, platfo
         seq_len_multiple=seq_multiple,
         warnings=tuple(warnings),
     )
-
-
-@dataclass(frozen=True)
-class RolloutLayout:
-    tp: int
-    dp: int  # engine replicas: world / tp
-    warnings: tuple[str, ...] = ()
-
-
-def validate_rollout_tp(rollout_tp: int, world_size: int, dims: Any) -> RolloutLayout:
-    """Check the inference engine's tensor-parallel size against the world size and attention heads."""
-    dims = ModelDims.from_hf(dims)
-    if rollout_tp < 1 or world_size % rollout_tp:
-        raise LayoutError(
-            f"rollout.tp = {rollout_tp} must be >= 1 and divide the world size {world_size}: use rollout.tp in {_divisors(world_size)}"
-        )
-    if dims.num_attention_heads % rollout_tp:
-        raise LayoutError(
-            f"rollout.tp = {rollout_tp} must divide the model's {dims.num_attention_heads} attention heads: "
-            f"use rollout.tp in {_divisors(dims.num_attention_heads)}"
-        )
-    kv = dims.num_query_groups
-    warnings: tuple[str, ...] = ()
-    if rollout_tp > kv:
-        if rollout_tp % kv:
-            raise LayoutError(
-                f"rollout.tp = {rollout_tp} above the {kv} KV heads must be a multiple of them: use rollout.tp in {_divisors(kv)} or a multiple of {kv}"
-            )
-        warnings = (
-            f"rollout.tp = {rollout_tp} > {kv} KV heads: the engine replicates each KV head {rollout_tp // kv}x (memory and sync cost)",
-        )
-    elif kv % rollout_tp:
-        raise LayoutError(
-            f"rollout.tp = {rollout_tp} must divide the model's {kv} KV heads: use rollout.tp in {_divisors(kv)}"
-        )
-    return RolloutLayout(tp=rollout_tp, dp=world_size // rollout_tp, warnings=warnings)
-
-
-def check_architecture(cfg: Config, dims: ModelDims) -> Architecture | None:
-    """The model's architecture is in ARCHITECTURES and supports what the config asks of it."""
-    if not dims.model_type:
-        return None
-    arch = ARCHITECTURES.get(dims.model_type)
-    if arch is None:
-        known = ", ".join(f"{t} ({'MoE' if a.moe else 'dense'}, e.g. {a.example})" for t, a in ARCHITECTURES.items())
-        raise LayoutError(
-            f"model_type {dims.model_type!r} (config.json) is not supported: use a model of a supported "
-            f"architecture: {known}"
-        )
-    if cfg.algo.routing_replay is not None and not arch.moe:
-        raise LayoutError(
-            f"algo.routing_replay = {cfg.algo.routing_replay} replays MoE expert routing, but model_type "
-            f"{dims.model_type!r} is dense (no experts): set algo.routing_replay=null"
-        )
-    if bool(dims.num_experts) != arch.moe:
-        raise LayoutError(
-            f"model_type {dims.model_type!r} should be {'MoE' if arch.moe else 'dense'} but config.json has "
-            f"{dims.num_experts} experts: fix the config.json"
-        )
-    return arch
-
-
-def check_engine_capabilities(cfg: Config, platform: Optional[str]) -> None:
-    """What the rollout engine of `platform` cannot deliver (docs/devices.md, "Ascend").
-
-    vLLM-Ascend 0.11 (the supported line, mcore_rl.preflight.support) ignores `logprobs_mode` (its sampler returns log-probs
-    of the raw, temperature-1 distribution) and returns no routed experts; the messages name the first release
-    that would allow each and why it cannot share the actor's process today."""
-    if platform != "npu" or cfg.rollout.engine != "vllm":
-        return
-    from mcore_rl.preflight.support import first_release_with
-
-    a, r = cfg.algo, cfg.rollout
-    if a.routing_replay == "r3":
-        raise LayoutError(
-            f"algo.routing_replay=r3 replays the engine's routed experts, which vLLM-Ascend 0.11 does not return "
-            f"({first_release_with('routed_experts')}): use algo.routing_replay=r2 (routes recorded in the actor's "
-            f"old-log-prob pass) on NPU"
-        )
-    if r.temperature != 1.0 and a.rollout_is is not None:
-        raise LayoutError(
-            f"algo.rollout_is uses the engine's sampling log-probs, but vLLM-Ascend 0.11 ignores logprobs_mode and "
-            f"returns them at temperature 1, not rollout.temperature = {r.temperature} "
-            f"({first_release_with('logprobs_mode')}): set rollout.temperature = algo.temperature = 1.0, or "
-            f"algo.rollout_is=null on NPU"
-        )
-
-
-def validate_run(cfg: Config, world_size: int, dims: Any, platform: Optional[str] = None) -> Layout:
-    """The whole pre-flight for a run: actor layout, rollout TP (vLLM) and how a step's samples split.
-
-    A step has prompts_per_step * n samples; they split evenly over the DP ranks and `algo.mini_batches`
-    optimizer steps, and each rank's share of a mini-batch splits into micro-batches of micro_batch_size
-    (unless micro-batches are cut by actor.max_tokens_per_micro_batch).
-    """
-    if platform is None and cfg.platform != "auto":
-        platform = cfg.platform
-    dims = ModelDims.from_hf(dims)
-    check_architecture(cfg, dims)
-    check_engine_capabilities(cfg, platform)
-    layout = validate_layout(cfg.actor.parallel, world_size, dims, platform=platform)
-    warnings = list(layout.warnings)
-    if cfg.rollout.engine == "vllm":
-        warnings += validate_rollout_tp(cfg.rollout.tp, world_size, dims).warnings
-    packed = cfg.actor.max_tokens_per_micro_batch is not None  # DP shares are then balanced by tokens, not counts
-    check_step_split(
-        cfg.data.prompts_per_step * cfg.rollout.n,
-        cfg.algo.mini_batches,
-        layout.dp,
-        None if packed else layout.micro_batch_size,
-        f"data.prompts_per_step {cfg.data.prompts_per_step} x rollout.n {cfg.rollout.n}",
-    )
-    return dataclasses.replace(layout, warnings=tuple(warnings))
-
-
-def split_unit(mini_batches: int, dp: int, micro_batch_size: Optional[int]) -> int:
-    """What a step's sample count must be a multiple of: `mini_batches`, and with fixed-size micro-batches also
-    dp x micro_batch_size (None: token-budget micro-batches, which take any count per DP rank)."""
-    return mini_batches * (dp * micro_batch_size if micro_batch_size else 1)
-
-
-def check_step_split(
-    samples: int,
-    mini_batches: int,
-    dp: int,
-    micro_batch_size: Optional[int],
-    source: str = "data.prompts_per_step x rollout.n",
-) -> None:
-    """The rule of `split_unit`, with the fix: the pre-flight checks it for the configured step, and
-    `batch.plan_mini_batches` for the samples it is given (a step of dynamic sampling's merged groups)."""
-    splits = mini_batches if micro_batch_size is None else dp * mini_batches
-    if samples % splits:
-        raise LayoutError(
-            f"a step's {samples} samples ({source}) must split evenly over "
-            f"{'' if micro_batch_size is None else f'dp {dp} x '}algo.mini_batches {mini_batches} = {splits}: "
-            f"make prompts_per_step * n a multiple of {splits}"
-        )
-    per_rank = samples // splits
-    if micro_batch_size is not None and per_rank % micro_batch_size:
-        raise LayoutError(
-            f"each DP rank's mini-batch of {per_rank} samples must split into micro-batches of "
-            f"actor.parallel.micro_batch_size = {micro_batch_size}: use a micro_batch_size in {_divisors(per_rank)}"
-        )

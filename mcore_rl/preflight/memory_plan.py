@@ -544,7 +544,8 @@ def levers(cfg: Config, layout: Layout, dims: ModelDims, plan: MemoryPlan) -> li
 def layout_levers(cfg: Config, layout: Layout, dims: ModelDims, plan: MemoryPlan, count: int = 2) -> list[str]:
     """Other layouts of the same world size (tp, pp, ep; etp 1; cp as it is, or 2x / 4x it: context parallelism
     divides the activations of long sequences) that fit, lowest peak first."""
-    from mcore_rl.preflight.layout import LayoutError, validate_run
+    from mcore_rl.preflight.layout import LayoutError
+    from mcore_rl.preflight.run import validate_run
 
     found = []
     world = layout.world_size

@@ -74,7 +74,7 @@ import torch
 from mcore_rl.config import RolloutConfig
 from mcore_rl.models.hf_io import torch_dtype, write_hf_folder
 from mcore_rl.platform import free_port
-from mcore_rl.preflight.layout import validate_rollout_tp
+from mcore_rl.preflight.engines import validate_rollout_tp
 from mcore_rl.rollout.base import (
     MEMORY_TAGS,
     WEIGHTS,

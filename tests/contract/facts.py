@@ -371,7 +371,7 @@ FACTS = (
     # ---- vLLM-Ascend -----------------------------------------------------------------------------------------
     Fact("matrix_row", "vllm-ascend", "(torch pin, torch-npu pin, transformers, routed-expert capture, sampler passes "
          "logprobs_mode) = the support matrix's row", "preflight.support.ASCEND_RELEASES, preflight.support.check_installed, "
-         "preflight.layout.check_engine_capabilities", _ascend_matrix_row),
+         "preflight.engines.check_engine_capabilities", _ascend_matrix_row),
     Fact("own_qwen3_moe", "vllm-ascend", "registers a Qwen3MoeForCausalLM of its own (0.10.2rc1 / 0.11.0rc0 did: no transpose_weight)",
          "compat.vllm.MIN_VLLM_ASCEND", lambda s: "Qwen3MoeForCausalLM" in strings(s.tree("vllm_ascend/models/__init__.py"))),
     Fact("runner_base", "vllm-ascend", "NPUModelRunner's bases", "compat.vllm.reload_from_folder",

@@ -592,8 +592,9 @@ def stage_memory(ctx) -> str:
     import torch
 
     from mcore_rl.models.tiny import TinyModelShape, make_tiny_checkpoint
-    from mcore_rl.preflight.layout import ModelDims, validate_run
+    from mcore_rl.preflight.layout import ModelDims
     from mcore_rl.preflight.memory_plan import plan_memory
+    from mcore_rl.preflight.run import validate_run
     from mcore_rl.trainer import Trainer
 
     cuda = ctx["platform"] == "cuda"

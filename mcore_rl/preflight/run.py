@@ -1,0 +1,70 @@
+"""The whole pre-flight of a run (`validate_run`): the model's architecture, the engine's capabilities and
+tensor-parallel size, the actor's layout, and how a step's samples split over mini-batches, data-parallel ranks
+and micro-batches (`check_step_split`, the one statement of that rule)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from mcore_rl.config import Config
+from mcore_rl.preflight.architectures import check_architecture
+from mcore_rl.preflight.engines import check_engine_capabilities, validate_rollout_tp
+from mcore_rl.preflight.layout import Layout, LayoutError, ModelDims, divisors, validate_layout
+
+
+def validate_run(cfg: Config, world_size: int, dims: Any, platform: Optional[str] = None) -> Layout:
+    """The whole pre-flight for a run: actor layout, rollout TP (vLLM) and how a step's samples split.
+
+    A step has prompts_per_step * n samples; they split evenly over the DP ranks and `algo.mini_batches`
+    optimizer steps, and each rank's share of a mini-batch splits into micro-batches of micro_batch_size
+    (unless micro-batches are cut by actor.max_tokens_per_micro_batch).
+    """
+    if platform is None and cfg.platform != "auto":
+        platform = cfg.platform
+    dims = ModelDims.from_hf(dims)
+    check_architecture(cfg, dims)
+    check_engine_capabilities(cfg, platform)
+    layout = validate_layout(cfg.actor.parallel, world_size, dims, platform=platform)
+    warnings = list(layout.warnings)
+    if cfg.rollout.engine == "vllm":
+        warnings += validate_rollout_tp(cfg.rollout.tp, world_size, dims).warnings
+    packed = cfg.actor.max_tokens_per_micro_batch is not None  # DP shares are then balanced by tokens, not counts
+    check_step_split(
+        cfg.data.prompts_per_step * cfg.rollout.n,
+        cfg.algo.mini_batches,
+        layout.dp,
+        None if packed else layout.micro_batch_size,
+        f"data.prompts_per_step {cfg.data.prompts_per_step} x rollout.n {cfg.rollout.n}",
+    )
+    return dataclasses.replace(layout, warnings=tuple(warnings))
+
+
+def split_unit(mini_batches: int, dp: int, micro_batch_size: Optional[int]) -> int:
+    """What a step's sample count must be a multiple of: `mini_batches`, and with fixed-size micro-batches also
+    dp x micro_batch_size (None: token-budget micro-batches, which take any count per DP rank)."""
+    return mini_batches * (dp * micro_batch_size if micro_batch_size else 1)
+
+
+def check_step_split(
+    samples: int,
+    mini_batches: int,
+    dp: int,
+    micro_batch_size: Optional[int],
+    source: str = "data.prompts_per_step x rollout.n",
+) -> None:
+    """The rule of `split_unit`, with the fix: the pre-flight checks it for the configured step, and
+    `batch.plan_mini_batches` for the samples it is given (a step of dynamic sampling's merged groups)."""
+    splits = mini_batches if micro_batch_size is None else dp * mini_batches
+    if samples % splits:
+        raise LayoutError(
+            f"a step's {samples} samples ({source}) must split evenly over "
+            f"{'' if micro_batch_size is None else f'dp {dp} x '}algo.mini_batches {mini_batches} = {splits}: "
+            f"make prompts_per_step * n a multiple of {splits}"
+        )
+    per_rank = samples // splits
+    if micro_batch_size is not None and per_rank % micro_batch_size:
+        raise LayoutError(
+            f"each DP rank's mini-batch of {per_rank} samples must split into micro-batches of "
+            f"actor.parallel.micro_batch_size = {micro_batch_size}: use a micro_batch_size in {divisors(per_rank)}"
+        )
