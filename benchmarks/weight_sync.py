@@ -12,11 +12,11 @@ about the sync's volume (a 512 MB buffer copied 4 times) - the paired ratio is t
 the sync's rate over the memcpy rate of that moment (on a shared machine the load changes from second to
 second); and the strict ratio: the best sync over the fastest memcpy seen in the whole run (best of 5 copies
 of 512 MB before and after the syncs, and the paired ones).
-The sync runs as the trainer's does: the engine's parameters live in a shared-memory region
-(`engine.capabilities.receiver.shared`), so every rank writes its own shards straight into them and rank 0 copies only its
-own (`into=receiver.buffer, shared=receiver.shared`; mcore_rl/platform/shared_memory.py); `--baseline` also times, in
-the same run, the gather-into-buffers-then-copy path (no `into`, no `shared`: the peer's shards travel through
-the gather's shared segments and the engine copies every tensor). Prints the sync's GB/s, memcpy GB/s and their ratio (target >= 0.5), and the gloo all_gather rate between
+The sync runs as the trainer's does: the engine's parameters live in a shared-memory region it offers the
+export (`WeightReceiver.shared`, mcore_rl/weights/receiver.py), so every rank writes its own shards straight
+into them (mcore_rl/weights/direct_write.py) and rank 0 copies only its own; `--baseline` also times, in the
+same run, the gather-into-buffers-then-copy path (no receiver: the peer's shards travel through the gather's
+shared segments and the engine copies every tensor). Prints the sync's GB/s, memcpy GB/s and their ratio (target >= 0.5), and the gloo all_gather rate between
 the two processes (the transport the exporter's gathers use: on one CPU host it is the bottleneck) next to
 the same gather through shared memory (/dev/shm), what a same-host transport in the exporter could reach. `--check` re-exports
 through torch.distributed (whole split tensors gathered and converted by mbridge, an independent path) and compares
@@ -160,10 +160,10 @@ def main() -> None:
     from mcore_rl.models.bridge import ModelBridge
     from mcore_rl.platform import get_platform
     from mcore_rl.platform.shm_gather import GroupGather
-    from mcore_rl.rollout.base import COPY_IN
     from mcore_rl.rollout.embedded import EmbeddedEngine
     from mcore_rl.rollout.weight_sync import sync_weights
     from mcore_rl.weights.exporter import HFExporter
+    from mcore_rl.weights.receiver import COPY_IN
 
     platform = get_platform("cpu")
     platform.init_distributed()
@@ -213,10 +213,9 @@ def main() -> None:
             moment = paired.gb_per_s(volume) if paired is not None else 0.0
             dist.barrier()
             # ranks without an engine only contribute their shards (written into rank 0's engine, or its segments)
-            receiver = engine.capabilities.receiver if engine is not None and direct else COPY_IN
-            into, shared = receiver.buffer, receiver.shared
+            receiver = (engine.capabilities.receiver if engine is not None else COPY_IN) if direct else None
             stats = sync_weights(
-                exporter.export(chunks, receive=engine is not None, into=into, shared=shared),
+                exporter.export(chunks, receive=engine is not None, receiver=receiver),
                 engine,
                 bucket_mb=args.bucket_mb,
             )
@@ -235,10 +234,10 @@ def main() -> None:
     if args.check:
         # the reference export takes the other transport (torch.distributed: ranks claim different hosts), where
         # every split tensor is gathered whole and converted by mbridge; it is compared with the engine's tensors
-        exporter._gather = GroupGather(host_id=lambda: f"bench-rank-{rank}")
-        diffs = engine.weight_diffs(exporter.export(chunks)) if engine else None
+        reference = HFExporter(bridge, GroupGather(host_id=lambda: f"bench-rank-{rank}"))
+        diffs = engine.weight_diffs(reference.export(chunks)) if engine else None
         if engine is None:
-            for _ in exporter.export(chunks):
+            for _ in reference.export(chunks):
                 pass
         check = max(diffs.values()) if diffs else None
     gloo = gloo_all_gather_gb_per_s()

@@ -58,7 +58,7 @@ from mcore_rl.rollout.weight_sync import (
     default_tolerance,
     log_prob_gap,
     shared_probe,
-    sync_weights,
+    sync_engine_weights,
     verify_due,
     verify_sync,
 )
@@ -219,11 +219,7 @@ class Trainer:
         """Actor weights -> rollout engine (bucketed), verified against the actor when `verify`: the hand-over to
         the rollout phase (Colocation.handover: the engine's wakes around it, with offload the actor to the host)."""
         with self.colocation.handover():
-            # gathers write straight into the engine's tensors where it exposes them, and on one host the other ranks
-            # write their shards into a shared-memory engine themselves (each byte moves once)
-            receiver = self.engine.capabilities.receiver
-            export = self.actor.export_hf_weights(into=receiver.buffer, shared=receiver.shared)
-            stats = sync_weights(export, self.engine, self.cfg.rollout.sync_bucket_mb)
+            stats = sync_engine_weights(self.actor.export_hf_weights, self.engine, self.cfg.rollout.sync_bucket_mb)
             if verify:  # the verification's reads of the actor, valid after its state left the device
                 reference, export_fn = self.colocation.actor_reads(self.probe)
         out = {"sync/seconds": stats.seconds, "sync/gb_per_s": stats.gb_per_s}

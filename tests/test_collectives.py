@@ -49,7 +49,7 @@ ALLOWED = {
     ("platform/shm_gather.py", "_round", "all_gather_into_tensor"): "shared-memory gather: per-round "
     "digests of what each rank wrote (gloo-only path: the transport exists only on gloo groups)",
     ("platform/shm_gather.py", "_round", "barrier"): "shared-memory gather: round fence, no tensor",
-    ("platform/shm_gather.py", "all_gather_into", "all_gather"): "export gather: full weight shards "
+    ("platform/shm_gather.py", "_collective_gather", "all_gather"): "export gather: full weight shards "
     "(the torch.distributed fallback of the shared-memory gather)",
     ("platform/shm_gather.py", "_shared_segments", "all_gather_object"): "object gather: host ids at set-up",
     ("platform/shm_gather.py", "_shared_segments", "all_gather_object#2"): "object gather: shared-memory "
@@ -77,7 +77,7 @@ ALLOWED = {
     ("megatron/checkpoint.py", "save_checkpoint", "barrier#2"): "checkpoint fence, no tensor",
     ("weights/exporter.py", "export", "all_gather_object"): "object gather: per-stage tensor metadata",
     ("weights/exporter.py", "export", "broadcast"): "pipeline broadcast of exported weights",
-    ("weights/exporter.py", "_group_sinks", "all_gather_object"): "object gather: the receiving engines' "
+    ("weights/direct_write.py", "_group_sinks", "all_gather_object"): "object gather: the receiving engines' "
     "shared-memory region handles, once per export and gather group",
     ("trainer.py", "run", "barrier"): "end-of-run fence, no tensor",
     ("convert.py", "convert", "barrier"): "end-of-conversion fence, no tensor",

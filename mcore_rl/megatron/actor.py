@@ -545,12 +545,11 @@ class Actor:
         return RecordedRoutes([mb.replay_routes for mb in micro_batches])
 
     # ---- weights -----------------------------------------------------------------------------
-    def export_hf_weights(self, receive: bool = True, into=None, shared=None):
-        """See HFExporter.export: collective, every rank gets every full tensor; `into` (e.g. a
-        rollout engine's `capabilities.receiver.buffer`) lets the gathers write straight into the consumer's memory, `shared`
-        (its `receiver.shared`) lets the other ranks of the host write their shards there too."""
+    def export_hf_weights(self, receive: bool = True, receiver=None):
+        """See HFExporter.export: collective, every rank gets every full tensor; `receiver` (what a rollout
+        engine offers, mcore_rl/weights/receiver.py) lets the export write into the engine's memory."""
         self._require_resident("export_hf_weights")
-        return self.exporter.export(self.model, receive=receive, into=into, shared=shared)
+        return self.exporter.export(self.model, receive=receive, receiver=receiver)
 
     def save_hf(self, out_dir: str, source_dir: Optional[str] = None, max_shard_bytes: int = 4 << 30) -> None:
         """Write the model as a Hugging Face folder (rank 0 writes; every rank takes part in the gathers).

@@ -134,6 +134,12 @@ class Platform:
         return packed_attention_mode(self.uses_transformer_engine, self.name)
 
     @property
+    def weight_transport(self) -> str:
+        """How a weight export moves shards between ranks (mcore_rl/weights/transports.py): "shared-memory" on
+        cpu (gloo: the ranks of one host read each other's memory), "collective" on accelerators (NCCL / HCCL)."""
+        return "shared-memory" if self.name == "cpu" else "collective"
+
+    @property
     def local_rank(self) -> int:
         return int(os.environ.get("LOCAL_RANK", "0"))
 

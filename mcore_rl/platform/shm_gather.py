@@ -287,6 +287,38 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
+def _checked_items(items: Sequence[GatherItem], group, receive: bool) -> list[GatherItem]:
+    """The items as a list, each with one destination per group rank of its shard's shape and dtype."""
+    items = list(items)
+    world = dist.get_world_size(group)
+    for shard, dsts in items:
+        if not receive and dsts is None:
+            continue
+        if dsts is None or len(dsts) != world or any(d.shape != shard.shape or d.dtype != shard.dtype for d in dsts):
+            raise ValueError(
+                f"all_gather_into: shard {tuple(shard.shape)} {shard.dtype} needs {world} destinations "
+                f"of that shape and dtype (views of a merged tensor may be strided), got "
+                f"{[(tuple(d.shape), d.dtype) for d in dsts]}"
+            )
+    return items
+
+
+def collective_gather_into(items: Sequence[GatherItem], group, receive: bool = True) -> None:
+    """`GroupGather.all_gather_into` through torch.distributed.all_gather alone (any backend, any device)."""
+    _collective_gather(_checked_items(items, group, receive), group, receive)
+
+
+def _collective_gather(items: list[GatherItem], group, receive: bool) -> None:
+    world = dist.get_world_size(group)
+    for shard, dsts in items:
+        shard = shard.contiguous()
+        out = [torch.empty_like(shard) for _ in range(world)]
+        dist.all_gather(out, shard, group=group)
+        for dst, got in zip(dsts if receive else (), out):
+            if not _same_memory(dst, shard):
+                dst.copy_(got)
+
+
 @dataclass
 class GroupGather:
     """All-gather into destination views, through shared memory where a group allows it (see module doc).
@@ -306,32 +338,12 @@ class GroupGather:
         Collective over `group`: every rank calls it with items of the same shapes and dtypes, in order.
         `receive=False` (dsts None): this rank only contributes its shards; over shared memory it then reads
         nothing, and a rank whose peers all pass receive=False writes nothing."""
-        items = list(items)
-        world = dist.get_world_size(group)
-        for shard, dsts in items:
-            if not receive and dsts is None:
-                continue
-            if (
-                dsts is None
-                or len(dsts) != world
-                or any(d.shape != shard.shape or d.dtype != shard.dtype for d in dsts)
-            ):
-                raise ValueError(
-                    f"all_gather_into: shard {tuple(shard.shape)} {shard.dtype} needs {world} destinations "
-                    f"of that shape and dtype (views of a merged tensor may be strided), got "
-                    f"{[(tuple(d.shape), d.dtype) for d in dsts]}"
-                )
+        items = _checked_items(items, group, receive)
         segments = self.transport(group, items)
         if segments is not None:
             segments.gather(items, self.max_chunk_bytes, receive)
-            return
-        for shard, dsts in items:
-            shard = shard.contiguous()
-            out = [torch.empty_like(shard) for _ in range(world)]
-            dist.all_gather(out, shard, group=group)
-            for dst, got in zip(dsts if receive else (), out):
-                if not _same_memory(dst, shard):
-                    dst.copy_(got)
+        else:
+            _collective_gather(items, group, receive)
 
     def all_gather(self, tensor: torch.Tensor, group) -> list[torch.Tensor]:
         """Like torch.distributed.all_gather: one tensor per group rank (views of one new buffer)."""

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
 from mcore_rl.batch import RolloutSample  # the engines' output is the step data's input
-
-if TYPE_CHECKING:
-    from mcore_rl.platform.shared_memory import SharedTensors
+from mcore_rl.weights.receiver import COPY_IN, WeightReceiver  # what an engine offers a sync (weights/)
 
 # What a colocated engine's memory holds, by vLLM's sleep-mode tags: wake the weights first (to take a sync),
 # the KV cache last (after the actor's state has left the device).
@@ -66,28 +64,6 @@ def check_score_request(
     for i, (s, p) in enumerate(zip(sequences, prompt_lens)):
         if not 1 <= p < len(s):
             raise ValueError(f"sequence {i}: prompt_len {p} must be in [1, {len(s) - 1}] for length {len(s)}")
-
-
-@dataclass(frozen=True)
-class WeightReceiver:
-    """Where an engine lets a sync put its weights besides `load_weights` (the copy every engine takes).
-
-    `buffer(name)`: the engine's own tensor holding Hugging Face weight `name` (a view where the engine fuses
-    several; None for a name it does not hold), for an exporter that writes new weights straight into it. An
-    engine that offers buffers skips, in `load_weights`, a given tensor that already IS its own.
-    `shared`: those tensors in a shared-memory region other processes of the host map and write
-    (mcore_rl/platform/shared_memory.py), named as `buffer` names them."""
-
-    buffer: Optional[Callable[[str], Optional[torch.Tensor]]] = None
-    shared: Optional["SharedTensors"] = None
-
-    @property
-    def kind(self) -> str:
-        """ "shared" (a region other processes write), "buffers" (in place, this process) or "copy" (load_weights)."""
-        return "shared" if self.shared is not None else "buffers" if self.buffer is not None else "copy"
-
-
-COPY_IN = WeightReceiver()  # load_weights only: the engine's memory is not reachable from outside
 
 
 @dataclass(frozen=True)

@@ -189,6 +189,12 @@ def sync_weights(export_iter: WeightStream, engine: Optional[RolloutEngine], buc
     return result
 
 
+def sync_engine_weights(export: Callable[..., WeightStream], engine: RolloutEngine, bucket_mb: float) -> SyncStats:
+    """One sync of the actor into `engine`: `export(receiver=...)` (the actor's `export_hf_weights`) with what
+    the engine offers, so the exporter writes into the engine's memory where it can, streamed by `sync_weights`."""
+    return sync_weights(export(receiver=engine.capabilities.receiver), engine, bucket_mb)
+
+
 def _to_host(prints: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """One device-to-host copy for all fingerprints of a sync (float32 holds bf16 / fp16 values exactly)."""
     if not prints:

@@ -5,8 +5,8 @@ Loads the tiny checkpoint into a real Megatron model in the given layout and exp
 compared exactly (all names, shapes, dtypes, bits) with the checkpoint's safetensors: shared memory with tiny
 gather batches and rounds (many batches, tensors split over rounds), shared memory where only rank 0
 receives (the others must yield nothing), gathered straight into a random-weight embedded engine's own
-tensors (`into`, every rank / rank 0 only: the engine ends bit-identical to the checkpoint), written straight
-into engines whose parameters live in shared memory (`shared`: every rank / rank 0 only, the engine scrambled
+tensors (its in-place buffers, every rank / rank 0 only: the engine ends bit-identical to the checkpoint), written straight
+into engines whose parameters live in shared memory (the direct writes: every rank / rank 0 only, the engine scrambled
 before each: the peers' shards must land in the engine with nothing staged in a gather segment), and the
 torch.distributed fallback (ranks claim different hosts).
 Result per rank (tests/workers/harness.py): the layout, the number of checkpoint tensors, the exports compared,
@@ -27,7 +27,9 @@ from mcore_rl.megatron.parallel import destroy_parallel, init_parallel
 from mcore_rl.models.bridge import ModelBridge
 from mcore_rl.platform import get_platform
 from mcore_rl.platform.shm_gather import GroupGather
+from mcore_rl.weights.direct_write import DirectWrite
 from mcore_rl.weights.exporter import HFExporter
+from mcore_rl.weights.receiver import COPY_IN, WeightReceiver
 from tests.workers.harness import worker_args, write_result
 
 
@@ -48,7 +50,7 @@ def check_export(exporter, chunks, expected: dict, what: str, receive: bool = Tr
 
 
 def check_into_engine(exporter, chunks, expected: dict, tiny_dir: str, what: str, receive: bool = True) -> dict:
-    """Export straight into an engine's own tensors (`into`, as the trainer syncs): a fresh engine with random
+    """Export straight into an engine's own tensors (its in-place buffers, as the trainer syncs): a fresh engine with random
     weights ends bit-identical to the checkpoint. Returned (empty on a rank that does not receive): how many
     tensors were written in place, which tensors whose conversion moves rows (q / k / v, embedding, output
     layer) were not, and the exporter's own account (`HFExporter.stats`: bytes straight into the engine,
@@ -56,9 +58,9 @@ def check_into_engine(exporter, chunks, expected: dict, tiny_dir: str, what: str
     from mcore_rl.rollout.embedded import EmbeddedEngine
 
     engine = EmbeddedEngine(tiny_dir, config=exporter.bridge.hf_config) if receive else None  # every weight must arrive
-    into = engine.weight_buffer if engine is not None else None
+    receiver = WeightReceiver(buffer=engine.weight_buffer) if engine is not None else COPY_IN
     in_place = []
-    for name, t in exporter.export(chunks, gather_batch_mb=0.01, receive=receive, into=into):
+    for name, t in exporter.export(chunks, gather_batch_mb=0.01, receive=receive, receiver=receiver):
         if t.data_ptr() == engine.weight_buffer(name).data_ptr():
             in_place.append(name)
         engine.load_weights([(name, t)])
@@ -79,8 +81,8 @@ def check_into_engine(exporter, chunks, expected: dict, tiny_dir: str, what: str
     )
 
 
-def check_shared_engine(exporter, chunks, expected: dict, tiny_dir: str, what: str) -> dict:
-    """Export into engines whose parameters live in shared memory (`shared`, as the trainer syncs on one host):
+def check_shared_engine(bridge, chunks, expected: dict, tiny_dir: str, what: str) -> dict:
+    """Export into engines whose parameters live in shared memory (the direct writes, as the trainer syncs on one host):
     every rank writes its own shards straight into every receiving engine. First every rank's engine receives;
     then, every engine scrambled, rank 0's alone (the others only write into it), so the peers' shards must land
     in rank 0's engine again. A fresh GroupGather shows what still went through its segments (their capacity:
@@ -89,17 +91,19 @@ def check_shared_engine(exporter, chunks, expected: dict, tiny_dir: str, what: s
     from mcore_rl.rollout.embedded import EmbeddedEngine
 
     rank = dist.get_rank()
-    engine = EmbeddedEngine(tiny_dir, config=exporter.bridge.hf_config)
-    assert engine.capabilities.receiver.shared is not None, f"{what}: the CPU engine has no shared-memory region"
+    engine = EmbeddedEngine(tiny_dir, config=bridge.hf_config)
+    assert engine.shared_weights() is not None, f"{what}: the CPU engine has no shared-memory region"
     out = {}
     for attempt, receive in enumerate((True, rank == 0)):
-        exporter._gather = GroupGather(max_chunk_bytes=4096)
+        groups = GroupGather(max_chunk_bytes=4096)
+        exporter = HFExporter(bridge, groups)  # its transport: the direct writes, chosen at its first export
         for p in engine.model.parameters():
             p.data.normal_()  # in place: the region stays, its bytes are garbage until the export rewrites them
-        into, shared = (engine.weight_buffer, engine.capabilities.receiver.shared) if receive else (None, None)
-        for name, t in exporter.export(chunks, gather_batch_mb=0.05, receive=receive, into=into, shared=shared):
+        receiver = engine.capabilities.receiver if receive else COPY_IN
+        for name, t in exporter.export(chunks, gather_batch_mb=0.05, receive=receive, receiver=receiver):
             engine.load_weights([(name, t)])
-        segments = [s for s in exporter._gather._transports.values() if s is not None]
+        assert isinstance(exporter.transport_for(receiver), DirectWrite), f"{what}: no direct writes chosen"
+        segments = [s for s in groups._transports.values() if s is not None]
         assert segments, f"{what}: the gathers did not take shared memory"
         if not receive:
             continue
@@ -123,19 +127,21 @@ def check_disagreement_raises(exporter, chunks, engine) -> str:
     confirmation must raise on both ranks, before anything is gathered. Returns the error message."""
     rank = dist.get_rank()
     if rank == 1:
-        (peer,) = exporter._regions.values()  # rank 0's, mapped by the last export (rank 0 alone received)
+        (peer,) = exporter.transport_for(COPY_IN)._regions.values()  # rank 0's, mapped by the last export (rank 0
+        # alone received)
         suffix = (
-            "layers.0.self_attn.q_proj.weight" if exporter.layout.tp > 1 else "layers.0.mlp.experts.0.down_proj.weight"
+            "layers.0.self_attn.q_proj.weight"
+            if exporter.bridge.layout.tp > 1
+            else "layers.0.mlp.experts.0.down_proj.weight"
         )
         victim = next(name for name in peer.table if name.endswith(suffix))
         del peer.table[victim]
         peer._views.pop(victim, None)
-        exporter._direct_memo.clear()
-    exporter._gather = GroupGather(max_chunk_bytes=4096)
+        exporter.targets.forget()
     receive = rank == 0
-    into, shared = (engine.weight_buffer, engine.capabilities.receiver.shared) if receive else (None, None)
+    receiver = engine.capabilities.receiver if receive else COPY_IN
     try:
-        for _ in exporter.export(chunks, gather_batch_mb=0.05, receive=receive, into=into, shared=shared):
+        for _ in exporter.export(chunks, gather_batch_mb=0.05, receive=receive, receiver=receiver):
             pass
     except RuntimeError as e:
         assert "disagree on which tensors they wrote directly" in str(e), e
@@ -154,27 +160,28 @@ def main() -> None:
     layout = init_parallel(parallel, platform, bridge.hf_config)
     chunks = bridge.build_model(layout, ModelConfig(path=tiny_dir, dtype="float32"))
     bridge.load_hf_weights(chunks)
-    exporter = HFExporter(bridge)
     expected = {}
     for f in sorted(glob.glob(os.path.join(tiny_dir, "*.safetensors"))):
         expected.update(load_file(f))
     expected = {k: v.to(torch.float32) for k, v in expected.items()}
 
-    exporter._gather = GroupGather(max_chunk_bytes=4096)  # many rounds per batch, tensors split across rounds
+    exporter = HFExporter(bridge, GroupGather(max_chunk_bytes=4096))  # many rounds per batch, tensors split
     compared = ["shm", "shm, large batches", "shm, rank 0 receives only", "shm again (arenas reused)"]
     check_export(exporter, chunks, expected, compared[0])
     check_export(exporter, chunks, expected, compared[1], batch_mb=64)
     check_export(exporter, chunks, expected, compared[2], receive=rank == 0)
     check_export(exporter, chunks, expected, compared[3])
     compared += ["shm into the engine", "shm into rank 0's engine only"]
+    exporter = HFExporter(bridge, GroupGather(max_chunk_bytes=4096))  # engines without a shared region
     into_engine = check_into_engine(exporter, chunks, expected, tiny_dir, compared[4])
     check_into_engine(exporter, chunks, expected, tiny_dir, compared[5], receive=rank == 0)
     compared += ["every rank's shared-memory engine", "rank 0's shared-memory engine only"]
-    into_shared = check_shared_engine(exporter, chunks, expected, tiny_dir, "shared-memory engines")
-    exporter._gather = GroupGather(host_id=lambda: f"host-of-rank-{rank}")
+    into_shared = check_shared_engine(bridge, chunks, expected, tiny_dir, "shared-memory engines")
+    groups = GroupGather(host_id=lambda: f"host-of-rank-{rank}")
+    exporter = HFExporter(bridge, groups)
     compared.append("torch.distributed fallback")
     check_export(exporter, chunks, expected, compared[8])
-    assert not exporter._gather.uses_shared_memory(None)
+    assert not groups.uses_shared_memory(None)
     dist.barrier()
     destroy_parallel()
     write_result(
