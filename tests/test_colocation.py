@@ -124,7 +124,8 @@ def colocated(offload: bool):
     return colocation, events
 
 
-def moves(colocation, events: list, fn) -> list:
+def moves(events: list, fn) -> list:
+    """The events `fn` records."""
     start = len(events)
     fn()
     return events[start:]
@@ -133,12 +134,12 @@ def moves(colocation, events: list, fn) -> list:
 def test_offload_round_trip_moves_the_device_once_each_way():
     colocation, events = colocated(offload=True)
     assert events == ["offload"] and colocation.phase is Phase.ROLLOUT  # the engine starts beside no actor state
-    assert moves(colocation, events, lambda: colocation.ensure(Phase.ROLLOUT)) == []  # already there
-    assert moves(colocation, events, lambda: colocation.ensure(Phase.TRAINING)) == ["sleep", "reload"]
-    assert moves(colocation, events, lambda: colocation.ensure(Phase.TRAINING)) == []
+    assert moves(events, lambda: colocation.ensure(Phase.ROLLOUT)) == []  # already there
+    assert moves(events, lambda: colocation.ensure(Phase.TRAINING)) == ["sleep", "reload"]
+    assert moves(events, lambda: colocation.ensure(Phase.TRAINING)) == []
     assert colocation.phase is Phase.TRAINING
     # the two-phase wake, each wake after the cache release; the actor leaves between the two
-    assert moves(colocation, events, lambda: colocation.ensure(Phase.ROLLOUT)) == [
+    assert moves(events, lambda: colocation.ensure(Phase.ROLLOUT)) == [
         "empty_cache",
         "wake_up(weights)",
         "transfer",
@@ -152,22 +153,22 @@ def test_offload_round_trip_moves_the_device_once_each_way():
 def test_resident_actor_wakes_everything_at_once_and_never_moves():
     colocation, events = colocated(offload=False)
     assert events == []
-    assert moves(colocation, events, lambda: colocation.ensure(Phase.TRAINING)) == ["sleep"]
-    assert moves(colocation, events, lambda: colocation.ensure(Phase.ROLLOUT)) == [
+    assert moves(events, lambda: colocation.ensure(Phase.TRAINING)) == ["sleep"]
+    assert moves(events, lambda: colocation.ensure(Phase.ROLLOUT)) == [
         "empty_cache",
         "wake_up(all)",
         "transfer",
     ]
     # a checkpoint or an export needs the actor's state, which never left the device: the engine stays awake
-    assert moves(colocation, events, colocation.ensure_actor_state) == []
+    assert moves(events, colocation.ensure_actor_state) == []
     assert colocation.phase is Phase.ROLLOUT
 
 
 def test_actor_state_with_offload_is_the_training_phase():
     colocation, events = colocated(offload=True)
-    assert moves(colocation, events, colocation.ensure_actor_state) == ["sleep", "reload"]
+    assert moves(events, colocation.ensure_actor_state) == ["sleep", "reload"]
     assert colocation.phase is Phase.TRAINING
-    assert moves(colocation, events, colocation.ensure_actor_state) == []
+    assert moves(events, colocation.ensure_actor_state) == []
 
 
 @pytest.mark.parametrize("offload", [True, False])
@@ -176,7 +177,7 @@ def test_loaded_weights_put_the_engine_behind(offload):
     colocation.ensure_actor_state()
     colocation.weights_replaced()
     assert colocation.phase is Phase.TRAINING
-    assert "transfer" in moves(colocation, events, lambda: colocation.ensure(Phase.ROLLOUT))
+    assert "transfer" in moves(events, lambda: colocation.ensure(Phase.ROLLOUT))
 
 
 def test_verification_reads_the_actor_before_its_state_leaves():
