@@ -394,7 +394,7 @@ FACTS = (
          "platform.Platform.packed_attention, models.segment_attention.SegmentDotProductAttention",
          lambda s: asserts_with(method(_dpa(s), "forward"), "Packed sequence is not supported by DotProductAttention")),
     Fact("dpa_cp_assert", "megatron-core", "DotProductAttention.__init__ asserts context_parallel_size == 1",
-         "preflight.layout._check_context_parallel",
+         "models.segment_attention.SegmentDotProductAttention, preflight.context_parallel.platform_problem",
          lambda s: asserts_with(method(_dpa(s), "__init__"), "Context parallelism is only supported by TEDotProductAttention")),
     Fact("router_routing", "megatron-core", "TopKRouter.routing parameters", "megatron.routing_replay.RoutingReplay._routing",
          lambda s: params(method(_router(s), "routing"))),
