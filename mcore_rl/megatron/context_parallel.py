@@ -36,6 +36,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from mcore_rl.batch import MicroBatch
 from mcore_rl.models.segment_attention import AttentionIndex
+from mcore_rl.preflight.context_parallel import padded_length
 
 # per-token fields of a MicroBatch taken along with the tokens (routes: [b, s, layers, k])
 _TOKEN_FIELDS = (
@@ -101,7 +102,7 @@ def plan_shard(mb: MicroBatch, cp: int, rank: int, local_multiple: int = 1) -> S
     """The split of micro-batch `mb` over `cp` ranks (module docstring); `local_multiple`: the local row length
     must be a multiple of it (tp under sequence parallelism)."""
     starts, lengths = _segments(mb)
-    padded = [_round_up(max(n, 1), 2 * cp) for n in lengths]
+    padded = [padded_length(n, cp) for n in lengths]  # the pre-flight's rule, so `mcore-rl check` says the same
     total = sum(padded)
     extra = _round_up(total, 2 * cp * local_multiple) - total
     if extra:
