@@ -36,6 +36,17 @@ from mcore_rl.algos import GlobalCounts
 from mcore_rl.preflight.run import check_step_split
 
 ROUTE_DTYPE = torch.int16  # expert ids < 32768; uint8 would halve it for <= 256 experts
+# the per-token [b, s] fields of a MicroBatch the passes read or fill, beside the tokens (one list: the shape check
+# here and the context-parallel split, mcore_rl/megatron/context_parallel.py)
+TOKEN_FIELDS = (
+    "loss_mask",
+    "advantages",
+    "rollout_log_prob",
+    "old_log_prob",
+    "ref_log_prob",
+    "entropy",
+    "route_valid",
+)
 
 
 def next_token_targets(tokens: torch.Tensor) -> torch.Tensor:
@@ -95,17 +106,7 @@ class MicroBatch:
         if self.tokens.dim() != 2:
             raise ValueError(f"MicroBatch.tokens must be [batch, seq], got shape {tuple(self.tokens.shape)}")
         shape = tuple(self.tokens.shape)
-        for name in (
-            "loss_mask",
-            "advantages",
-            "rollout_log_prob",
-            "old_log_prob",
-            "ref_log_prob",
-            "entropy",
-            "route_valid",
-            "position_ids",
-            "labels",
-        ):
+        for name in (*TOKEN_FIELDS, "position_ids", "labels"):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != shape:
                 raise ValueError(

@@ -34,21 +34,12 @@ import torch
 import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from mcore_rl.batch import MicroBatch
+from mcore_rl.batch import TOKEN_FIELDS, MicroBatch
 from mcore_rl.models.segment_attention import AttentionIndex
 from mcore_rl.preflight.context_parallel import padded_length
 
 # per-token fields of a MicroBatch taken along with the tokens (routes: [b, s, layers, k])
-_TOKEN_FIELDS = (
-    "loss_mask",
-    "advantages",
-    "rollout_log_prob",
-    "old_log_prob",
-    "ref_log_prob",
-    "entropy",
-    "route_valid",
-    "routed_experts",
-)
+_TOKEN_FIELDS = (*TOKEN_FIELDS, "routed_experts")
 
 
 def _round_up(n: int, multiple: int) -> int:
