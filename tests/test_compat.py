@@ -154,3 +154,40 @@ def test_preflight_refuses_transformers_below_the_floor(version):
     else:
         check_transformers(Version(version))
     check_transformers()  # the installed version (every CI stack) passes
+
+
+BRIDGE_IMPORT = """
+import json, sys
+from mcore_rl.compat import mbridge as compat_mbridge
+from mcore_rl.models.bridge import load_hf_config
+from mcore_rl.platform import get_platform
+
+get_platform("cpu").adapt_megatron()  # as every rank does first (Megatron imported without TorchDynamo)
+hf_config = load_hf_config(sys.argv[1])
+compat_mbridge._import_bridge(hf_config.model_type)
+from mbridge import AutoBridge
+from mbridge.core.bridge import _MODEL_REGISTRY
+
+bridge = _MODEL_REGISTRY[hf_config.model_type]  # what AutoBridge.from_config builds
+out = {"bridge": bridge.__name__, "auto": AutoBridge.__name__, "registered": sorted(_MODEL_REGISTRY),
+       "heavy": sorted(m for m in ("torch._dynamo", "torch._inductor", "mbridge.models.glm4_vl") if m in sys.modules)}
+from mbridge.models import LLaMABridge, Qwen3MoEBridge  # a name asked of the package: every bridge after all
+out["after"] = {"llama": LLaMABridge.__name__, "same_class": bridge is Qwen3MoEBridge, "count": len(_MODEL_REGISTRY)}
+print(json.dumps(out))
+"""
+
+
+def test_mbridge_imports_only_the_models_bridge(tiny_model_dir):
+    """`mbridge.models`' __init__ imports every bridge (TorchDynamo and Inductor with the VL ones): bridge_from_config
+    imports the model's own bridge (and its parents) only, and the package still gives every name when asked."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", BRIDGE_IMPORT, tiny_model_dir], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["bridge"] == "Qwen3MoEBridge" and out["registered"] == ["qwen2_moe", "qwen3_moe"], out
+    assert out["heavy"] == [], out
+    assert out["after"]["llama"] == "LLaMABridge" and out["after"]["same_class"] and out["after"]["count"] > 2, out

@@ -16,6 +16,7 @@ SITES = [
     "router_gemm",
     "split_sizes",
     "eager_fusions",
+    "checkpoint_writer",
 ]
 
 

@@ -25,6 +25,11 @@ backward), so the model returns [b, s, h] instead of [b, s, V/tp]. `output_weigh
 would multiply by; its gradient reaches the same parameter (and DDP's buffer, and for tied weights the
 embedding all-reduce between the first and last stage) as the layer's own backward would give it.
 
+  * where a plain `dist_checkpointing.save` writes (`sync_save_writes_here`): 0.16's
+    `AsyncSaveShardedStrategy.save` runs the writer's function in the calling process (`execute_sync`); 0.12's
+    schedules it on a forked caller process (`TemporalAsyncCaller`), so an in-process queue for its results
+    would stay empty in the parent.
+
 Upstream defects worked around (`apply_shims`, called once per process before Megatron is used):
   * `_write_item` (megatron-core < 0.13 with torch >= 2.8): torch 2.8 added a required `serialization_format`
     argument to `torch.distributed.checkpoint.filesystem._write_item`; megatron-core 0.12's
@@ -86,6 +91,13 @@ def _before(v: str) -> bool:
 def builds_with_vp_stage() -> bool:
     """Model building takes `vp_stage` (megatron-core >= 0.13)."""
     return at_least(_DISTRIBUTION, "0.13")
+
+
+def sync_save_writes_here() -> bool:
+    """Whether dist_checkpointing.save (the sync path) runs the file writes in the calling process."""
+    from megatron.core.dist_checkpointing.strategies.base import AsyncSaveShardedStrategy
+
+    return "execute_sync" in inspect.getsource(AsyncSaveShardedStrategy.save)
 
 
 @functools.lru_cache(maxsize=None)

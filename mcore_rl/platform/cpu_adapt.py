@@ -31,6 +31,13 @@ Patches and why (megatron-core 0.12-0.19; docs/megatron-on-cpu.md lists the call
     (3.5 s on a loaded 2-core machine), for kernels that the CPU path never calls. While megatron.core is
     first imported, torch.compile is the identity, and jit_fuser stays the identity for modules imported
     later: such a function, if ever called, runs eagerly with the same arithmetic.
+10. dist-checkpointing's writer (FileSystemWriterAsync) hands each save to a multiprocessing Manager queue,
+    started with the "spawn" method at a process's first save (a fresh interpreter, ~1 s of a 2-core
+    machine's start-up of the tiny demo), and forks one process per write bucket on every save, to overlap
+    large GPU-to-file writes. On CPU the tensors are already in host memory: the buckets are written in this
+    process, one after the other, by the same function (same files, same bytes), the results in a plain queue.
+    Only where that save runs the writes in the calling process (megatron-core 0.16; 0.12 forks a caller for
+    every save, compat.megatron.sync_save_writes_here): elsewhere nothing is changed.
 """
 
 from __future__ import annotations
@@ -261,6 +268,50 @@ def _patch_megatron() -> None:
         _set(token_dispatcher, "maybe_move_tensor_to_cpu", moe_utils.maybe_move_tensor_to_cpu)
 
 
+def _write_buckets_in_process(*args) -> None:
+    """FileSystemWriterAsync.write_preloaded_data_multiproc's contract without processes (patch 10): its arguments
+    are (transform_list, [use_msc (megatron-core >= 0.14)], rank, write_buckets, results_queue); every bucket
+    goes through write_preloaded_data, and the results queue gets {bucket index: results} or the first error."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    transform_list, *middle, _rank, write_buckets, results_queue = args
+    kwargs = {"use_msc": True} if middle and middle[0] else {}
+    local, done = queue.Queue(), queue.Queue()
+    results: dict | Exception = {}
+    for i, bucket in enumerate(write_buckets):
+        done.put(i)  # write_preloaded_data takes it back (task_done) when the bucket is written
+        FileSystemWriterAsync.write_preloaded_data(transform_list, i, bucket, local, done, True, **kwargs)
+        index, written = local.get()
+        if isinstance(written, Exception):
+            results = written
+            break
+        results[index] = written
+    results_queue.put(results)
+
+
+def _results_queue():
+    """A fresh queue per writer (one writer per save) in place of the Manager's (patch 10)."""
+    import queue
+
+    return queue.Queue()
+
+
+def _patch_checkpoint_writer() -> None:
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from mcore_rl.compat import megatron as compat_megatron
+
+    if not compat_megatron.sync_save_writes_here():
+        return
+
+    _set(filesystem_async, "_get_write_results_queue", _results_queue)
+    writer = filesystem_async.FileSystemWriterAsync
+    if not _is_patched(writer.__dict__["write_preloaded_data_multiproc"].__func__):
+        writer.write_preloaded_data_multiproc = staticmethod(_mark(_write_buckets_in_process))
+
+
 def apply() -> None:
     """Adapt torch.cuda and Megatron-Core to run on CPU. Safe to call any number of times."""
     if torch.cuda.is_available():
@@ -268,3 +319,4 @@ def apply() -> None:
     _patch_torch_cuda()
     _patch_factories()
     _patch_megatron()
+    _patch_checkpoint_writer()

@@ -112,6 +112,30 @@ def main():
         out = moe_utils.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True)
         assert out.tolist() == [1, 2] and not torch.is_tensor(out)
 
+    def checkpoint_writer():
+        # patch 10: a dist-checkpoint save writes its buckets in this process (no Manager, no fork per bucket),
+        # and the files load back exactly (megatron-core 0.12 forks a caller per save: left as it is there)
+        import tempfile
+
+        import psutil
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing import ShardedTensor
+
+        from mcore_rl.compat import megatron as compat_megatron
+
+        compat_megatron.apply_shims()  # as the actor does (0.12's _write_item)
+        weight = torch.randn(6, 4)
+        with tempfile.TemporaryDirectory() as folder:
+            state = {"w": ShardedTensor.from_rank_offsets("w", weight, replica_id=0), "extra": {"step": 3}}
+            dist_checkpointing.save(state, folder)
+            started = psutil.Process().children(recursive=True)
+            if compat_megatron.sync_save_writes_here():
+                assert not started, f"the save started processes: {[p.cmdline()[:3] for p in started]}"
+            target = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(6, 4), replica_id=0)}
+            loaded = dist_checkpointing.load(target, folder)
+            assert torch.equal(loaded["w"], weight), "the written tensor does not load back exactly"
+            assert dist_checkpointing.load_common_state_dict(folder)["extra"] == {"step": 3}
+
     for name, fn in [
         ("factories", factories),
         ("seeding", seeding),
@@ -121,6 +145,7 @@ def main():
         ("router_gemm", router_gemm),
         ("split_sizes", split_sizes_to_numpy),
         ("eager_fusions", eager_fusions),
+        ("checkpoint_writer", checkpoint_writer),
     ]:
         check(outcome, name, fn)
     write_result(args.results, **outcome)
