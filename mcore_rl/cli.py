@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from mcore_rl.algo_config import LOSSES
 from mcore_rl.compat import describe_versions
 from mcore_rl.config import CONFIG_WARNED_ENV, Config, ConfigError, check_paths, load_config
 from mcore_rl.data.task import MULTI_TOKEN_KINDS as WARM_START_KINDS
@@ -162,6 +163,10 @@ def check_inputs(cfg: Config) -> None:
 
     try:
         resolve_reward_fn(cfg.reward.fn)
+        if cfg.algo.loss not in LOSSES:  # a 'module:Class' loss: imported here, not first on every rank
+            from mcore_rl.algos import build_loss
+
+            build_loss(cfg.algo)
         from transformers import AutoTokenizer
 
         try:

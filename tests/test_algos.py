@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from mcore_rl.algos import GlobalCounts, aggregate, group_advantages, kl_estimate, policy_loss
+from mcore_rl.algos import GlobalCounts, LossInputs, aggregate, group_advantages, kl_estimate, policy_loss
 from mcore_rl.config import AlgoConfig
 
 CLAMP = 20.0
@@ -108,6 +108,11 @@ def ref_policy_loss(lp, old, adv, mask, cfg, counts, rollout=None, ref=None, ent
     return ref_aggregate(rows, mask.tolist(), cfg.agg_mode, counts.num_tokens, counts.num_seqs, counts.max_len)
 
 
+def run_loss(lp, old, adv, mask, cfg, counts, **optional):
+    """mcore_rl's policy_loss on these tensors (optional: rollout_log_prob, ref_log_prob, entropy)."""
+    return policy_loss(LossInputs(lp, old, adv, mask, **optional), cfg, counts)
+
+
 # ---------------------------------------------------------------- data
 def make_batch(seed=0, B=5, T=7):
     g = torch.Generator().manual_seed(seed)
@@ -134,7 +139,7 @@ def compare(cfg, seed=0, per_token_adv=False):
     counts = GlobalCounts.from_mask(mask)
     lp1 = lp.clone().requires_grad_(True)
     ent1 = ent.clone().requires_grad_(True)
-    loss, _ = policy_loss(lp1, old, adv, mask, cfg, counts, rollout_log_prob=rollout, ref_log_prob=ref, entropy=ent1)
+    loss, _ = run_loss(lp1, old, adv, mask, cfg, counts, rollout_log_prob=rollout, ref_log_prob=ref, entropy=ent1)
     loss.backward()
     lp2 = lp.clone().requires_grad_(True)
     ent2 = ent.clone().requires_grad_(True)
@@ -219,7 +224,7 @@ def test_dual_clip(loss):
     compare(cfg, seed=2)
     # a negative-advantage token with ratio > c: loss -cA, no gradient
     lp = torch.tensor([[0.0]], dtype=torch.float64, requires_grad=True)
-    loss_v, m = policy_loss(
+    loss_v, m = run_loss(
         lp,
         torch.tensor([[-1.0]], dtype=torch.float64),
         torch.tensor([[-2.0]], dtype=torch.float64),
@@ -260,15 +265,13 @@ def test_tie_at_clip_boundary_takes_unclipped_gradient():
     r = float(torch.exp(d))  # the float32 ratio exactly at 1 + clip_high
     cfg = AlgoConfig(loss="grpo", agg_mode="token-mean", clip_high=r - 1.0)
     lp = torch.tensor([[0.2]], requires_grad=True)
-    loss, m = policy_loss(lp, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), cfg, GlobalCounts(1, 1, 1))
+    loss, m = run_loss(lp, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), cfg, GlobalCounts(1, 1, 1))
     loss.backward()
     assert float(loss.detach()) == pytest.approx(-r, rel=1e-7)
     assert float(lp.grad) == pytest.approx(-r, rel=1e-6)  # d(-A r)/d lp = -A r
     assert float(m["clipfrac_upper"]) == 0.0
     lp.grad = None
-    policy_loss(lp + 1e-3, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), cfg, GlobalCounts(1, 1, 1))[
-        0
-    ].backward()
+    run_loss(lp + 1e-3, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), cfg, GlobalCounts(1, 1, 1))[0].backward()
     assert float(lp.grad) == 0.0  # just outside: clipped, no gradient
 
 
@@ -276,7 +279,7 @@ def test_zero_advantages_give_zero_loss_and_gradient():
     lp, old, adv, mask, *_ = make_batch(5)
     for loss_name in ("grpo", "gspo", "gspo_token", "sapo"):
         x = lp.clone().requires_grad_(True)
-        loss, _ = policy_loss(
+        loss, _ = run_loss(
             x, old, torch.zeros_like(adv), mask, AlgoConfig(loss=loss_name), GlobalCounts.from_mask(mask)
         )
         loss.backward()
@@ -286,7 +289,7 @@ def test_zero_advantages_give_zero_loss_and_gradient():
 def test_all_masked_micro_batch_contributes_nothing():
     lp, old, adv, mask, *_ = make_batch(6)
     x = lp.clone().requires_grad_(True)
-    loss, metrics = policy_loss(x, old, adv, torch.zeros_like(mask), AlgoConfig(loss="gspo"), GlobalCounts(5, 2, 7))
+    loss, metrics = run_loss(x, old, adv, torch.zeros_like(mask), AlgoConfig(loss="gspo"), GlobalCounts(5, 2, 7))
     loss.backward()
     assert float(loss.detach()) == 0.0 and torch.all(x.grad == 0) and torch.isfinite(x.grad).all()
     assert all(torch.isfinite(v) for v in metrics.values())
@@ -296,7 +299,7 @@ def test_huge_log_ratios_stay_finite():
     lp = torch.tensor([[0.0, 0.0]], requires_grad=True)
     old = torch.tensor([[-200.0, 200.0]])
     for loss_name in ("grpo", "gspo", "gspo_token", "sapo"):
-        loss, metrics = policy_loss(
+        loss, metrics = run_loss(
             lp, old, torch.tensor([[1.0, -1.0]]), torch.ones(1, 2), AlgoConfig(loss=loss_name), GlobalCounts(2, 1, 2)
         )
         (g,) = torch.autograd.grad(loss, lp)
@@ -309,7 +312,7 @@ def test_sapo_gradient_weight_is_sech2():
     adv = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, -1.0, -1.0, -1.0], dtype=torch.float64)
     cfg = AlgoConfig(loss="sapo", agg_mode="token-mean", tau_pos=1.0, tau_neg=1.05)
     lp = torch.zeros(1, 8, dtype=torch.float64, requires_grad=True)
-    loss, _ = policy_loss(lp, -r.log().view(1, 8), adv.view(1, 8), torch.ones(1, 8), cfg, GlobalCounts(8, 1, 8))
+    loss, _ = run_loss(lp, -r.log().view(1, 8), adv.view(1, 8), torch.ones(1, 8), cfg, GlobalCounts(8, 1, 8))
     (g,) = torch.autograd.grad(loss * 8, lp)
     weight = g[0] / (-adv * r)  # relative to the unclipped policy gradient -A r
     tau = torch.where(adv > 0, 1.0, 1.05).double()
@@ -322,7 +325,7 @@ def test_gspo_token_equals_gspo_for_sequence_advantages():
     grads = []
     for name in ("gspo", "gspo_token"):
         x = lp.clone().requires_grad_(True)
-        loss, _ = policy_loss(x, old, adv, mask, AlgoConfig(loss=name), GlobalCounts.from_mask(mask))
+        loss, _ = run_loss(x, old, adv, mask, AlgoConfig(loss=name), GlobalCounts.from_mask(mask))
         loss.backward()
         grads.append((loss.detach(), x.grad))
     torch.testing.assert_close(grads[0][0], grads[1][0])
@@ -333,7 +336,7 @@ def test_metrics_match_reference_counts():
     lp, old, adv, mask, rollout, ref, ent = make_batch(5)
     cfg = AlgoConfig(loss="grpo", rollout_is="token", rollout_is_cap=1.5)
     counts = GlobalCounts.from_mask(mask)
-    _, m = policy_loss(lp, old, adv, mask, cfg, counts, rollout_log_prob=rollout, ref_log_prob=ref, entropy=ent)
+    _, m = run_loss(lp, old, adv, mask, cfg, counts, rollout_log_prob=rollout, ref_log_prob=ref, entropy=ent)
     up = lo = ent_sum = kl_old = mism = w_sum = 0.0
     for i in range(mask.shape[0]):
         for t in range(mask.shape[1]):
@@ -386,12 +389,59 @@ def test_bad_config_is_rejected(bad, match):
 def test_missing_inputs_are_rejected(bad, match):
     lp, old, adv, mask, *_ = make_batch(0)
     with pytest.raises(ValueError, match=match):
-        policy_loss(lp, old, adv, mask, replace(AlgoConfig(), **bad), GlobalCounts.from_mask(mask))
+        run_loss(lp, old, adv, mask, replace(AlgoConfig(), **bad), GlobalCounts.from_mask(mask))
 
 
 def test_bad_shapes_and_counts_are_rejected():
     lp, old, adv, mask, *_ = make_batch(0)
     with pytest.raises(ValueError, match="advantages has shape"):
-        policy_loss(lp, old, adv[:, :3], mask, AlgoConfig(), GlobalCounts.from_mask(mask))
+        run_loss(lp, old, adv[:, :3], mask, AlgoConfig(), GlobalCounts.from_mask(mask))
     with pytest.raises(ValueError, match="no valid response"):
-        policy_loss(lp, old, adv, mask, AlgoConfig(), GlobalCounts(0, 0, 7))
+        run_loss(lp, old, adv, mask, AlgoConfig(), GlobalCounts(0, 0, 7))
+
+
+# ---------------------------------------------------------------- a loss registered from outside the package
+def test_a_registered_loss_is_used_and_matches_its_formula():
+    """algo.loss='tests.reinforce_loss:Reinforce' (a PolicyLoss defined in the tests) passes validation, is the
+    loss policy_loss uses, and gives plain REINFORCE: -sum(A * log p) / n_tokens and its gradient -A / n_tokens."""
+    from mcore_rl.config import load_config
+
+    cfg = load_config(None, ["algo.loss=tests.reinforce_loss:Reinforce", "algo.agg_mode=token-mean"]).algo
+    lp, old, adv, mask, *_ = make_batch(8)
+    x = lp.clone().requires_grad_(True)
+    counts = GlobalCounts.from_mask(mask)
+    loss, metrics = run_loss(x, old, adv, mask, cfg, counts)
+    loss.backward()
+    n = float(mask.sum())
+    want = sum(
+        -float(adv[i, t]) * float(lp[i, t]) for i in range(lp.shape[0]) for t in range(lp.shape[1]) if mask[i, t]
+    )
+    assert float(loss.detach()) == pytest.approx(want / n, rel=1e-12)
+    torch.testing.assert_close(x.grad, -adv * mask / n)
+    assert float(metrics["reinforce_tokens"]) == 1.0 and "clipfrac_upper" not in metrics
+
+
+@pytest.mark.parametrize(
+    "loss, match",
+    [
+        ("reinforce", "algo.loss = 'reinforce' is not one of: grpo, gspo, gspo_token, sapo (or 'package.module:Class'"),
+        ("tests.no_such_module:Reinforce", "cannot load 'Reinforce' from 'tests.no_such_module'"),
+        ("tests.reinforce_loss:Missing", "cannot load 'Missing'"),
+        ("tests.reinforce_loss:NotALoss", "is not a subclass of mcore_rl.algos.losses.PolicyLoss"),
+    ],
+)
+def test_unknown_or_bad_loss_is_named(loss, match):
+    from mcore_rl.algos import build_loss
+    from mcore_rl.config import ConfigError, load_config
+
+    with pytest.raises((ConfigError, ValueError), match=match.replace("(", r"\(").replace(".", r"\.")):
+        build_loss(load_config(None, [f"algo.loss={loss}"]).algo)
+
+
+def test_every_registered_loss_builds_its_class():
+    from mcore_rl.algo_config import LOSSES
+    from mcore_rl.algos import PolicyLoss, build_loss
+
+    for name in LOSSES:
+        loss = build_loss(AlgoConfig(loss=name))
+        assert isinstance(loss, PolicyLoss) and type(loss) is not PolicyLoss, name

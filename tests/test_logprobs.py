@@ -127,7 +127,7 @@ def test_fused_output_log_probs_rejects_bad_shapes():
 
 # ---------------------------------------------------------------- the actor's loss_fn (world 1)
 def test_policy_loss_fn_equals_log_softmax_path():
-    from mcore_rl.algos import GlobalCounts, policy_loss
+    from mcore_rl.algos import GlobalCounts, LossInputs, policy_loss
     from mcore_rl.batch import MicroBatch
     from mcore_rl.config import AlgoConfig
     from mcore_rl.megatron.logprobs import OutputHead
@@ -157,7 +157,7 @@ def test_policy_loss_fn_equals_log_softmax_path():
     next_tok = torch.roll(tokens, -1, 1)  # position t scores tokens[t + 1]; the wrapped last column is masked
     lp = logp_all.gather(-1, next_tok.unsqueeze(-1)).squeeze(-1)
     ent = -(logp_all.exp() * logp_all).sum(-1)
-    want, want_metrics = policy_loss(lp, old, adv, mask, algo, counts, entropy=ent)
+    want, want_metrics = policy_loss(LossInputs(lp, old, adv, mask, entropy=ent), algo, counts)
     want.backward()
     torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(hidden.grad, ref_hidden.grad, rtol=1e-4, atol=1e-6)

@@ -6,7 +6,8 @@
   over PP2), whose export holds exactly the checkpoint's names (tied: no lm_head)
 - the plain GSPO run (exactly on-policy) skips that pass and still reports the entropy
 - a response cut at rollout.max_new_tokens on the multi-token preset has no <|im_end|>, is marked truncated
-  (finish reason, response/clip_ratio) and gets the overlong penalty in its reward (trainer.sample_log)
+  (finish reason, response/clip_ratio) and gets the overlong penalty in its reward (trainer.sample_log); that run
+  trains with a loss registered from outside the package (algo.loss=tests.reinforce_loss:Reinforce)
 - a SIGKILL while the step-4 checkpoint is being written leaves step 2 loadable, and resuming from it
   reproduces the uninterrupted run exactly (final weights and metrics)
 - with DAPO dynamic sampling (steps with extra generation rounds, R3), a resume from step 2 reproduces the
@@ -566,9 +567,10 @@ def test_dynamic_sampling_resumes_exactly_after_steps_with_extra_rounds(tiny_mod
 
 
 def test_a_response_cut_at_max_new_tokens_has_no_eos_is_truncated_and_penalised(tiny_model_dir, tmp_path):
-    """The multi-token preset (GSPO, EP2, two mini-batches, overlong penalty) on the reverse task from the random
+    """The multi-token preset (EP2, two mini-batches, overlong penalty) on the reverse task from the random
     model: with max_new_tokens = 6 most responses run into the cap and a few stop. Every logged sample is checked
-    against its own tokens and the DAPO formula written out here."""
+    against its own tokens and the DAPO formula written out here. The loss is plain REINFORCE, a PolicyLoss
+    defined in tests/reinforce_loss.py and named as algo.loss: its metric shows it trained both mini-batches."""
     from mcore_rl.data.task import TaskSpec, make_task_dataset
     from mcore_rl.models.tiny import build_tokenizer
 
@@ -587,6 +589,8 @@ def test_a_response_cut_at_max_new_tokens_has_no_eos_is_truncated_and_penalised(
             "rollout.max_new_tokens": max_new,
             "reward.overlong_buffer": buffer,
             "trainer.sample_log": 1000,
+            # a loss registered from outside the package (plain REINFORCE, tests/reinforce_loss.py)
+            "algo.loss": "tests.reinforce_loss:Reinforce",
         },
     )
     run_train("gspo_multitoken_cpu.yaml", args)
@@ -610,3 +614,5 @@ def test_a_response_cut_at_max_new_tokens_has_no_eos_is_truncated_and_penalised(
         mine = sum(s["finish_reason"] == "length" for s in samples if s["step"] == r["step"])
         assert r["response/clip_ratio"] >= mine / 16 and r["response/clip_ratio"] > 0
         assert r["response/length_max"] == max_new
+        # the registered loss trained both mini-batches: its flag covers every valid token, no clip was applied
+        assert r["train/reinforce_tokens"] == pytest.approx(1.0, abs=1e-6) and "train/clipfrac_upper" not in r

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from mcore_rl.algos import GlobalCounts, policy_loss
+from mcore_rl.algos import GlobalCounts, LossInputs, build_loss, policy_loss
 from mcore_rl.batch import MicroBatch, next_token_targets, segment_rows
 from mcore_rl.config import AlgoConfig
 from mcore_rl.megatron.context_parallel import row_sum as cp_row_sum
@@ -57,6 +57,7 @@ def make_policy_loss_fn(algo: AlgoConfig, counts: GlobalCounts, tp_group, on_pol
     """
     counts.validate()
     with_entropy = algo.entropy_coef > 0 or on_policy
+    loss = build_loss(algo)  # the PolicyLoss of algo.loss, once per update
 
     def loss_fn(head: OutputHead, mb: MicroBatch):
         log_prob, entropy = next_token_log_probs(
@@ -70,17 +71,16 @@ def make_policy_loss_fn(algo: AlgoConfig, counts: GlobalCounts, tp_group, on_pol
         optional = lambda t: None if t is None else rows(t.float())
         # context parallel: a row holds this rank's part of its sequence; per-sequence sums add every part
         group = head.cp_group
-        return policy_loss(
+        inputs = LossInputs(
             rows(log_prob),
             rows(old),
             rows(mb.advantages.float()),
             rows(mb.loss_mask.float()),
-            algo,
-            counts,
             rollout_log_prob=optional(mb.rollout_log_prob),
             ref_log_prob=optional(mb.ref_log_prob),
             entropy=optional(entropy),
             row_sum=None if group is None else lambda t: cp_row_sum(t, group),
         )
+        return policy_loss(inputs, algo, counts, loss)
 
     return loss_fn
