@@ -20,7 +20,7 @@ Sampling is our own loop over a KV cache on left-padded batches (each prompt rep
   checkpoint's per-expert names are mapped onto slices of those (see ``_weight_targets``). On the CPU the
   parameters live in one shared-memory region (mcore_rl/platform/shared_memory.py) whose table of weight names
   ``capabilities.receiver.shared`` hands out: the exporter's other ranks on the same host map it and write their shards
-  straight into the engine (ModelBridge.export_hf_weights `shared`); ``share_weights=False`` keeps plain memory.
+  straight into the engine (mcore_rl/weights/direct_write.py); ``share_weights=False`` keeps plain memory.
 """
 
 from __future__ import annotations
