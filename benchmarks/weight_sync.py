@@ -234,10 +234,11 @@ def main() -> None:
     if args.check:
         # the reference export takes the other transport (torch.distributed: ranks claim different hosts), where
         # every split tensor is gathered whole and converted by mbridge; it is compared with the engine's tensors
-        reference = HFExporter(bridge, GroupGather(host_id=lambda: f"bench-rank-{rank}"))
-        diffs = engine.weight_diffs(reference.export(chunks)) if engine else None
+        # (a new exporter in the old one's place: the old one's buffers are freed, as a peak-memory baseline needs)
+        exporter = HFExporter(bridge, GroupGather(host_id=lambda: f"bench-rank-{rank}"))
+        diffs = engine.weight_diffs(exporter.export(chunks)) if engine else None
         if engine is None:
-            for _ in reference.export(chunks):
+            for _ in exporter.export(chunks):
                 pass
         check = max(diffs.values()) if diffs else None
     gloo = gloo_all_gather_gb_per_s()
