@@ -16,7 +16,11 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from mcore_rl.config import Config, ConfigError, ModelConfig, ParallelConfig
 from mcore_rl.models.hf_io import DTYPES
+from mcore_rl.platform import get_platform
+from mcore_rl.preflight.inputs import check_model_type, check_weights
+from mcore_rl.preflight.layout import LayoutError, validate_layout
 
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
@@ -82,10 +86,6 @@ def check_args(args: argparse.Namespace) -> None:
 def _check_model_and_layout(args: argparse.Namespace) -> None:
     """--hf is a supported architecture (and, as the weights' source, complete); the layout fits the processes
     torchrun started (WORLD_SIZE) and the model."""
-    from mcore_rl.config import ConfigError, ParallelConfig
-    from mcore_rl.preflight.inputs import check_model_type, check_weights
-    from mcore_rl.preflight.layout import LayoutError, validate_layout
-
     try:
         (check_weights if args.direction == "hf-to-mcore" else check_model_type)(args.hf)
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -99,9 +99,8 @@ def convert(args: argparse.Namespace) -> None:
     """Run one conversion (collective under torchrun)."""
     import torch
 
-    from mcore_rl.config import Config, ModelConfig, ParallelConfig
+    # Megatron (seconds to import, and its start-up warnings) only for a conversion whose arguments passed check_args
     from mcore_rl.megatron.actor import Actor
-    from mcore_rl.platform import get_platform
 
     platform = get_platform(args.platform)
     platform.adapt_megatron()

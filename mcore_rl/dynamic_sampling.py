@@ -34,6 +34,7 @@ import torch
 
 from mcore_rl.batch import RolloutSample
 from mcore_rl.rollout.data_parallel import LocalRollout, ReplicaLayout
+from mcore_rl.safety import TrainingHalted
 from mcore_rl.step_data import StepMeta
 
 ROUND_SEED_STRIDE = 104_729  # a prime, so round r of step s does not reuse another (step, round)'s seed
@@ -191,8 +192,6 @@ def collect(
     signal, or `max_rounds` rounds; then the choice described in the module docstring.
 
     Raises TrainingHalted at the cap with at_cap='error'."""
-    from mcore_rl.safety import TrainingHalted
-
     locals_: list[LocalRollout] = []
     metas: list[StepMeta] = []
     picks: list[tuple[int, int]] = []
@@ -234,8 +233,6 @@ def collect(
 def overlong_filtered(meta: StepMeta, step: int, max_new_tokens: int) -> StepMeta:
     """algo.overlong_filtering: the truncated samples out of the loss (`StepMeta.without_truncated`); a step
     left with no loss token stops the run (every rank decides the same from the metadata)."""
-    from mcore_rl.safety import TrainingHalted
-
     filtered = meta.without_truncated()
     if sum(filtered.loss_tokens) == 0:
         raise TrainingHalted(

@@ -114,7 +114,7 @@ def check_weights_finite(
     """Collective over `group` (default: the whole job): raises TrainingHalted on every rank when any
     rank's tensors hold NaN/inf, naming the first bad one, so nothing non-finite is used or written.
     `fix` replaces the message's advice (which is about a run whose updates diverged)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # torch only here: importing safety loads none (the CLI, the pre-flight)
 
     from mcore_rl.platform import collectives
 
@@ -219,7 +219,7 @@ class StopSignals:
         """Collective: the signal's name when any rank received one (then every rank stops), else None."""
         import signal
 
-        import torch.distributed as dist
+        import torch.distributed as dist  # as in check_weights_finite: safety is imported without torch
 
         from mcore_rl.platform import collectives
 

@@ -56,6 +56,7 @@ def detected_versions() -> dict[str, str]:
 
 def shims_in_force() -> list[Shim]:
     """Every shim that applies to the installed versions, over all libraries."""
+    # here, not at the top: each library module imports this one (Shim), and importing them all would load torch
     from mcore_rl.compat import mbridge, megatron, torch, transformers
 
     return torch.shims() + megatron.shims() + mbridge.shims() + transformers.shims()

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from mcore_rl.data.task import MULTI_TOKEN_KINDS, TaskSpec, default_length, make_rows
+from mcore_rl.models.tiny import make_tiny_checkpoint
 from mcore_rl.rewards.task import score
 
 _TRAIN_SEED_OFFSET = 2_000_003  # the task's rows use seed and seed + 1_000_003
@@ -106,8 +107,6 @@ def warm_start(
     """Write the tiny `arch` checkpoint of `seed`, trained with supervised steps on `kind`, to out_dir."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from mcore_rl.models.tiny import make_tiny_checkpoint
 
     if kind not in MULTI_TOKEN_KINDS:
         raise ValueError(f"--warm-start {kind!r}: choose one of {', '.join(MULTI_TOKEN_KINDS)}")

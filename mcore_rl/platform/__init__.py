@@ -217,7 +217,7 @@ class Platform:
     def adapt_megatron(self) -> None:
         """Make Megatron-Core run on this device. Call before building models; idempotent."""
         if self.name == "cpu":
-            from mcore_rl.platform import cpu_adapt
+            from mcore_rl.platform import cpu_adapt  # imports Megatron: only where a model is built
 
             cpu_adapt.apply()
         elif self.name == "npu":

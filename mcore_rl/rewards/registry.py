@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from mcore_rl.rewards.overlong import OverlongPenalty
+from mcore_rl.safety import Interrupted
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +85,6 @@ class RewardBatch:
 
 def score_items(fn: RewardFn, items: list[tuple]) -> tuple[list[float], list[bool], int, Optional[str]]:
     """fn over (response, ground_truth, data_source, extra) items: (rewards, valid, errors, first error)."""
-    from mcore_rl.safety import Interrupted
-
     task, valid, errors, first_error = [], [], 0, None
     for text, truth, source, extra in items:
         try:
