@@ -95,7 +95,8 @@ class ActorConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     # Token budget of one micro-batch (padding removal: sequences packed into rows, see mcore_rl.batch);
-    # at least data.max_prompt_len + rollout.max_new_tokens. None: fixed-size micro-batches of
+    # at least data.max_prompt_len + rollout.max_new_tokens padded to the layout's multiple (preflight.run.
+    # check_token_budget). None: fixed-size micro-batches of
     # parallel.micro_batch_size right-padded sequences.
     max_tokens_per_micro_batch: Optional[int] = None
     # Forward-only passes (old-policy, reference, sync probe) may merge consecutive packed micro-batches up to
@@ -453,13 +454,7 @@ def _check_combinations(cfg: Config) -> list[str]:
         f"{o.decay_style}: lower warmup_steps or raise actor.optim.decay_steps / trainer.steps",
     )
     budget = cfg.actor.max_tokens_per_micro_batch
-    if budget is not None:
-        longest = cfg.data.max_prompt_len + r.max_new_tokens
-        _require(
-            budget >= longest,
-            f"actor.max_tokens_per_micro_batch = {budget} < data.max_prompt_len + rollout.max_new_tokens = {longest}: "
-            f"the longest sequence must fit one micro-batch; raise it to at least {longest}",
-        )
+    if budget is not None:  # that the longest sequence fits it needs the layout's padding: preflight.run
         forward = cfg.actor.max_tokens_per_forward_micro_batch
         _require(
             forward is None or forward >= budget,

@@ -193,6 +193,20 @@ def test_bad_config_errors(tmp_path, args, expected):
     assert expected in one_line_error(cli("check", cfg, *args, "--model-config", QWEN_JSON))
 
 
+@pytest.mark.parametrize("layout", [["actor.parallel.tp=2"], ["actor.parallel.cp=2", "platform=cpu"]])
+def test_check_holds_the_token_budget_to_the_padded_longest_sequence(tmp_path, layout):
+    """127 tokens (64 + 63) pad to 128 under TP2 + sequence parallelism (on for the MoE) and under CP2 (2 x cp
+    chunks): a budget of the unpadded 127 would fail at the first step's split (batch.partition_by_tokens)."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model:\n  path: nowhere\n")
+    args = [cfg, "--world-size", 2, *layout, "data.max_prompt_len=64", "rollout.max_new_tokens=63"]
+    msg = one_line_error(cli("check", *args, "actor.max_tokens_per_micro_batch=127", "--model-config", QWEN_JSON))
+    assert msg.startswith("mcore-rl: error: actor.max_tokens_per_micro_batch = 127 cannot hold the longest sequence")
+    assert "= 127, padded to 128 (a multiple of" in msg and msg.endswith("raise it to at least 128")
+    fits = cli("check", *args, "actor.max_tokens_per_micro_batch=128", "--model-config", QWEN_JSON)
+    assert fits.returncode == 0, fits.stderr
+
+
 def test_missing_files_errors(tmp_path):
     assert "does not exist" in one_line_error(cli("check", tmp_path / "nope.yaml"))
     cfg = tmp_path / "c.yaml"

@@ -139,10 +139,6 @@ def test_close_choice_hint():
         (["checkpoint.keep_last=0"], "checkpoint.keep_last = 0 must be >= 1"),
         (["reward.fn=not a function"], "use 'task', 'math' or 'package.module:function'"),
         (
-            ["actor.max_tokens_per_micro_batch=100", "data.max_prompt_len=64", "rollout.max_new_tokens=64"],
-            "actor.max_tokens_per_micro_batch = 100 < data.max_prompt_len + rollout.max_new_tokens = 128",
-        ),
-        (
             ["actor.max_tokens_per_micro_batch=4096", "actor.max_tokens_per_forward_micro_batch=2048"],
             "max_tokens_per_forward_micro_batch = 2048 < actor.max_tokens_per_micro_batch = 4096",
         ),

@@ -1,6 +1,7 @@
 """The whole pre-flight of a run (`validate_run`): the model's architecture, the engine's capabilities and
 tensor-parallel size, the actor's layout, and how a step's samples split over mini-batches, data-parallel ranks
-and micro-batches (`check_step_split`, the one statement of that rule)."""
+and micro-batches (`check_step_split`, the one statement of that rule), and whether the longest sequence, padded
+as the layout pads it, fits the token budget (`check_token_budget`)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def validate_run(cfg: Config, world_size: int, dims: Any, platform: Optional[str
     warnings = list(layout.warnings)
     if cfg.rollout.engine == "vllm":
         warnings += validate_rollout_tp(cfg.rollout.tp, world_size, dims).warnings
+    check_token_budget(cfg, layout)
     packed = cfg.actor.max_tokens_per_micro_batch is not None  # DP shares are then balanced by tokens, not counts
     check_step_split(
         cfg.data.prompts_per_step * cfg.rollout.n,
@@ -38,6 +40,29 @@ def validate_run(cfg: Config, world_size: int, dims: Any, platform: Optional[str
         f"data.prompts_per_step {cfg.data.prompts_per_step} x rollout.n {cfg.rollout.n}",
     )
     return dataclasses.replace(layout, warnings=tuple(warnings))
+
+
+def check_token_budget(cfg: Config, layout: Layout) -> None:
+    """The longest sequence (data.max_prompt_len + rollout.max_new_tokens), padded to the layout's
+    `seq_len_multiple` as `batch.partition_by_tokens` pads it, must fit actor.max_tokens_per_micro_batch.
+    `validate_run` checks it for `mcore-rl train` / `check`; the actor again after its layout is made, for
+    launches without the pre-flight (plain torchrun), before any weight is built."""
+    budget = cfg.actor.max_tokens_per_micro_batch
+    if budget is None:
+        return
+    longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    padded = layout.pad_length(longest)
+    if budget >= padded:
+        return
+    why = ""
+    if padded > longest:  # name what makes the multiple (preflight.context_parallel.sequence_multiple)
+        parts = [f"tp {layout.tp} under sequence parallelism"] if layout.sequence_parallel and layout.tp > 1 else []
+        parts += [f"2 x cp {layout.cp}"] if layout.cp > 1 else []
+        why = f", padded to {padded} (a multiple of {layout.seq_len_multiple}: {' x '.join(parts)})"
+    raise LayoutError(
+        f"actor.max_tokens_per_micro_batch = {budget} cannot hold the longest sequence, data.max_prompt_len + "
+        f"rollout.max_new_tokens = {longest}{why}: raise it to at least {padded}"
+    )
 
 
 def split_unit(mini_batches: int, dp: int, micro_batch_size: Optional[int]) -> int:
