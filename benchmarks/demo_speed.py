@@ -1,41 +1,61 @@
-"""The demo against a single-process Hugging Face trainer: time from process start to a 10-step mean reward of 0.8.
+"""The demo against a single-process Hugging Face trainer: time from process start to a 10-step mean reward of 0.8
+(or, with --steps N, to the end of step N).
 
     python benchmarks/demo_speed.py [--preset configs/tiny/gspo_cpu.yaml] [--seeds 1] [--only mcore|trl]
-                                    [--threshold 0.8] [--window 10] [--max-steps 300] [key=value ...]
+                                    [--threshold 0.8] [--window 10] [--max-steps 300] [--steps N]
+                                    [--trl-python PATH] [key=value ...]
+
+    python benchmarks/demo_speed.py --seeds 1 2 3                  # the one-token task (~4 min on a quiet machine)
+    python benchmarks/demo_speed.py --preset configs/tiny/gspo_multitoken_cpu.yaml --steps 100 --seeds 1 2 3
+
+The multi-token task (configs/tiny/gspo_multitoken_cpu.yaml, from the warm-start checkpoint) does not reach a
+10-step mean of 0.8 within its 200 steps (docs/multitoken-demo.md: 0.27 -> 0.72), and where either trainer's
+curve crosses a lower level depends on its seed's luck: there both run the same number of steps (--steps) and
+the wall time to the end of that step is compared, with each one's mean reward over the first and the last
+`window` steps printed next to it (a faster trainer that learned less shows as such).
 
 Runs, back to back in one invocation and so under the same machine load:
   1. Hugging Face TRL's GRPOTrainer (one process, in the side venv .venv-trl: `make setup-trl`) on the demo's
      task: the same model files, training data, reward function (mcore_rl/rewards/task.py, loaded by path)
      and hyperparameters as the preset (prompts x samples per step, one answer token, temperature, lr, Adam,
-     gradient clip, GSPO's sequence-level ratio with the preset's clip range, one optimizer step per batch, no KL);
+     gradient clip, GSPO's sequence-level ratio with the preset's clip range, one optimizer step per mini-batch
+     (algo.mini_batches: TRL's steps_per_generation, its old log-probs then from the generating policy), no KL;
+     the preset's overlong penalty (reward.overlong_buffer / overlong_penalty) added to the reward the same way,
+     from the completion's token count, <|im_end|> included as in mcore-rl's response lengths);
   2. `mcore-rl train PRESET` (torchrun, the preset's own layout; extra key=value overrides are applied).
 Each run is stopped as soon as the mean reward of the last `window` steps reaches `threshold` (or after
-max-steps). Printed per run: wall seconds from launching the process to that step, the step, the median
+max-steps), or with --steps N at the end of step N (a step: one batch of prompts x samples, i.e. algo.mini_batches
+optimizer steps). Printed per run: wall seconds from launching the process to that step, the step, the median
 seconds per step up to it (each trainer's own step boundaries: TRL's on_step_end times, mcore-rl's metrics
 rows) and the start-up seconds (launch to the end of the first step minus that step's duration); then
-the ratio mcore-rl / TRL of the wall times. The 1-minute load average before and after each run is printed
-too: on a shared machine only runs under similar load compare.
+the ratio mcore-rl / TRL of the wall times, per seed and at the end their median and spread (min - max). The
+1-minute load average before and after each run is printed too: on a shared machine only runs under similar
+load compare. TRL runs in its own venv: `make setup-trl` (.venv-trl), or --trl-python / $MCORE_RL_TRL_PYTHON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
-TRL_PYTHON = REPO / ".venv-trl" / "bin" / "python"
+TRL_PYTHON = Path(os.environ.get("MCORE_RL_TRL_PYTHON", REPO / ".venv-trl" / "bin" / "python"))
 
 
 # ---- the TRL side (runs inside .venv-trl; imports nothing from mcore_rl's package) -------------------------
 def trl_worker(spec: dict) -> None:
-    """GRPOTrainer on the demo task; prints `STEP <n> <mean reward> <unix time>` after every optimizer step."""
+    """GRPOTrainer on the demo task; prints `STEP <n> <mean reward> <unix time>` after every step (a batch's last
+    optimizer step)."""
     import importlib.util
 
     import pyarrow.parquet as pq
@@ -51,19 +71,44 @@ def trl_worker(spec: dict) -> None:
 
     rows = pq.read_table(spec["train_path"]).to_pylist()
     data = Dataset.from_list(
-        [{"prompt": r["prompt"], "ground_truth": str(r["reward_model"]["ground_truth"])} for r in rows]
+        [
+            {
+                "prompt": r["prompt"],
+                "ground_truth": str(r["reward_model"]["ground_truth"]),
+                "data_source": r["data_source"],
+            }
+            for r in rows
+        ]
     )
 
-    def reward(completions, ground_truth, **_):
+    limit, buffer, factor = spec["max_new_tokens"], spec["overlong_buffer"], spec["overlong_penalty"]
+
+    def overlong(length: int) -> float:  # mcore_rl/rewards/overlong.py's shaping, restated
+        start = limit - buffer
+        return 0.0 if not buffer or length <= start else -min(length - start, buffer) / buffer * factor
+
+    def reward(completions, ground_truth, data_source, completion_ids, **_):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [task_reward.score(t, g) for t, g in zip(texts, ground_truth)]
+        return [
+            task_reward.score(t, g, d) + overlong(len(ids))
+            for t, g, d, ids in zip(texts, ground_truth, data_source, completion_ids)
+        ]
+
+    mini = spec["mini_batches"]
 
     class Report(TrainerCallback):
-        """The Trainer logs right after each optimizer step (logging_steps=1): one line per step."""
+        """The Trainer logs right after each optimizer step (logging_steps=1); a batch's reward is logged at its
+        first optimizer step (when it was generated), the step line at its last."""
+
+        def __init__(self):
+            self.reward = None
 
         def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "reward" in logs:
-                print(f"STEP {state.global_step} {float(logs['reward']):.6f} {time.time():.6f}", flush=True)
+            if logs and "reward" in logs and math.isfinite(float(logs["reward"])):
+                self.reward = float(logs["reward"])
+            if state.global_step % mini == 0 and self.reward is not None:
+                print(f"STEP {state.global_step // mini} {self.reward:.6f} {time.time():.6f}", flush=True)
+                self.reward = None
 
     model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
@@ -72,11 +117,11 @@ def trl_worker(spec: dict) -> None:
         output_dir=spec["out_dir"],
         use_cpu=True,
         seed=spec["seed"],
-        max_steps=spec["max_steps"],
-        per_device_train_batch_size=spec["prompts"] * spec["n"],
+        max_steps=spec["max_steps"] * mini,
+        per_device_train_batch_size=spec["prompts"] * spec["n"] // mini,
         num_generations=spec["n"],
         gradient_accumulation_steps=1,
-        steps_per_generation=1,
+        steps_per_generation=mini,
         num_iterations=1,
         max_completion_length=spec["max_new_tokens"],
         temperature=spec["temperature"],
@@ -110,18 +155,39 @@ def _load() -> float:
     return os.getloadavg()[0]
 
 
-def _reached(rewards: list[float], threshold: float, window: int) -> bool:
-    return len(rewards) >= window and sum(rewards[-window:]) / window >= threshold
+@dataclass(frozen=True)
+class Goal:
+    """Where a run stops: a `window`-step mean reward of `threshold`, or the end of step `steps` when set."""
+
+    threshold: float
+    window: int
+    steps: Optional[int] = None
+
+    def reached(self, steps: list[tuple[int, float, float]]) -> bool:
+        """steps: (step, mean reward, unix time at the step's end), in order."""
+        if self.steps is not None:
+            return bool(steps) and steps[-1][0] >= self.steps
+        rewards = [r for _, r, _ in steps[-self.window :]]
+        return len(rewards) == self.window and sum(rewards) / self.window >= self.threshold
+
+    def describe(self) -> str:
+        return (
+            f"the end of step {self.steps}" if self.steps else f"a {self.window}-step mean reward of {self.threshold}"
+        )
 
 
-def _summary(name: str, launched: float, steps: list[tuple[int, float, float]], threshold: float, window: int) -> dict:
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _summary(name: str, launched: float, steps: list[tuple[int, float, float]], goal: Goal) -> dict:
     """steps: (step, mean reward, unix time at the step's end), in order."""
-    rewards = [r for _, r, _ in steps]
-    hit = next((i for i in range(len(steps)) if _reached(rewards[: i + 1], threshold, window)), None)
+    hit = next((i for i in range(len(steps)) if goal.reached(steps[: i + 1])), None)
     upto = steps[: (hit + 1) if hit is not None else len(steps)]
     durations = [b[2] - a[2] for a, b in zip(upto, upto[1:])]
     median = statistics.median(durations) if durations else float("nan")
     first_end = upto[0][2] - launched if upto else float("nan")
+    rewards = [r for _, r, _ in upto]
     return {
         "name": name,
         "reached": hit is not None,
@@ -130,6 +196,8 @@ def _summary(name: str, launched: float, steps: list[tuple[int, float, float]], 
         "median_step_s": median,
         "startup_s": first_end - median,
         "steps_run": len(steps),
+        "reward_first": _mean(rewards[: goal.window]),
+        "reward_last": _mean(rewards[-goal.window :]),
     }
 
 
@@ -149,13 +217,15 @@ def _stop(proc: subprocess.Popen) -> None:
     psutil.wait_procs(family[1:], timeout=30)
 
 
-def run_trl(spec: dict, threshold: float, window: int) -> dict:
-    if not TRL_PYTHON.is_file():
-        raise SystemExit(f"{TRL_PYTHON} not found: run `make setup-trl` first (TRL in its own venv)")
+def run_trl(spec: dict, goal: Goal, python: Path) -> dict:
+    if not python.is_file():
+        raise SystemExit(
+            f"{python} not found: run `make setup-trl` first (TRL in its own venv), or give --trl-python PATH"
+        )
     env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), TOKENIZERS_PARALLELISM="false")
     launched = time.time()
     proc = subprocess.Popen(
-        [str(TRL_PYTHON), __file__, "--trl-worker", json.dumps(spec)],
+        [str(python), __file__, "--trl-worker", json.dumps(spec)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -168,17 +238,15 @@ def run_trl(spec: dict, threshold: float, window: int) -> dict:
         if line.startswith("STEP "):
             _, step, reward, stamp = line.split()
             steps.append((int(step), float(reward), float(stamp)))
-            if _reached([r for _, r, _ in steps], threshold, window):
+            if goal.reached(steps):
                 break
     _stop(proc)
     if not steps:
         raise SystemExit("TRL run produced no steps:\n" + "".join(tail))
-    return _summary("trl", launched, steps, threshold, window)
+    return _summary("trl", launched, steps, goal)
 
 
-def run_mcore(
-    preset: str, overrides: list[str], run_dir: Path, threshold: float, window: int, repo: Path = REPO
-) -> dict:
+def run_mcore(preset: str, overrides: list[str], run_dir: Path, goal: Goal, repo: Path = REPO) -> dict:
     metrics = run_dir / "metrics.jsonl"
     cmd = [sys.executable, "-m", "mcore_rl.cli", "train", preset, f"trainer.run_dir={run_dir}", *overrides]
     launched = time.time()
@@ -203,19 +271,21 @@ def run_mcore(
                     if "reward/mean" in row:
                         steps.append((row["step"], row["reward/mean"], row["time"]))
             seen = len(lines)
-        if _reached([r for _, r, _ in steps], threshold, window) or done:
+        if goal.reached(steps) or done:
             break
         time.sleep(0.05)
     err = proc.stderr.read() if done else ""
     _stop(proc)
     if done and proc.returncode and not steps:
         raise SystemExit(f"mcore-rl train failed ({proc.returncode}):\n{err[-4000:]}")
-    return _summary("mcore-rl", launched, steps, threshold, window)
+    return _summary("mcore-rl", launched, steps, goal)
 
 
 def trl_spec(cfg, seed: int, out_dir: str, max_steps: int, threads: int) -> dict:
     if cfg.algo.kl_coef or cfg.algo.entropy_coef or cfg.algo.loss not in ("gspo", "grpo"):
         raise SystemExit("the TRL baseline covers the tiny GSPO / GRPO presets without KL or entropy bonus")
+    if cfg.algo.ppo_epochs != 1 or cfg.algo.dynamic_sampling:
+        raise SystemExit("the TRL baseline covers one pass over each batch (algo.ppo_epochs = 1, no dynamic sampling)")
     o = cfg.actor.optim
     return dict(
         model_path=str(Path(cfg.model.path).resolve()),
@@ -225,7 +295,10 @@ def trl_spec(cfg, seed: int, out_dir: str, max_steps: int, threads: int) -> dict
         max_steps=max_steps,
         prompts=cfg.data.prompts_per_step,
         n=cfg.rollout.n,
+        mini_batches=cfg.algo.mini_batches,
         max_new_tokens=cfg.rollout.max_new_tokens,
+        overlong_buffer=cfg.reward.overlong_buffer,
+        overlong_penalty=cfg.reward.overlong_penalty,
         temperature=cfg.rollout.temperature,
         lr=o.lr,
         weight_decay=o.weight_decay,
@@ -238,12 +311,17 @@ def trl_spec(cfg, seed: int, out_dir: str, max_steps: int, threads: int) -> dict
     )
 
 
-def _line(r: dict, before: float, after: float) -> str:
+def _line(r: dict, before: float, after: float, goal: Goal) -> str:
     status = f"reached at step {r['step']}" if r["reached"] else f"NOT reached in {r['steps_run']} steps"
     return (
         f"{r['name']:9s} {status}: {r['wall_s']:.1f} s from launch, median {r['median_step_s']:.3f} s/step, "
-        f"start-up {r['startup_s']:.1f} s (load {before:.1f} -> {after:.1f})"
+        f"start-up {r['startup_s']:.1f} s, mean reward first / last {goal.window} steps "
+        f"{r['reward_first']:.3f} / {r['reward_last']:.3f} (load {before:.1f} -> {after:.1f})"
     )
+
+
+def _spread(values: list[float]) -> str:
+    return f"median {statistics.median(values):.2f}x, spread {min(values):.2f}x - {max(values):.2f}x"
 
 
 def main() -> None:
@@ -258,10 +336,18 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=10)
     parser.add_argument("--max-steps", type=int, default=300)
     parser.add_argument(
+        "--steps", type=int, default=None, help="compare the wall time to the end of this step instead of the threshold"
+    )
+    parser.add_argument(
         "--trl-threads",
         type=int,
         default=None,
         help="torch threads of the TRL process (default: trainer.nproc, the cores mcore-rl's single-threaded ranks use)",
+    )
+    parser.add_argument(
+        "--trl-python",
+        default=str(TRL_PYTHON),
+        help="python of TRL's venv (default: $MCORE_RL_TRL_PYTHON or .venv-trl)",
     )
     parser.add_argument(
         "--mcore-repo",
@@ -273,42 +359,40 @@ def main() -> None:
     sys.path.insert(0, str(REPO))
     from mcore_rl.config import load_config
 
-    results = []
+    goal = Goal(args.threshold, args.window, args.steps)
+    max_steps = max(args.max_steps, args.steps or 0)
+    results, ratios, step_ratios = [], [], []
     with tempfile.TemporaryDirectory(prefix="demo_speed_") as tmp:
         for seed in args.seeds:
-            overrides = [f"trainer.seed={seed}", f"trainer.steps={args.max_steps}", *args.overrides]
+            overrides = [f"trainer.seed={seed}", f"trainer.steps={max_steps}", *args.overrides]
             cfg = load_config(REPO / args.preset, overrides)
             pair = {}
             if args.only != "trl":
                 before = _load()
-                pair["mcore"] = run_mcore(
-                    args.preset,
-                    overrides,
-                    Path(tmp) / f"mcore_{seed}",
-                    args.threshold,
-                    args.window,
-                    Path(args.mcore_repo).resolve(),
-                )
-                print(_line(pair["mcore"], before, _load()), flush=True)
+                run_dir = Path(tmp) / f"mcore_{seed}"
+                pair["mcore"] = run_mcore(args.preset, overrides, run_dir, goal, Path(args.mcore_repo).resolve())
+                print(_line(pair["mcore"], before, _load(), goal), flush=True)
             if args.only != "mcore":
                 before = _load()
-                pair["trl"] = run_trl(
-                    trl_spec(
-                        cfg, seed, str(Path(tmp) / f"trl_{seed}"), args.max_steps, args.trl_threads or cfg.trainer.nproc
-                    ),
-                    args.threshold,
-                    args.window,
-                )
-                print(_line(pair["trl"], before, _load()), flush=True)
+                threads = args.trl_threads or cfg.trainer.nproc
+                spec = trl_spec(cfg, seed, str(Path(tmp) / f"trl_{seed}"), max_steps, threads)
+                pair["trl"] = run_trl(spec, goal, Path(args.trl_python))
+                print(_line(pair["trl"], before, _load(), goal), flush=True)
             if len(pair) == 2:
-                ratio = pair["mcore"]["wall_s"] / pair["trl"]["wall_s"]
-                step_ratio = pair["mcore"]["median_step_s"] / pair["trl"]["median_step_s"]
+                ratios.append(pair["mcore"]["wall_s"] / pair["trl"]["wall_s"])
+                step_ratios.append(pair["mcore"]["median_step_s"] / pair["trl"]["median_step_s"])
                 print(
-                    f"seed {seed}: mcore-rl / TRL wall time to a {args.window}-step mean reward of "
-                    f"{args.threshold}: {ratio:.2f}x (median s/step {step_ratio:.2f}x)",
+                    f"seed {seed}: mcore-rl / TRL wall time to {goal.describe()}: {ratios[-1]:.2f}x "
+                    f"(median s/step {step_ratios[-1]:.2f}x)",
                     flush=True,
                 )
             results.append({"seed": seed, **pair})
+    if ratios:
+        print(
+            f"{args.preset}, seeds {' '.join(map(str, args.seeds))}: mcore-rl / TRL wall time to {goal.describe()}: "
+            f"{' '.join(f'{r:.2f}x' for r in ratios)} ({_spread(ratios)}); median s/step {_spread(step_ratios)}",
+            flush=True,
+        )
     print("RESULT " + json.dumps(results))
 
 
