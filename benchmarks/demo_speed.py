@@ -6,7 +6,7 @@
                                     [--trl-python PATH] [key=value ...]
 
     python benchmarks/demo_speed.py --seeds 1 2 3                  # the one-token task (~4 min on a quiet machine)
-    python benchmarks/demo_speed.py --preset configs/tiny/gspo_multitoken_cpu.yaml --steps 100 --seeds 1 2 3
+    python benchmarks/demo_speed.py --preset configs/tiny/gspo_multitoken_cpu.yaml --steps 30 --seeds 1 2 3
 
 The multi-token task (configs/tiny/gspo_multitoken_cpu.yaml, from the warm-start checkpoint) does not reach a
 10-step mean of 0.8 within its 200 steps (docs/multitoken-demo.md: 0.27 -> 0.72), and where either trainer's
