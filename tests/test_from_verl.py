@@ -381,6 +381,54 @@ def test_grpo_megatron_rules(tmp_path):
     assert got["actor.optim.lr"] == 2e-6  # the here-document's "lr=9" is text, not an assignment
 
 
+DAPO = DATA / "dapo_qwen3_8b_megatron_tp2_pp2.sh"
+
+
+def test_dapo_script_turns_dynamic_sampling_on_and_passes_check(tmp_path):
+    """The DAPO recipe's keys: group filtering -> algo.dynamic_sampling with verl's prompt budget as the round cap
+    (6 batches of 192 prompts = 18 rounds of 64) and verl's stop at the cap; its overlong buffer form."""
+    got, conv = converted(DAPO, tmp_path)
+    expected = {
+        "algo.dynamic_sampling": True,
+        "algo.dynamic_sampling_max_rounds": 18,
+        "algo.dynamic_sampling_at_cap": "error",
+        "algo.overlong_filtering": False,  # verl has none
+        "data.prompts_per_step": 64,
+        "reward.overlong_buffer": 1024,
+        "reward.overlong_penalty": 1.0,
+    }
+    assert {k: got[k] for k in expected} == expected
+    rows = conv.conversion.rows
+    metric = rows["algorithm.filter_groups.metric"]
+    assert metric.status == "mapped" and "differs: verl compares acc before the overlong penalty" in metric.why
+    assert rows["data.gen_batch_size"].status == "not supported"
+    assert rows["reward_model.overlong_buffer.len"].status == "mapped"
+    out = tmp_path / "dapo.yaml"
+    out.write_text(preset_text(conv, str(out)))
+    passed, message = check_preset(out, conv.conversion.world, str(model_config(DAPO)))
+    assert passed, message
+
+
+def test_dapo_keys_where_verl_differs(tmp_path):
+    no_cap = ["algorithm.filter_groups.max_num_gen_batches=0", "algorithm.filter_groups.metric=seq_reward"]
+    got, conv = converted(DAPO, tmp_path, *no_cap, "data.gen_batch_size=64")
+    assert (got["algo.dynamic_sampling_max_rounds"], got["algo.dynamic_sampling_at_cap"]) == (8, "train")
+    rows = conv.conversion.rows
+    assert rows["algorithm.filter_groups.max_num_gen_batches"].status == "not supported"
+    assert rows["algorithm.filter_groups.metric"].status == "mapped"
+    assert "differs" not in rows["algorithm.filter_groups.metric"].why
+    assert rows["data.gen_batch_size"].status == "mapped"
+    buffer_cfg = ["+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True"]
+    buffer_cfg += ["+reward_model.reward_kwargs.overlong_buffer_cfg.len=512", "algorithm.filter_groups.metric=score"]
+    got, conv = converted(DAPO, tmp_path, *buffer_cfg)
+    assert got["reward.overlong_buffer"] == 512  # verl's own form wins over the recipe's
+    assert conv.conversion.rows["reward_model.overlong_buffer.len"].status == "no effect in verl"
+    assert "differs" in conv.conversion.rows["algorithm.filter_groups.metric"].why
+    got, conv = converted(DAPO, tmp_path, "algorithm.filter_groups.enable=False")
+    assert got["algo.dynamic_sampling"] is False
+    assert conv.conversion.rows["algorithm.filter_groups.max_num_gen_batches"].status == "no effect in verl"
+
+
 def test_fsdp_actor_maps_to_data_parallelism_and_ulysses_is_listed(tmp_path):
     got, conv = converted(DATA / "qwen2_5_3b_gspo_npu16.sh", tmp_path)
     rows = conv.conversion.rows

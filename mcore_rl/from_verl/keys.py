@@ -29,6 +29,8 @@ OT = M + "override_transformer_config."
 R = "actor_rollout_ref.rollout."
 MODEL = "actor_rollout_ref.model."
 OB = "reward_model.reward_kwargs.overlong_buffer_cfg."
+OB_RECIPE = "reward_model.overlong_buffer."  # the same buffer where the DAPO recipe's config declares it
+FG = "algorithm.filter_groups."  # DAPO's group filtering (the DAPO recipe's trainer reads it)
 # The short forms the table and the docs write the prefixes in, longest prefix first.
 SHORT = {OT: "OT.", OB: "OB.", MODEL: "MODEL.", F: "F.", M: "M.", R: "R.", A: "A."}
 

@@ -26,6 +26,7 @@ RULES: tuple[Callable[[VerlRun], None], ...] = (
     run_rules.rollout,
     run_rules.data,
     run_rules.reward,
+    run_rules.dynamic_sampling,  # after reward: the filter metric's meaning depends on the overlong buffer
 )
 
 

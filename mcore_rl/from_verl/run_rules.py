@@ -1,8 +1,12 @@
-"""The rules for the rollout engine, the data, the reward and the trainer's schedule and checkpoints."""
+"""The rules for the rollout engine, the data, the reward, DAPO's dynamic sampling and the trainer's schedule
+and checkpoints."""
 
 from __future__ import annotations
 
-from mcore_rl.from_verl.keys import OB, R
+import math
+
+from mcore_rl.algo_config import AlgoConfig
+from mcore_rl.from_verl.keys import FG, OB, OB_RECIPE, R
 from mcore_rl.from_verl.verl_run import VerlRun, int_or_note, truthy
 
 
@@ -137,7 +141,8 @@ def reward(run: VerlRun) -> None:
 
 
 def _overlong(run: VerlRun, manager: str) -> None:
-    enable, length, factor = OB + "enable", OB + "len", OB + "penalty_factor"
+    prefix = _overlong_prefix(run)
+    enable, length, factor = prefix + "enable", prefix + "len", prefix + "penalty_factor"
     max_resp = "reward_model.reward_kwargs.max_resp_len"
     keys = (enable, length, factor, max_resp)
     if manager != "dapo":
@@ -171,6 +176,94 @@ def _overlong(run: VerlRun, manager: str) -> None:
                 f"rollout.max_new_tokens"
             ),
         )
+
+
+def _overlong_prefix(run: VerlRun) -> str:
+    """Where the script sets the overlong buffer: verl's reward_kwargs.overlong_buffer_cfg, else the DAPO
+    recipe's reward_model.overlong_buffer (the other form's keys, if both are given, are marked unread)."""
+    parts = ("enable", "len", "penalty_factor", "log")
+    if not any(run.given(OB_RECIPE + k) for k in parts) or any(run.given(OB + k) for k in parts):
+        other, prefix = OB_RECIPE, OB
+    else:
+        other, prefix = OB, OB_RECIPE
+    for k in parts:
+        run.mark(other + k, "no effect in verl", "", f"{prefix}* sets the overlong buffer")
+    return prefix
+
+
+def dynamic_sampling(run: VerlRun) -> None:
+    """DAPO's group filtering (verl's DAPO recipe trainer) -> algo.dynamic_sampling (docs/dynamic-sampling.md).
+    After `reward`: whether verl's acc / score metric differs from the rewards here depends on the buffer."""
+    enable = FG + "enable"
+    rest = (FG + "metric", FG + "max_num_gen_batches", "data.gen_batch_size")
+    if not truthy(run.get(enable)):
+        run.mark(enable, "mapped", "algo.dynamic_sampling", "false: off (the default here too)")
+        for key in rest:
+            run.mark(key, "no effect in verl", "", "filter_groups.enable is false")
+        return
+    run.set("algo.dynamic_sampling", True, enable)
+    _filter_metric(run)
+    _round_cap(run)
+
+
+def _filter_metric(run: VerlRun) -> None:
+    key = FG + "metric"
+    metric = run.get(key)
+    buffer = run.out.settings["reward.overlong_buffer"].value
+    if metric is None:
+        run.out.notes.append(
+            f"{key} is not set: verl's DAPO trainer needs one (it fails at the first step); here a group's "
+            "rewards decide (verl's seq_reward)"
+        )
+    elif metric in ("seq_reward", "seq_final_reward"):
+        run.mark(key, "mapped", "algo.dynamic_sampling", f"{metric}: the rewards with the overlong penalty, as here")
+    elif metric in ("acc", "score") and not buffer:
+        run.mark(key, "mapped", "algo.dynamic_sampling", f"{metric}: without an overlong buffer the rewards, as here")
+    elif metric in ("acc", "score"):
+        why = (
+            f"mapped, differs: verl compares {metric} before the overlong penalty, here the rewards with it "
+            "(a group equally correct but unequally penalised is dropped there, kept here)"
+        )
+        run.mark(key, "mapped", "algo.dynamic_sampling", why)
+    else:
+        run.mark(key, "not supported", "algo.dynamic_sampling", f"{metric}: here a group's rewards decide")
+
+
+def _round_cap(run: VerlRun) -> None:
+    """verl's cap counts generation batches of gen_batch_size prompts; a round here is data.prompts_per_step
+    (train_batch_size) prompts, so the cap keeps verl's prompt budget."""
+    cap_key, size_key = FG + "max_num_gen_batches", "data.gen_batch_size"
+    prompts = run.out.settings["data.prompts_per_step"].value
+    size = run.as_int(size_key, prompts)
+    if run.given(size_key):
+        same = size == prompts
+        why = (
+            "= train_batch_size: a round's prompts"
+            if same
+            else (
+                f"{size} != train_batch_size {prompts}: a round here generates data.prompts_per_step = {prompts} "
+                "prompts (the round cap keeps verl's prompt budget)"
+            )
+        )
+        run.mark(size_key, "mapped" if same else "not supported", "algo.dynamic_sampling_max_rounds", why)
+    batches = run.as_int(cap_key, 0)
+    if batches <= 0:
+        default = AlgoConfig().dynamic_sampling_max_rounds
+        why = (
+            f"{batches}: verl has no cap; not supported: {default} rounds (the default), then the step trains on "
+            "the groups it has, with a warning"
+        )
+        run.mark(cap_key, "not supported", "algo.dynamic_sampling_max_rounds", why)
+        source = f"{run.source(cap_key)} (no cap) is not supported"
+        run.set("algo.dynamic_sampling_max_rounds", default, source=f"{source}: the default")
+        run.set("algo.dynamic_sampling_at_cap", "train", source=f"{source}: train on the groups there are")
+        return
+    rounds = math.ceil(batches * size / prompts)
+    scaled = "" if size == prompts else f" x gen_batch_size {size} / train_batch_size {prompts}, rounded up"
+    run.set("algo.dynamic_sampling_max_rounds", rounds, cap_key, source=f"{run.source(cap_key)}{scaled}")
+    run.set(
+        "algo.dynamic_sampling_at_cap", "error", source=f"{run.source(cap_key)}: verl stops with an error at the cap"
+    )
 
 
 def trainer(run: VerlRun) -> None:
