@@ -30,23 +30,34 @@ def test_the_layout_pads_rows_by_the_same_rule():
     assert lay.seq_len_multiple == cp_rules.sequence_multiple(1, 2, True) == 2
 
 
-def test_cp_is_refused_where_its_attention_is_not_configured():
-    for platform in ("cuda", "npu"):
-        problem = cp_rules.platform_problem(2, platform)
-        assert problem.startswith(f"actor.parallel.cp = 2 on {platform}: context parallelism runs on CPU only")
-        assert "cp_comm_type" in problem and "context_parallel_algo" in problem
-        assert problem.endswith("set actor.parallel.cp = 1")
-        assert cp_rules.platform_problem(1, platform) is None
-    for platform in ("cpu", None, "auto"):
-        assert cp_rules.platform_problem(4, platform) is None and cp_rules.refusal(platform) is None, platform
+def test_cp_runs_where_a_cp_attention_is_configured():
+    """CPU (the local spec's attention), CUDA with Transformer Engine (TE's, cp_comm_type p2p) and CUDA before
+    launch (TE not known yet: judged as the matrix's stack, with TE) run cp > 1; CUDA without TE and NPU do not."""
+    for platform, te in (("cpu", None), ("cpu", False), (None, None), ("auto", None), ("cuda", True), ("cuda", None)):
+        assert cp_rules.platform_problem(4, platform, te) is None and cp_rules.refusal(platform, te) is None
+    problem = cp_rules.platform_problem(2, "cuda", False)
+    assert problem.startswith("actor.parallel.cp = 2 on cuda: context parallelism on CUDA needs Transformer Engine")
+    assert "cp_comm_type p2p" in problem and "install transformer-engine" in problem
+    for te in (None, True, False):
+        problem = cp_rules.platform_problem(2, "npu", te)
+        assert problem.startswith("actor.parallel.cp = 2 on npu: MindSpeed's context parallel attention")
+        assert "context_parallel_algo" in problem
+    for platform, te in (("cuda", False), ("npu", None)):
+        assert cp_rules.platform_problem(2, platform, te).endswith("set actor.parallel.cp = 1")
+        assert cp_rules.platform_problem(1, platform, te) is None
 
 
-@pytest.mark.parametrize("platform", ["cuda", "npu"])
-def test_check_refuses_cp_on_devices_before_launch(platform):
-    # with or without the general cp > 1 refusal, the answer names the key and the fix
+@pytest.mark.parametrize("platform, te", [("cuda", False), ("npu", None), ("npu", True)])
+def test_check_refuses_cp_where_it_cannot_run_before_launch(platform, te):
     cfg = load_config(None, ["actor.parallel.cp=2"])
-    with pytest.raises(LayoutError, match=r"actor.parallel.cp = 2.*set actor.parallel.cp = 1"):
-        validate_layout(cfg.actor.parallel, 8, QWEN_JSON, platform=platform)
+    with pytest.raises(LayoutError, match=r"actor.parallel.cp = 2 on .*set actor.parallel.cp = 1"):
+        validate_layout(cfg.actor.parallel, 8, QWEN_JSON, platform=platform, transformer_engine=te)
+
+
+@pytest.mark.parametrize("te", [None, True])
+def test_check_lets_cp_run_on_cuda_with_transformer_engine(te):
+    cfg = load_config(None, ["actor.parallel.cp=2"])
+    assert validate_layout(cfg.actor.parallel, 8, QWEN_JSON, platform="cuda", transformer_engine=te).cp == 2
 
 
 def test_cp_counts_in_the_world_and_in_the_expert_folding():

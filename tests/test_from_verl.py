@@ -441,9 +441,9 @@ def test_fsdp_actor_maps_to_data_parallelism_and_ulysses_is_listed(tmp_path):
 
 
 def test_ulysses_maps_to_context_parallelism_where_cp_runs(tmp_path):
-    """The same run where CP runs (CPU; on CUDA and NPU the pre-flight refuses cp > 1 until their CP attention is
-    configured): Ulysses SP 4 -> actor.parallel.cp 4 (Megatron CP, said so in the comment), the SP group's
-    budget split over the CP group; without trainer.device (verl's default cuda) whole sequences per device."""
+    """The same run where CP runs (CPU, and CUDA with Transformer Engine; on NPU the pre-flight refuses cp > 1 until
+    MindSpeed's CP attention is configured): Ulysses SP 4 -> actor.parallel.cp 4 (Megatron CP, said so in the
+    comment), the SP group's budget split over the CP group; on NPU whole sequences per device."""
     script = tmp_path / "qwen2_5_3b_gspo_16.sh"
     script.write_text(
         (DATA / "qwen2_5_3b_gspo_npu16.sh").read_text().replace("trainer.device=npu", "trainer.device=cpu")
@@ -460,6 +460,9 @@ def test_ulysses_maps_to_context_parallelism_where_cp_runs(tmp_path):
     text = (tmp_path / "qwen2_5_3b_gspo_16.yaml").read_text()
     assert "cp: 4  # actor_rollout_ref.actor.ulysses_sequence_parallel_size=4: Megatron context parallelism" in text
     script.write_text(script.read_text().replace("    trainer.device=cpu \\\n", ""))
+    got, conv = converted(script, tmp_path)
+    assert got["actor.parallel.cp"] == 4  # verl's default device, cuda: Transformer Engine's CP attention
+    script.write_text((DATA / "qwen2_5_3b_gspo_npu16.sh").read_text())
     got, conv = converted(script, tmp_path)
     row = conv.conversion.rows["actor_rollout_ref.actor.ulysses_sequence_parallel_size"]
     assert got["actor.parallel.cp"] == 1 and row.status == "not supported" and "context_parallel_algo" in row.why

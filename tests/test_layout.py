@@ -146,12 +146,15 @@ def test_context_parallel_pads_sequences_to_twice_cp():
     assert lay.cp == 2 and lay.dp == 1 and lay.seq_len_multiple == 4
 
 
-@pytest.mark.parametrize("platform", ["cuda", "npu"])
-def test_context_parallel_refused_on_devices(platform):
-    """Transformer Engine's / MindSpeed's CP attention is not configured: refused in the pre-flight."""
-    msg = err(ParallelConfig(cp=2), 2, platform=platform)
-    assert f"actor.parallel.cp = 2 on {platform}: context parallelism runs on CPU only" in msg, msg
-    assert "cp_comm_type" in msg and "context_parallel_algo" in msg and "set actor.parallel.cp = 1" in msg
+def test_context_parallel_refused_where_no_cp_attention_is_configured():
+    """NPU: MindSpeed's CP attention is not configured; CUDA without Transformer Engine: the local spec's CP
+    attention is the CPU path. CUDA with TE (or TE not known yet, before launch) runs it."""
+    msg = err(ParallelConfig(cp=2), 2, platform="npu")
+    assert "actor.parallel.cp = 2 on npu: MindSpeed's context parallel attention" in msg, msg
+    assert "context_parallel_algo" in msg and "set actor.parallel.cp = 1" in msg
+    with pytest.raises(LayoutError, match=r"on cuda: context parallelism on CUDA needs Transformer Engine"):
+        validate_layout(ParallelConfig(cp=2), 2, QWEN, platform="cuda", transformer_engine=False)
+    assert validate_layout(ParallelConfig(cp=2), 2, QWEN, platform="cuda").cp == 2
 
 
 def test_expert_tp_refused_on_npu_only():
@@ -298,6 +301,6 @@ def test_run_batch_split_rules():
     cfg = load_config(None, ["rollout.engine=vllm", "rollout.tp=3"])
     with pytest.raises(LayoutError, match="rollout.tp = 3"):
         validate_run(cfg, 6, QWEN)
-    cfg = load_config(None, ["platform=cuda", "actor.parallel.cp=2"])
-    with pytest.raises(LayoutError, match="context parallelism runs on CPU only"):
+    cfg = load_config(None, ["platform=npu", "actor.parallel.cp=2"])
+    with pytest.raises(LayoutError, match="MindSpeed's context parallel attention"):
         validate_run(cfg, 2, QWEN)

@@ -81,7 +81,9 @@ def init_parallel(parallel: ParallelConfig, platform: Platform, hf_config, seed:
     Calling it again with the same layout is a no-op for the groups (Megatron keeps global state).
     Returns the layout bound to this process's ranks and groups.
     """
-    layout = validate_layout(parallel, _world_size(), hf_config, platform=platform.name)
+    layout = validate_layout(
+        parallel, _world_size(), hf_config, platform=platform.name, transformer_engine=platform.uses_transformer_engine
+    )
     if os.environ.get("RANK", "0") == "0":  # every rank reaches the same verdict: say it once
         for warning in layout.warnings:
             logger.warning("layout: %s", warning)

@@ -218,6 +218,7 @@ class ModelBridge:
             hidden_dropout=0.0,
             use_cpu_initialization=self.platform.name == "cpu",
         )
+        extra.update(self.platform.context_parallel_config(layout.cp))  # TE's CP attention on CUDA
         if model_cfg.recompute:
             extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         if layout.num_layers_in_first_stage is not None:

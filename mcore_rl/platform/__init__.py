@@ -80,6 +80,18 @@ def uses_te_spec(name: str, te_importable: bool) -> bool:
     return name == "npu" or (name == "cuda" and te_importable)
 
 
+# Transformer Engine's CP communication for Megatron's TEDotProductAttention (TransformerConfig.cp_comm_type): "p2p"
+# (K / V chunks passed round a ring) is the one type whose TE attention takes the THD format the actor's CP split
+# uses; TE's "all_gather" and "a2a" assert qkv_format != "thd" (docs/context-parallel.md, "On CUDA").
+TE_CP_COMM_TYPE = "p2p"
+
+
+def context_parallel_config(name: str, te_spec: bool, cp: int) -> dict[str, str]:
+    """TransformerConfig fields for context parallelism: cp_comm_type where TE's attention does CP (CUDA with the
+    TE spec); none at cp 1, and none for the local spec (its attention gathers K / V itself) or NPU (refused)."""
+    return {"cp_comm_type": TE_CP_COMM_TYPE} if cp > 1 and te_spec and name == "cuda" else {}
+
+
 def packed_attention_mode(te_spec: bool, name: str = "cuda") -> str:
     """How a packed micro-batch's attention stays within each sequence, given the layer spec built: "thd" (Megatron's
     PackedSeqParams, which only TE's / MindSpeed's attention accept - Megatron's local DotProductAttention asserts
@@ -132,6 +144,10 @@ class Platform:
         the Transformer Engine spec on CUDA, "thd-ends" on NPU (MindSpeed), "segments" with the local spec (CPU,
         CUDA without TE)."""
         return packed_attention_mode(self.uses_transformer_engine, self.name)
+
+    def context_parallel_config(self, cp: int) -> dict[str, str]:
+        """TransformerConfig fields for `cp` context-parallel ranks (`context_parallel_config`)."""
+        return context_parallel_config(self.name, self.uses_transformer_engine, cp)
 
     @property
     def weight_transport(self) -> str:

@@ -6,21 +6,20 @@ attention's work is even across ranks). A sequence is padded to a multiple of 2c
 micro-batch's row to a multiple of 2c x tp under sequence parallelism (`sequence_multiple`). The sizes:
 world = tp x pp x cp x dp and, for MoE, ep x etp divides tp x cp x dp (`validate_layout`).
 
-CP splits tokens, not heads: the attention of the local layer spec gathers K / V over the CP group and each
-rank attends with its own queries (mcore_rl/megatron/context_parallel.py), so CP adds no rule on the head
-counts (TP's stay). That attention is the only CP attention the actor configures so far, so cp > 1 runs on
-CPU; on CUDA (Transformer Engine's CP attention, `cp_comm_type`) and NPU (MindSpeed's `context_parallel_algo`)
-it is refused before launch (`platform_problem`).
+CP splits tokens, not heads, so CP adds no rule on the head counts (TP's stay). Where the attention across CP
+ranks comes from (docs/context-parallel.md):
+  * CPU: the local layer spec's attention gathers K / V over the CP group (mcore_rl/megatron/context_parallel.py);
+  * CUDA with Transformer Engine: Megatron's TE attention does CP itself (cp_comm_type "p2p", the one TE
+    communication type that takes the THD format; `Platform.context_parallel_config`); CUDA without TE is refused;
+  * NPU: refused (MindSpeed's `context_parallel_algo` is not configured by the actor yet).
+Before launch (`mcore-rl check` on any machine) whether TE is installed on the cluster is unknown: CUDA is
+judged as the support matrix's stack, with TE; the start repeats the rule with TE known (`init_parallel`).
 """
 
 from __future__ import annotations
 
 import math
 from typing import Optional
-
-# The platforms whose CP attention the actor does not configure yet; the local layer spec's (K / V gathered over
-# the CP group) runs on CPU.
-_NOT_CONFIGURED = ("cuda", "npu")
 
 
 def sequence_multiple(cp: int, tp: int, sequence_parallel: bool) -> int:
@@ -33,20 +32,26 @@ def padded_length(tokens: int, cp: int) -> int:
     return tokens if cp <= 1 else math.ceil(max(tokens, 1) / (2 * cp)) * 2 * cp
 
 
-def refusal(platform: Optional[str]) -> Optional[str]:
-    """Why `platform` ("cpu" / "cuda" / "npu"; None or "auto": decided at start) cannot run cp > 1, or None."""
-    if platform not in _NOT_CONFIGURED:
-        return None
-    return (
-        "context parallelism runs on CPU only so far (the local spec's attention gathers K / V over the CP group); "
-        "Transformer Engine's CP attention (cp_comm_type) and MindSpeed's context_parallel_algo are not configured "
-        "by the actor yet"
-    )
+def refusal(platform: Optional[str], transformer_engine: Optional[bool] = None) -> Optional[str]:
+    """Why `platform` ("cpu" / "cuda" / "npu"; None or "auto": decided at start) cannot run cp > 1, or None.
+    `transformer_engine`: whether the actor builds the TE layer spec (None: not known yet, as before launch)."""
+    if platform == "npu":
+        return (
+            "MindSpeed's context parallel attention (context_parallel_algo) is not configured by the actor yet "
+            "(context parallelism runs on CPU and on CUDA with Transformer Engine)"
+        )
+    if platform == "cuda" and transformer_engine is False:
+        return (
+            "context parallelism on CUDA needs Transformer Engine's CP attention (cp_comm_type p2p); "
+            "transformer_engine is not importable, so the actor builds the local layer spec, whose CP attention is "
+            "the CPU path (install transformer-engine for TE's)"
+        )
+    return None
 
 
-def platform_problem(cp: int, platform: Optional[str]) -> Optional[str]:
+def platform_problem(cp: int, platform: Optional[str], transformer_engine: Optional[bool] = None) -> Optional[str]:
     """The pre-flight error for cp > 1 on a platform that cannot run it (naming the key and the fix), or None."""
-    why = refusal(platform) if cp > 1 else None
+    why = refusal(platform, transformer_engine) if cp > 1 else None
     return None if why is None else f"actor.parallel.cp = {cp} on {platform}: {why}: set actor.parallel.cp = 1"
 
 

@@ -336,8 +336,8 @@ def _sequence_parallel(p: ParallelConfig, dims: ModelDims, warnings: list[str]) 
     return p.sequence_parallel
 
 
-def _check_platform(p: ParallelConfig, dims: ModelDims, platform: Optional[str]) -> None:
-    problem = context_parallel.platform_problem(p.cp, platform)  # the CP attention exists for the local spec
+def _check_platform(p: ParallelConfig, dims: ModelDims, platform: Optional[str], te: Optional[bool]) -> None:
+    problem = context_parallel.platform_problem(p.cp, platform, te)  # where a CP attention is configured
     if problem:
         raise LayoutError(problem)
     if platform == "npu" and dims.num_experts and p.expert_tp > 1:  # a dense model has no expert layers
@@ -348,11 +348,18 @@ def _check_platform(p: ParallelConfig, dims: ModelDims, platform: Optional[str])
         )
 
 
-def validate_layout(parallel: ParallelConfig, world_size: int, dims: Any, platform: Optional[str] = None) -> Layout:
+def validate_layout(
+    parallel: ParallelConfig,
+    world_size: int,
+    dims: Any,
+    platform: Optional[str] = None,
+    transformer_engine: Optional[bool] = None,
+) -> Layout:
     """Check `parallel` for `world_size` processes and this model; raise LayoutError on the first violation.
 
     `dims` is a ModelDims or anything `ModelDims.from_hf` accepts (HF config object, dict, config.json path,
-    checkpoint folder). `platform` ("cpu" | "cuda" | "npu" | None) enables platform-specific rules.
+    checkpoint folder). `platform` ("cpu" | "cuda" | "npu" | None) enables platform-specific rules;
+    `transformer_engine`: whether the TE layer spec is built (None: not known, as before launch).
     """
     dims = ModelDims.from_hf(dims)
     p = parallel
@@ -363,7 +370,7 @@ def validate_layout(parallel: ParallelConfig, world_size: int, dims: Any, platfo
     _check_experts(p, dims)
     edp = _check_expert_folding(p, dp, world_size)
     padded_vocab = _check_vocab(p, dims)
-    _check_platform(p, dims, platform)
+    _check_platform(p, dims, platform, transformer_engine)
     warnings: list[str] = []
     sp = _sequence_parallel(p, dims, warnings)
     problem = compat_megatron.layout_problem(p.tp, p.ep, p.expert_tp, sp, p.virtual_pp, moe=bool(dims.num_experts))

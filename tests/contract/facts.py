@@ -249,6 +249,28 @@ def _dpa(src):
     return find_class(src, ("megatron/core/transformer/dot_product_attention.py",), "DotProductAttention")
 
 
+def _cp_comm_type(src) -> tuple[bool, bool, bool]:
+    """(TransformerConfig has cp_comm_type, its doc names "p2p", TEDotProductAttention.__init__ passes the layer's
+    cp_comm_type on to TE): the value platform.TE_CP_COMM_TYPE sets reaches TE's CP attention."""
+    config = find_class(src, ("megatron/core/transformer/transformer_config.py",), "TransformerConfig")
+    body = list(config.body) if config else []
+    doc = next(
+        (
+            nxt.value.value
+            for node, nxt in zip(body, body[1:])
+            if isinstance(node, ast.AnnAssign)
+            and getattr(node.target, "id", None) == "cp_comm_type"
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+        ),
+        "",
+    )
+    te_dpa = find_class(src, ("megatron/core/extensions/transformer_engine.py",), "TEDotProductAttention")
+    init = method(te_dpa, "__init__")
+    passes = init is not None and "cp_comm_type" in (params(init) or ()) and "cp_comm_type" in strings(init)
+    return "cp_comm_type" in fields(config), '"p2p"' in doc, passes
+
+
 def _router(src):
     return find_class(src, ("megatron/core/transformer/moe/router.py",), "TopKRouter")
 
@@ -396,6 +418,8 @@ FACTS = (
     Fact("dpa_cp_assert", "megatron-core", "DotProductAttention.__init__ asserts context_parallel_size == 1",
          "models.segment_attention.SegmentDotProductAttention, preflight.context_parallel.platform_problem",
          lambda s: asserts_with(method(_dpa(s), "__init__"), "Context parallelism is only supported by TEDotProductAttention")),
+    Fact("cp_comm_type", "megatron-core", "TransformerConfig.cp_comm_type (doc names \"p2p\"), passed on by TEDotProductAttention",
+         "platform.TE_CP_COMM_TYPE, platform.context_parallel_config", _cp_comm_type),
     Fact("router_routing", "megatron-core", "TopKRouter.routing parameters", "megatron.routing_replay.RoutingReplay._routing",
          lambda s: params(method(_router(s), "routing"))),
     Fact("routing_returns_pair", "megatron-core", "TopKRouter.routing returns (probs, routing_map)",
@@ -466,6 +490,7 @@ _ASCEND_0_13 = dict(_ASCEND, runner_base=("GPUModelRunner",), transpose_weight=F
 _MCORE = dict(
     dpa_packed_assert=True,
     dpa_cp_assert=True,
+    cp_comm_type=(True, True, True),
     routing_returns_pair=True,
     fp8_quantize_bound=True,
     output_layer_call=True,

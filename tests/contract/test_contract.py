@@ -79,6 +79,11 @@ def _patched(tmp_path, distribution, version, path, old, new):
             "Packed sequence is not supported by DotProductAttention", "packed", "dpa_packed_assert",
             "platform.Platform.packed_attention",
         ),
+        (  # Transformer Engine's CP attention on CUDA is chosen through TransformerConfig.cp_comm_type
+            "megatron-core", "0.16.1", "megatron/core/transformer/transformer_config.py",
+            "cp_comm_type: Optional[Union[str, List[str]]] = None", "cp_kind: Optional[str] = None",
+            "cp_comm_type", "platform.TE_CP_COMM_TYPE",
+        ),
     ],
 )  # fmt: skip
 def test_checker_fails_when_a_fact_is_made_false(tmp_path, distribution, version, path, old, new, fact, project):
