@@ -49,7 +49,7 @@ from mcore_rl.platform import collectives, get_platform
 from mcore_rl.platform.library_warnings import quiet_startup, verbose_requested
 from mcore_rl.plot import plot_run
 from mcore_rl.preflight.resume_changes import CONFIG_FILE, check_resume_changes, describe
-from mcore_rl.preflight.run import split_unit
+from mcore_rl.preflight.run import check_before_build, split_unit
 from mcore_rl.rewards import RewardScorer
 from mcore_rl.rollout import make_engine, sampling_params
 from mcore_rl.rollout.data_parallel import generate_local
@@ -108,6 +108,7 @@ class Trainer:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.run_dir = Path(cfg.trainer.run_dir)
+        check_before_build(cfg, self.world, self.platform.name)  # plain torchrun launches skip the pre-flight
         resume = self._claim_run_dir()
         # Cheap, rank-local work first so bad data or reward functions fail before Megatron starts.
         self._load_inputs()

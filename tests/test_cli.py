@@ -207,6 +207,23 @@ def test_check_holds_the_token_budget_to_the_padded_longest_sequence(tmp_path, l
     assert fits.returncode == 0, fits.stderr
 
 
+def test_the_trainer_checks_the_token_budget_before_it_builds_the_actor():
+    """Plain torchrun launches of `mcore-rl train` (launch/ scripts) skip the pre-flight; the trainer calls
+    `check_before_build` before it builds the actor, which refuses the same budget as one config error."""
+    from mcore_rl.config import ConfigError, load_config
+    from mcore_rl.preflight.run import check_before_build
+
+    base = [
+        f"model.path={QWEN_JSON.parent}",
+        "actor.parallel.cp=2",
+        "data.max_prompt_len=64",
+        "rollout.max_new_tokens=63",
+    ]
+    with pytest.raises(ConfigError, match=r"padded to 128 \(a multiple of 4: 2 x cp 2\): raise it to at least 128$"):
+        check_before_build(load_config(None, [*base, "actor.max_tokens_per_micro_batch=127"]), 2, "cpu")
+    check_before_build(load_config(None, [*base, "actor.max_tokens_per_micro_batch=128"]), 2, "cpu")
+
+
 def test_missing_files_errors(tmp_path):
     assert "does not exist" in one_line_error(cli("check", tmp_path / "nope.yaml"))
     cfg = tmp_path / "c.yaml"

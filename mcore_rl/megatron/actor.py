@@ -57,7 +57,6 @@ from mcore_rl.megatron.policy_loss import make_log_prob_fn, make_policy_loss_fn
 from mcore_rl.models.bridge import ModelBridge
 from mcore_rl.platform import Platform, collectives, get_platform
 from mcore_rl.preflight.layout import Layout
-from mcore_rl.preflight.run import check_token_budget
 from mcore_rl.weights.exporter import HFExporter
 
 logger = logging.getLogger(__name__)
@@ -157,7 +156,6 @@ class Actor:
         self.layout: Layout = init_parallel(
             cfg.actor.parallel, self.platform, self.bridge.hf_config, seed=cfg.trainer.seed
         )
-        check_token_budget(cfg, self.layout)  # for launches without the pre-flight, before any weight is built
         chunks = self.bridge.build_model(self.layout, cfg.model)
         self.exporter = HFExporter(self.bridge)
         if load_weights:

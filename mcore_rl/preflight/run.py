@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from mcore_rl.config import Config
+from mcore_rl.config import Config, ConfigError
 from mcore_rl.preflight.architectures import check_architecture
 from mcore_rl.preflight.engines import check_engine_capabilities, validate_rollout_tp
 from mcore_rl.preflight.layout import Layout, LayoutError, ModelDims, divisors, validate_layout
@@ -45,8 +45,8 @@ def validate_run(cfg: Config, world_size: int, dims: Any, platform: Optional[str
 def check_token_budget(cfg: Config, layout: Layout) -> None:
     """The longest sequence (data.max_prompt_len + rollout.max_new_tokens), padded to the layout's
     `seq_len_multiple` as `batch.partition_by_tokens` pads it, must fit actor.max_tokens_per_micro_batch.
-    `validate_run` checks it for `mcore-rl train` / `check`; the actor again after its layout is made, for
-    launches without the pre-flight (plain torchrun), before any weight is built."""
+    `validate_run` checks it for `mcore-rl train` / `check`; `check_before_build` in the trainer again, for
+    launches without the pre-flight (plain torchrun)."""
     budget = cfg.actor.max_tokens_per_micro_batch
     if budget is None:
         return
@@ -63,6 +63,15 @@ def check_token_budget(cfg: Config, layout: Layout) -> None:
         f"actor.max_tokens_per_micro_batch = {budget} cannot hold the longest sequence, data.max_prompt_len + "
         f"rollout.max_new_tokens = {longest}{why}: raise it to at least {padded}"
     )
+
+
+def check_before_build(cfg: Config, world_size: int, platform: Optional[str]) -> None:
+    """What the trainer checks before it builds the actor, for launches without the pre-flight (plain torchrun
+    of `mcore-rl train`, launch/ scripts): the layout and the token budget, as one-line config errors."""
+    try:
+        check_token_budget(cfg, validate_layout(cfg.actor.parallel, world_size, cfg.model.path, platform=platform))
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
 
 
 def split_unit(mini_batches: int, dp: int, micro_batch_size: Optional[int]) -> int:
