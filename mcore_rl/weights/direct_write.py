@@ -114,16 +114,19 @@ class DirectWrite(SharedMemoryGather):
         """batch position -> (group kind, per receiving group rank its placement in that engine's memory) for
         every parameter whose destinations in every receiving engine lie entirely in its shared region. Every
         rank of the group decides the same: the same placement code on the same tables."""
-        out = {}
+        out, layout = {}, self.bridge.layout
+        contexts = {  # per group kind and receiving rank: the placement in that engine's table
+            kind: {q: PlaceContext(True, True, t.view, meta_buffer, None) for q, t in sinks.receivers.items()}
+            for kind, sinks in self._sinks.items()
+        }
         for i, x in enumerate(batch):
-            kind = gather_kind(self.bridge.layout, x)
+            kind = gather_kind(layout, x)
             if kind not in self._sinks:
                 continue
             per_receiver = {}
             for q, tensors in self._sinks[kind].receivers.items():
                 placed = Placement()
-                ctx = PlaceContext(receive=True, ep_receive=True, into=tensors.view, buffer=meta_buffer, stats=None)
-                placer.place_one(placed, i, x, plans.get(i), ctx)
+                placer.place_one(placed, i, x, plans.get(i), contexts[kind][q])
                 if not placed.lands_in(tensors.region, kind):
                     break
                 per_receiver[q] = placed

@@ -105,6 +105,7 @@ class HFExporter:
         lighter = transport.begin(receive, receiver)
         into = receiver.buffer if receiver is not None and receive else None
         self.targets.keep_only([into, *transport.consumers()])  # drop stale consumers
+        self.placer.prepare()
         self.stats = ExportStats()
         limit = int(gather_batch_mb * (1 << 20))
         for stage, stage_meta in enumerate(per_stage):

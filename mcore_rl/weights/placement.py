@@ -132,6 +132,15 @@ class Placer:
     def __init__(self, bridge: ModelBridge, targets: InPlaceTargets):
         self.bridge = bridge
         self.targets = targets
+        self._layout = None  # what every placement of an export reads, looked up once (`prepare`)
+        self._gated = False
+        self._num_local = 0
+
+    def prepare(self) -> None:
+        """Look up what placements read (the layout, the gated fc1, local experts) at the start of an export."""
+        self._layout = self.bridge.layout
+        self._gated = self.bridge.backend.gated()
+        self._num_local = (self.bridge.transformer_config.num_moe_experts or 0) // self._layout.ep
 
     def place(self, batch: list[Exported], indices: list[int], plans: dict[int, RowPlan], ctx: PlaceContext):
         """The placement of `batch[i]` for i in `indices`."""
@@ -142,8 +151,7 @@ class Placer:
 
     def place_one(self, placed: Placement, i: int, x: Exported, plan: Optional[RowPlan], ctx: PlaceContext) -> None:
         """One parameter (batch position `i`), appended to `placed`."""
-        layout = self.bridge.layout
-        gated = self.bridge.backend.gated()
+        layout, gated = self._layout, self._gated
         if plan is not None:
             items, outputs = self._planned(x, plan, ctx)
             placed.tp_items += items
@@ -167,9 +175,8 @@ class Placer:
         """An expert: gathered over EP (the same local expert of every EP rank, each with its global id; this
         rank's own is copied into the consumer during the gather where it qualifies, else used in place), then
         each of those over ETP into its merged tensor."""
-        layout = self.bridge.layout
+        layout, num_local = self._layout, self._num_local
         ep, etp, ep_rank = layout.ep, layout.etp, layout.ranks.ep
-        num_local = (self.bridge.transformer_config.num_moe_experts or 0) // ep
         prefix, gid = x.canonical.rsplit(".weight", 1)
         names = [f"{prefix}.weight{e * num_local + int(gid) % num_local}" for e in range(ep)]
         # with ETP the EP step gathers intermediates, merged over ETP below
