@@ -64,7 +64,7 @@ def _patched(tmp_path, distribution, version, path, old, new):
         ),
         (  # the torch a vLLM-Ascend wheel pins decides the support matrix
             "vllm-ascend", "0.11.0", "METADATA", "Requires-Dist: torch==2.7.1", "Requires-Dist: torch==2.8.0",
-            "matrix_row", "support.ASCEND_RELEASES",
+            "matrix_row", "preflight.support.ASCEND_RELEASES",
         ),
         (  # the MoE NZ cast behind the env switch the platform sets
             "vllm-ascend", "0.11.0", "vllm_ascend/ops/common_fused_moe.py",
