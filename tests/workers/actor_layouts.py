@@ -159,7 +159,7 @@ def check_fused_equals_logits_path(actor, tokens, loss_mask) -> dict:
         lp, ent = next_token_log_probs(head, mb.tokens, temperature, tp_group, with_entropy=True)
         return loss_of(lp, ent), {"lp": lp.detach(), "ent": ent.detach()}
 
-    (stored,) = actor._run_schedule([MicroBatch(tokens)], fused_loss, forward_only=False)
+    (stored,), _ = actor._run_schedule([MicroBatch(tokens)], fused_loss, forward_only=False)  # (outputs, CP plans)
     fused = (stored["lp"], stored["ent"], grads())
 
     for m in actor.model:
