@@ -1,7 +1,7 @@
 """`mcore-rl` command line: make-tiny, make-task, check, plan, train, plot, convert, from-verl.
 
 `train CONFIG [key=value ...]` validates the config and the parallel layout first (seconds, no process
-started), then re-executes itself under torchrun (mcore_rl.torchrun) with trainer.nproc processes on this
+started), then runs torchrun (mcore_rl.torchrun, in a fork of itself) with trainer.nproc processes on this
 machine; inside torchrun (LOCAL_RANK / WORLD_SIZE set, also by launch/ scripts) it runs the trainer.
 Bad input exits with status 2 and one line `mcore-rl: error: ...` naming the problem and the fix.
 """
@@ -259,8 +259,11 @@ def cmd_train(args) -> int:
     env.setdefault("OMP_NUM_THREADS", "1")  # without it every rank spins all cores (0.5 s stalls on small CPUs)
     env[CONFIG_WARNED_ENV] = "1"  # the config's warnings were printed here: rank 0 need not repeat them
     from mcore_rl.supervise import run_supervised
+    from mcore_rl.torchrun import main as torchrun_main
 
-    return run_supervised(cmd, env)  # SIGTERM/SIGINT reach every worker; nothing is left running
+    # SIGTERM/SIGINT reach every worker; nothing is left running. torchrun's agent runs in a fork of this process
+    # (torch is imported here already: a fresh `python -m mcore_rl.torchrun` spent ~1 s importing it again).
+    return run_supervised(cmd, env, target=lambda: torchrun_main(cmd[3:]))
 
 
 def cmd_plot(args) -> int:

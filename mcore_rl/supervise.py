@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -68,6 +68,55 @@ def _killed_with_parent(parent_pid: int):
             os._exit(128 + sigkill)
 
     return preexec
+
+
+class ForkedChild:
+    """The launcher's child as a fork of this process that runs `target` (what the command would run after its
+    interpreter started and imported it), set up as `run_supervised` sets up a command's process: its own session,
+    the parent-death signal, `env` as its environment. `mcore-rl train` forks torchrun's agent this way: the
+    launcher has imported torch already, a fresh interpreter spent ~1 s importing it again before any worker
+    started. The child ends with os._exit (the parent's atexit handlers are the parent's)."""
+
+    def __init__(self, target: Callable[[], int], env: dict):
+        preexec = _killed_with_parent(os.getpid())
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.pid = os.fork()
+        self.returncode: Optional[int] = None
+        if self.pid == 0:
+            self._run_child(target, env, preexec)
+
+    @staticmethod
+    def _run_child(target: Callable[[], int], env: dict, preexec) -> None:
+        code = 1
+        try:
+            os.setsid()
+            if preexec is not None:
+                preexec()
+            os.environ.clear()
+            os.environ.update(env)
+            code = target()
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    def wait(self) -> int:
+        """Its exit status, like Popen.wait (-N for a child that signal N ended)."""
+        if self.returncode is None:
+            _, status = os.waitpid(self.pid, 0)
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signum)
 
 
 def _process_start(pid: int) -> Optional[float]:
@@ -210,16 +259,23 @@ def signal_workers(launcher_pid: int, signum: int) -> bool:
     return bool(workers)
 
 
-def run_supervised(cmd: Sequence[str], env: Optional[dict] = None, grace_s: float = 30.0) -> int:
+def run_supervised(
+    cmd: Sequence[str], env: Optional[dict] = None, grace_s: float = 30.0, target: Optional[Callable[[], int]] = None
+) -> int:
     """Run cmd to its end, passing SIGTERM/SIGINT on; then clean up what it left. Its exit status;
-    128 + the signal's number when it died of one or was stopped by one passed on from here."""
+    128 + the signal's number when it died of one or was stopped by one passed on from here. With `target`
+    (what cmd would run, importable in this process) the child is a fork of this process running it
+    (ForkedChild) instead of a new interpreter."""
     become_subreaper()
     status_dir = Path(tempfile.mkdtemp(prefix="mcore-rl-status-"))
     env = dict(os.environ if env is None else env)
     env[LAUNCHER_PID_ENV] = str(os.getpid())
     env[STATUS_FILE_ENV] = str(status_dir / "status.json")
     # Its own session: a Ctrl-C in the terminal reaches torchrun once (from here), not twice.
-    proc = subprocess.Popen(list(cmd), env=env, start_new_session=True, preexec_fn=_killed_with_parent(os.getpid()))
+    if target is not None:
+        proc = ForkedChild(target, env)
+    else:
+        proc = subprocess.Popen(list(cmd), env=env, start_new_session=True, preexec_fn=_killed_with_parent(os.getpid()))
 
     received = []
     # Imported before the handlers are set: a second signal arriving while the first one's handler imported it

@@ -146,3 +146,31 @@ def test_stop_file_asks_like_a_signal(tmp_path):
     assert stop.agreed() is None
     (tmp_path / "STOP").write_text("SIGTERM to ray_launch\n")
     assert stop.agreed() == str(tmp_path / "STOP")
+
+
+FORKED = """
+import json, os, sys
+from mcore_rl.supervise import run_supervised
+
+out, launcher = sys.argv[1], os.getpid()
+
+
+def target():  # runs in the fork: its own session, the given environment, the launcher as its parent
+    seen = {"session_leader": os.getsid(0) == os.getpid(), "env": os.environ.get("FORK_CHECK"), "parent": os.getppid() == launcher}
+    open(out, "w").write(json.dumps(seen))
+    return 3
+
+
+sys.exit(run_supervised(["unused"], env=dict(os.environ, FORK_CHECK="yes"), target=target))
+"""
+
+
+def test_a_forked_child_is_set_up_like_the_command_and_its_status_returned(tmp_path):
+    """`mcore-rl train` forks torchrun's agent (ForkedChild) instead of starting an interpreter for it: the fork
+    gets the command's set-up (own session, environment) and its exit status is the launcher's."""
+    import json
+
+    out = tmp_path / "seen.json"
+    proc = subprocess.run([sys.executable, "-c", FORKED, str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert json.loads(out.read_text()) == {"session_leader": True, "env": "yes", "parent": True}
