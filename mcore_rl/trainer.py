@@ -162,11 +162,12 @@ class Trainer:
         """The actor (its weights checked finite) and, for KL, the frozen reference (actor.offload: on the host
         except during its own pass)."""
         # Here, not at the top: the actor imports Megatron, whose warnings are raised at import time, after `run`
-        # has quieted the known ones (platform.library_warnings.quiet_startup).
+        # has quieted the known ones (platform.library_warnings.quiet_startup); and after adapt_megatron, which
+        # imports Megatron without TorchDynamo on CPU (cpu_adapt patch 9: ~1 s of CPU per rank otherwise).
+        self.platform.adapt_megatron()
         from mcore_rl.megatron.actor import Actor
 
         cfg = self.cfg
-        self.platform.adapt_megatron()
         self.actor = Actor(cfg, self.platform)
         # The pre-flight reads every weight of a small model folder (preflight.FINITE_CHECK_MAX_BYTES); this covers
         # every size, on the devices, before the engine samples from the weights.
