@@ -5,7 +5,7 @@
 One RL step's actor work (old-policy log-probs + entropy, then one GSPO optimizer step) on the same global
 batch, two processes (EP2: experts split, attention data-parallel), both paths on the same Actor (lr = 0, so
 the weights do not move between them):
-  padded: today's path, `pack_rollouts` pads every sequence to the longest of the batch, `split_for_rank`
+  padded: `pad_rollouts` pads every sequence to the longest of the batch, `split_for_rank`
           cuts each DP share into micro-batches of --micro-batch-size sequences;
   packed: `split_for_rank(max_tokens=B)` with B = micro-batch-size x padded length (the same activation
           memory per micro-batch as the padded path): DP shares balanced by tokens, sequences packed.
@@ -82,7 +82,7 @@ def main():
     args = parser.parse_args()
 
     from mcore_rl.algos import group_advantages
-    from mcore_rl.batch import pack_rollouts, split_for_rank
+    from mcore_rl.batch import pad_rollouts, split_for_rank
     from mcore_rl.config import AlgoConfig, Config, ModelConfig, OptimConfig, ParallelConfig
     from mcore_rl.megatron.actor import Actor
     from mcore_rl.models.tiny import TinyModelShape, make_tiny_checkpoint
@@ -117,7 +117,7 @@ def main():
 
     samples = seed_shaped_samples(args.sequences, args.max_prompt, args.max_response, seed=0)
     rewards = torch.rand(len(samples), generator=torch.Generator().manual_seed(1))
-    batch = pack_rollouts(samples, rewards, group_advantages(rewards, 8), 0, layout.seq_len_multiple)
+    batch = pad_rollouts(samples, rewards, group_advantages(rewards, 8), 0, layout.seq_len_multiple)
     padded_len = batch.tokens.shape[1]
     budget = args.micro_batch_size * padded_len
     useful = sum(batch.lengths)

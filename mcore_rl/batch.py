@@ -99,8 +99,8 @@ class MicroBatch:
     # Packed micro-batch (b = 1): lengths of the segments of the row, in order, summing to s; the last
     # one may be padding. None: b right-padded sequences. Attention never crosses a segment boundary.
     seq_lengths: Optional[list[int]] = None
-    # Packed: the mini-batch row (index into the padded batch it was cut from) of each sequence segment.
-    sequences: Optional[list[int]] = None
+    # Packed: the row of the padded batch it was cut from (the mini-batch's row index) of each sequence segment.
+    source_rows: Optional[list[int]] = None
 
     def __post_init__(self):
         if self.tokens.dim() != 2:
@@ -215,7 +215,7 @@ class RolloutBatch:
         )
 
 
-def pack_rollouts(
+def pad_rollouts(
     samples: list[RolloutSample],
     rewards: torch.Tensor,
     advantages: torch.Tensor,
@@ -224,8 +224,8 @@ def pack_rollouts(
     valid: Optional[torch.Tensor] = None,
     seq_len: Optional[int] = None,
 ) -> RolloutBatch:
-    """Pack samples (in group order) into right-padded tensors; S is the longest length rounded up to
-    `multiple`, or `seq_len` (a rank packing part of a step pads like the whole step: `step_seq_len`).
+    """Pad samples (in group order) into right-padded tensors; S is the longest length rounded up to
+    `multiple`, or `seq_len` (a rank padding part of a step pads like the whole step: `step_seq_len`).
 
     Samples whose `valid` flag is False (their reward failed) keep their tokens but get no loss-mask
     entries, so they add nothing to the loss nor to its token and sequence counts."""
@@ -233,7 +233,7 @@ def pack_rollouts(
     if seq_len is None:
         seq_len = step_seq_len(lengths, multiple)
     elif seq_len < max(lengths, default=0):
-        raise ValueError(f"pack_rollouts: seq_len {seq_len} < the longest sequence ({max(lengths)} tokens)")
+        raise ValueError(f"pad_rollouts: seq_len {seq_len} < the longest sequence ({max(lengths)} tokens)")
     batch = len(samples)
     tokens = torch.full((batch, seq_len), pad_id, dtype=torch.long)
     mask = torch.zeros(batch, seq_len)
@@ -273,7 +273,7 @@ def _dummy_routes(seq_len: int, num_layers: int, k: int, num_experts: int) -> to
     return dummy.expand(seq_len, num_layers, k).to(ROUTE_DTYPE)
 
 
-def pack_rollout_routes(
+def pad_rollout_routes(
     per_sequence: list[torch.Tensor], seq_len: int, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Engine routes of b sequences ([T_i, layers, k] each) -> ([b, seq_len, layers, k] ids, [b, seq_len] valid).
@@ -281,10 +281,10 @@ def pack_rollout_routes(
     Positions past T_i (right padding) get k distinct dummy experts, spread over the experts so padding
     neither duplicates an id in a token (dispatch needs distinct ids) nor piles onto one expert."""
     if not per_sequence:
-        raise ValueError("pack_rollout_routes: no sequences given")
+        raise ValueError("pad_rollout_routes: no sequences given")
     _, num_layers, k = per_sequence[0].shape
     if k > num_experts:
-        raise ValueError(f"pack_rollout_routes: top-k {k} > num_experts {num_experts}")
+        raise ValueError(f"pad_rollout_routes: top-k {k} > num_experts {num_experts}")
     b = len(per_sequence)
     ids = _dummy_routes(seq_len, num_layers, k, num_experts).repeat(b, 1, 1, 1)
     valid = torch.zeros(b, seq_len, dtype=torch.bool)
@@ -302,7 +302,7 @@ def _micro_batch(part: RolloutBatch, route_experts: Optional[int]) -> MicroBatch
     routes = valid = None
     if route_experts is not None:
         _require_routes(part)
-        routes, valid = pack_rollout_routes(part.routed_experts, part.tokens.shape[1], route_experts)
+        routes, valid = pad_rollout_routes(part.routed_experts, part.tokens.shape[1], route_experts)
     return MicroBatch(
         tokens=part.tokens,
         loss_mask=part.loss_mask,
@@ -400,7 +400,7 @@ def _packed_routes(part: RolloutBatch, lengths: list[int], row: int, num_experts
         raise ValueError("_packed_routes: no sequences (the caller packs routes of filler micro-batches)")
     _require_routes(part)
     _, num_layers, k = part.routed_experts[0].shape
-    ids, valid = pack_rollout_routes(part.routed_experts, max(lengths), num_experts)  # checks the shapes
+    ids, valid = pad_rollout_routes(part.routed_experts, max(lengths), num_experts)  # checks the shapes
     packed = _dummy_routes(row, num_layers, k, num_experts).unsqueeze(0).clone()
     packed_valid = torch.zeros(1, row, dtype=torch.bool)
     start = 0
@@ -436,13 +436,13 @@ def forward_groups(micro_batches: list[MicroBatch], max_tokens: int) -> list[lis
 
 
 def pack_field(values: torch.Tensor, micro_batch: MicroBatch) -> torch.Tensor:
-    """A per-token field of the padded mini-batch ([N, S], rows as in `micro_batch.sequences`) in the
+    """A per-token field of the padded mini-batch ([N, S], rows as in `micro_batch.source_rows`) in the
     packed micro-batch's alignment [1, T] (zeros on the padding segment)."""
-    if not micro_batch.packed or micro_batch.sequences is None:
-        raise ValueError("pack_field: the micro-batch is not packed from a mini-batch (sequences is None)")
+    if not micro_batch.packed or micro_batch.source_rows is None:
+        raise ValueError("pack_field: the micro-batch is not packed from a mini-batch (source_rows is None)")
     out = torch.zeros(1, micro_batch.tokens.shape[1], dtype=values.dtype)
     start = 0
-    for row, n in zip(micro_batch.sequences, micro_batch.seq_lengths):
+    for row, n in zip(micro_batch.source_rows, micro_batch.seq_lengths):
         out[0, start : start + n] = values[row, :n]
         start += n
     return out
@@ -561,7 +561,7 @@ def build_mini_batches(
                 micro.append(_micro_batch(part, route_experts))
                 continue
             mb = pack_sequences(part, multiple, route_experts if indices else None)
-            mb.sequences = list(indices)
+            mb.source_rows = list(indices)
             if route_experts is not None and not indices:  # filler: dummy experts everywhere, none valid
                 if route_shape is None:
                     _require_routes(rows)

@@ -37,7 +37,7 @@ from mcore_rl.batch import (
     MiniBatchPlan,
     RolloutSample,
     build_mini_batches,
-    pack_rollouts,
+    pad_rollouts,
     step_seq_len,
 )
 from mcore_rl.rollout.data_parallel import LocalRollout
@@ -313,7 +313,7 @@ def assemble(
     """Data-parallel rank `dp_rank`'s micro-batches from the samples it trains on (step indices `needed`):
     packed like the whole step (same padded width), cut by the plan."""
     index = torch.tensor(needed, dtype=torch.long)
-    rows = pack_rollouts(
+    rows = pad_rollouts(
         samples,
         meta.rewards[index],
         advantages[index],

@@ -1,4 +1,4 @@
-"""Step data: pack_rollouts (padding, label alignment) and split_for_rank (mini-batches x DP x micro-batches)."""
+"""Step data: pad_rollouts (padding, label alignment) and split_for_rank (mini-batches x DP x micro-batches)."""
 
 import ast
 import subprocess
@@ -14,7 +14,7 @@ from mcore_rl.batch import (
     RolloutSample,
     forward_groups,
     merge_packed,
-    pack_rollouts,
+    pad_rollouts,
     partition_by_tokens,
     segment_rows,
     split_for_rank,
@@ -35,11 +35,11 @@ def sample(prompt, response, routes=False):
     )
 
 
-def test_pack_rollouts_aligns_labels_and_pads_to_the_multiple():
+def test_pad_rollouts_aligns_labels_and_pads_to_the_multiple():
     samples = [sample([5, 6, 7], [8, 9]), sample([5], [4, 3, 2, 1]), sample([9, 9], [7])]
     rewards = torch.tensor([1.0, 0.0, 0.5])
     adv = torch.tensor([0.7, -0.7, 0.1])
-    batch = pack_rollouts(samples, rewards, adv, PAD, multiple=4)
+    batch = pad_rollouts(samples, rewards, adv, PAD, multiple=4)
     assert batch.tokens.shape == (3, 8)  # longest 5 tokens -> multiple of 4
     for i, s in enumerate(samples):
         ids = s.prompt_ids + s.response_ids
@@ -68,7 +68,7 @@ def samples_of(lengths, routes=False):
 def test_split_for_rank_covers_the_batch_once_with_global_counts():
     lengths = [(3, 2), (2, 5), (4, 1), (1, 3), (2, 2), (3, 4), (5, 1), (2, 6)]
     samples = samples_of(lengths)
-    batch = pack_rollouts(samples, torch.zeros(8), torch.arange(8.0), PAD, multiple=2)
+    batch = pad_rollouts(samples, torch.zeros(8), torch.arange(8.0), PAD, multiple=2)
     seen = []
     for dp_rank in range(2):
         minis = split_for_rank(batch, num_mini_batches=2, dp_size=2, dp_rank=dp_rank, micro_batch_size=1, max_len=8)
@@ -93,7 +93,7 @@ def test_split_for_rank_covers_the_batch_once_with_global_counts():
 
 def test_split_for_rank_packs_engine_routes_for_r3():
     samples = samples_of([(3, 2), (2, 3)], routes=True)
-    batch = pack_rollouts(samples, torch.zeros(2), torch.zeros(2), PAD, multiple=4)
+    batch = pad_rollouts(samples, torch.zeros(2), torch.zeros(2), PAD, multiple=4)
     (mini,) = split_for_rank(batch, 1, 1, 0, micro_batch_size=2, route_experts=8)
     (mb,) = mini.micro_batches
     assert mb.routed_experts.shape == (2, 8, 2, 2) and mb.route_valid.shape == (2, 8)
@@ -101,13 +101,13 @@ def test_split_for_rank_packs_engine_routes_for_r3():
         n = len(s.prompt_ids) + len(s.response_ids)
         assert torch.equal(mb.routed_experts[i, :n], s.routed_experts)
         assert mb.route_valid[i].tolist() == [True] * n + [False] * (8 - n)
-    no_routes = pack_rollouts(samples_of([(3, 2), (2, 3)]), torch.zeros(2), torch.zeros(2), PAD)
+    no_routes = pad_rollouts(samples_of([(3, 2), (2, 3)]), torch.zeros(2), torch.zeros(2), PAD)
     with pytest.raises(ValueError, match="routing_replay=r3 needs the experts"):
         split_for_rank(no_routes, 1, 1, 0, 2, route_experts=8)
 
 
 def test_split_for_rank_rejects_uneven_splits_with_the_fix():
-    batch = pack_rollouts(samples_of([(2, 2)] * 6), torch.zeros(6), torch.zeros(6), PAD)
+    batch = pad_rollouts(samples_of([(2, 2)] * 6), torch.zeros(6), torch.zeros(6), PAD)
     # the pre-flight's rule and message (preflight.layout.check_step_split), with the fix
     with pytest.raises(ValueError, match=r"6 samples .* must split evenly over dp 4 x algo.mini_batches 1 = 4: make"):
         split_for_rank(batch, num_mini_batches=1, dp_size=4, dp_rank=0, micro_batch_size=1)
@@ -205,7 +205,7 @@ def test_partition_rejects_a_sequence_longer_than_the_budget_naming_both():
 def test_packed_split_equals_the_padded_rows_segment_by_segment():
     lengths = [(3, 1), (2, 9), (4, 1), (1, 3), (2, 2), (3, 4), (5, 1), (2, 6)]
     samples = samples_of(lengths, routes=True)
-    batch = pack_rollouts(samples, torch.zeros(8), torch.arange(8.0), PAD, multiple=4)
+    batch = pad_rollouts(samples, torch.zeros(8), torch.arange(8.0), PAD, multiple=4)
     seen = []
     for dp_rank in range(2):
         minis = split_for_rank(batch, 2, 2, dp_rank, max_tokens=12, multiple=4, max_len=9, route_experts=8)

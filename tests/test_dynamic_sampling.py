@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from mcore_rl.algos import group_advantages
-from mcore_rl.batch import RolloutSample, pack_rollouts, plan_mini_batches, split_for_rank
+from mcore_rl.batch import RolloutSample, pad_rollouts, plan_mini_batches, split_for_rank
 from mcore_rl.config import ConfigError, load_config
 from mcore_rl.data import EpochSampler
 from mcore_rl.dynamic_sampling import (
@@ -266,7 +266,7 @@ def test_kept_groups_of_several_rounds_on_every_rank(world, engine_tp, dp_of_ran
     # reference: the kept samples alone, packed whole and split
     flat = [s for r, g in kept for s in rounds_groups[r][g]]
     rewards = torch.tensor([rounds_rewards[r][g * N + j] for r, g in kept for j in range(N)])
-    whole = pack_rollouts(flat, rewards, group_advantages(rewards, N), PAD, 4)
+    whole = pad_rollouts(flat, rewards, group_advantages(rewards, N), PAD, 4)
     counts = set()
     for r in range(world):
         recv = torch.cat([chunks[src][r] for src in range(world)])

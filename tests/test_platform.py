@@ -150,7 +150,7 @@ def test_packed_attention_of_the_platforms_here():
 def test_npu_fused_attention_gets_end_offsets_and_rope_the_bounds():
     """npu_fusion_attention's actual_seq_qlen is the cumulative ends (lengths 2 2 2 2 2 -> 2 4 6 8 10); MindSpeed's
     adaptor hands it cu_seqlens_q.tolist(); Megatron's RoPE reads cu_seqlens_q_padded (set) as [0, ends]."""
-    from mcore_rl.megatron.packing import model_inputs, packed_seq_params
+    from mcore_rl.megatron.attention_inputs import model_inputs, packed_seq_params
     from mcore_rl.platform import npu_actual_seq_len
 
     lengths = [2, 2, 2, 2, 2]

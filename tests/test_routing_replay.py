@@ -6,7 +6,7 @@ routes gives 0 mismatch; misuse raises; the same on packed token-budget micro-ba
 import pytest
 import torch
 
-from mcore_rl.batch import pack_rollout_routes
+from mcore_rl.batch import pad_rollout_routes
 from mcore_rl.compat import megatron as compat_megatron
 from mcore_rl.config import ParallelConfig
 from mcore_rl.megatron.routing_replay import RecordedRoutes
@@ -39,10 +39,10 @@ def test_routing_replay_layout(tiny_model_dir, nproc, tp, pp, ep, recompute):
         assert packed["logit_gap"] < 1e-5 and packed["r3_logit_gap"] < 1e-5 and packed["r2_loss_diff"] == 0.0, r
 
 
-def test_pack_rollout_routes_pads_with_distinct_experts():
+def test_pad_rollout_routes_pads_with_distinct_experts():
     a = torch.tensor([[[5, 1]], [[2, 7]], [[0, 3]]], dtype=torch.int16)  # T=3, 1 layer, k=2
     b = torch.tensor([[[4, 6]]], dtype=torch.int16)  # T=1
-    ids, valid = pack_rollout_routes([a, b], seq_len=8, num_experts=8)
+    ids, valid = pad_rollout_routes([a, b], seq_len=8, num_experts=8)
     assert ids.shape == (2, 8, 1, 2) and valid.tolist() == [[True] * 3 + [False] * 5, [True] + [False] * 7]
     assert torch.equal(ids[0, :3], a) and torch.equal(ids[1, :1], b)
     pads = ids[~valid].reshape(-1, 2)
@@ -50,10 +50,10 @@ def test_pack_rollout_routes_pads_with_distinct_experts():
     assert len(set(pads.flatten().tolist())) == 8, "padding should spread over all experts"
 
 
-def test_pack_rollout_routes_rejects_bad_shapes():
+def test_pad_rollout_routes_rejects_bad_shapes():
     with pytest.raises(ValueError, match="cover 9 tokens > packed length 8"):
-        pack_rollout_routes([torch.zeros(9, 1, 2, dtype=torch.int16)], seq_len=8, num_experts=8)
+        pad_rollout_routes([torch.zeros(9, 1, 2, dtype=torch.int16)], seq_len=8, num_experts=8)
     with pytest.raises(ValueError, match=r"expected \[T, 1, 2\]"):
-        pack_rollout_routes([torch.zeros(3, 1, 2), torch.zeros(3, 2, 2)], seq_len=8, num_experts=8)
+        pad_rollout_routes([torch.zeros(3, 1, 2), torch.zeros(3, 2, 2)], seq_len=8, num_experts=8)
     with pytest.raises(TypeError, match="slice"):
         RecordedRoutes()[0]

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from mcore_rl.megatron.packing import cu_seqlens
+from mcore_rl.megatron.attention_inputs import cu_seqlens
 from mcore_rl.models.segment_attention import is_segment_bounds, segment_causal_attention, segment_index
 
 

@@ -3,7 +3,7 @@
 The collective glue (an all-reduce of the metadata, one all_to_all_single of bytes) is replayed here by
 hand from the same pure pieces the trainer runs: each rank's metadata contribution, its send buffer and
 split sizes, its decoding of what it receives. The reference is today's path: every rank holds every
-sample, `pack_rollouts` + `split_for_rank` of the whole batch. The real collectives run in 2 processes
+sample, `pad_rollouts` + `split_for_rank` of the whole batch. The real collectives run in 2 processes
 in tests/workers/loss_layouts.py (test_layout_invariance.py).
 """
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mcore_rl.algos import group_advantages
-from mcore_rl.batch import RolloutSample, pack_rollouts, plan_mini_batches, split_for_rank
+from mcore_rl.batch import RolloutSample, pad_rollouts, plan_mini_batches, split_for_rank
 from mcore_rl.rollout.data_parallel import LocalRollout, ReplicaLayout, share
 from mcore_rl.step_data import (
     assemble,
@@ -129,7 +129,7 @@ def test_each_rank_gets_exactly_its_share(world, engine_tp, dp_of_rank, routes, 
     valid_t = torch.tensor(valid)
     want_adv = group_advantages(torch.tensor(rewards), n, valid=valid_t)
     assert torch.equal(advantages, want_adv)
-    whole = pack_rollouts(flat, torch.tensor(rewards), want_adv, PAD, 4, valid=valid_t)
+    whole = pad_rollouts(flat, torch.tensor(rewards), want_adv, PAD, 4, valid=valid_t)
     for rank in range(world):
         want = split_for_rank(
             whole,

@@ -28,7 +28,7 @@ Conventions the caller relies on:
     the gradient of that global loss for any layout and any number of micro-batches.
   * Sequences are right-padded (the causal mask makes pads invisible to real tokens; Megatron's RoPE
     uses positions 0..s-1, so left padding would shift positions) or packed (`MicroBatch.seq_lengths`:
-    one row of concatenated sequences, attention confined to each, see mcore_rl.megatron.packing;
+    one row of concatenated sequences, attention confined to each, see mcore_rl.megatron.attention_inputs;
     outputs keep the packed alignment). Mask pads in the loss.
 """
 
@@ -298,7 +298,7 @@ class Actor:
 
     def _model_inputs(self, mb: MicroBatch, plan, mode: str):
         """(micro-batch as this rank computes it, attention mask, extra forward kwargs)."""
-        from mcore_rl.megatron.packing import model_inputs
+        from mcore_rl.megatron.attention_inputs import model_inputs
 
         if plan is None:
             return (mb, *model_inputs(mb, mode))

@@ -10,7 +10,7 @@
 
 (`Actor.log_probs(..., record_routes=True)` and `Actor.train_policy` do exactly this for the trainer.)
 R3: the engine's per-sequence routes ([T, moe_layers, k], `RolloutSample.routed_experts`), packed per
-micro-batch by `mcore_rl.batch.pack_rollout_routes`, become the same `RecordedRoutes` via
+micro-batch by `mcore_rl.batch.pad_rollout_routes`, become the same `RecordedRoutes` via
 `replay.routes_from_rollout`.
 `replay.with_valid(routes, masks)` restricts the mismatch metric to real tokens (R2 records pads too).
 
@@ -382,7 +382,7 @@ class RoutingReplay:
         return local.reshape(-1, *x.shape[2:])
 
     def routes_from_rollout(self, packed: list[torch.Tensor], valid: list[torch.Tensor]) -> RecordedRoutes:
-        """Rollout routes of this rank's micro-batches (from `pack_rollout_routes`) -> RecordedRoutes.
+        """Rollout routes of this rank's micro-batches (from `pad_rollout_routes`) -> RecordedRoutes.
 
         packed[i]: [b, s, moe_layers, k] expert ids of micro-batch i (tokens right-padded to s);
         valid[i]: [b, s] bool, True at real tokens. Takes this rank's layers and sequence shard."""

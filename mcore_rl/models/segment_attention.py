@@ -2,7 +2,7 @@
 (CPU, and CUDA without Transformer Engine).
 
 A packed micro-batch is one row of T tokens holding several sequences (segments). Transformer Engine and
-MindSpeed attend within each segment with variable-length flash attention ("thd", `mcore_rl/megatron/packing.py`);
+MindSpeed attend within each segment with variable-length flash attention ("thd", `mcore_rl/megatron/attention_inputs.py`);
 Megatron's local `DotProductAttention` has no such path, and a block-diagonal [T, T] mask scores every pair of
 the row and throws most of them away: with 64 sequences of ~40 tokens in a 2,500-token row that is ~60x the
 work, and the reason larger token budgets ran slower on CPU than small ones.

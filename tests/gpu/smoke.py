@@ -468,7 +468,7 @@ def stage_replay(ctx) -> str:
     real tokens); R2: routes recorded in one forward replayed in the next and in a train step (no mismatch)."""
     import torch
 
-    from mcore_rl.batch import MicroBatch, pack_rollout_routes
+    from mcore_rl.batch import MicroBatch, pad_rollout_routes
     from mcore_rl.megatron.routing_replay import RoutingReplay
     from mcore_rl.rollout.base import SamplingParams
     from mcore_rl.rollout.embedded import EmbeddedEngine
@@ -486,7 +486,7 @@ def stage_replay(ctx) -> str:
         ids = s.prompt_ids + s.response_ids
         tokens[i, : len(ids)] = torch.tensor(ids)
     experts = actor.hf_config.num_experts
-    ids, valid = pack_rollout_routes([s.routed_experts for s in samples], seq_len, experts)
+    ids, valid = pad_rollout_routes([s.routed_experts for s in samples], seq_len, experts)
     mbs = [MicroBatch(tokens)]
     plain = actor.forward_only(mbs, _full_logits)[0]
     with replay.replaying(replay.routes_from_rollout([ids], [valid])):

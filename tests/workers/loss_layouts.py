@@ -23,7 +23,7 @@ on-policy shortcut's measured differences from the two-pass path.
 
 In check mode, for gspo, also per-rank step data (mcore_rl.step_data) with the real collectives: each rank
 holds the half of the batch it "generated" (with R3 routes), the metadata is all-reduced and each rank receives
-only its DP rank's samples; its micro-batches must equal the all-gathered path's (pack_rollouts + split_for_rank
+only its DP rank's samples; its micro-batches must equal the all-gathered path's (pad_rollouts + split_for_rank
 of the whole batch) field by field, and a fresh Actor's loss and update on them must equal the packed step's
 just taken; result "step_data": those differences, the samples held / trained on / received, bytes received.
 """
@@ -113,7 +113,7 @@ def packed_step(actor, algo, tokens, loss_mask, advantages, lp_full, fields, cou
     lps = actor.log_probs(mbs, temperature=algo.temperature)
     lp_diff = 0.0
     for mb, lp in zip(mbs, lps):
-        for row, piece in zip(mb.sequences, unpack_rows(lp.cpu(), mb)):
+        for row, piece in zip(mb.source_rows, unpack_rows(lp.cpu(), mb)):
             n = piece.shape[-1]
             lp_diff = max(lp_diff, float(((piece[0] - lp_full[row, :n]) * loss_mask[row, :n]).abs().max()))
         mb.old_log_prob = pack_field(fields["old"], mb)
@@ -123,14 +123,14 @@ def packed_step(actor, algo, tokens, loss_mask, advantages, lp_full, fields, cou
 
 
 # Per-rank step data (mcore_rl.step_data) through the real collectives, against today's all-gathered path
-# (every rank packs every sample: pack_rollouts + split_for_rank): the same micro-batches, field by field,
+# (every rank packs every sample: pad_rollouts + split_for_rank): the same micro-batches, field by field,
 # only this DP rank's samples received, and the same loss and update (compare's tolerances).
 def check_per_rank_step_data(actor, algo, tokens, loss_mask, rewards, fields, before):
     """Returns (metrics, update, measurements) of a step on the micro-batches built from per-rank step data."""
     import dataclasses
 
     from mcore_rl.algos import group_advantages
-    from mcore_rl.batch import RolloutSample, pack_field, pack_rollouts, plan_mini_batches, split_for_rank
+    from mcore_rl.batch import RolloutSample, pack_field, pad_rollouts, plan_mini_batches, split_for_rank
     from mcore_rl.megatron.policy_loss import make_policy_loss_fn
     from mcore_rl.rollout.data_parallel import LocalRollout, ReplicaLayout
     from mcore_rl.step_data import ExchangeStats, dp_ranks, exchange_meta, local_mini_batches
@@ -155,7 +155,7 @@ def check_per_rank_step_data(actor, algo, tokens, loss_mask, rewards, fields, be
     )
     multiple = layout.seq_len_multiple
     (mini,) = local_mini_batches(local, meta, plans, advantages, dp_ranks(layout.ranks.dp), 0, multiple, experts, stats)
-    whole = pack_rollouts(samples, rewards, group_advantages(rewards, GROUP), 0, multiple)
+    whole = pad_rollouts(samples, rewards, group_advantages(rewards, GROUP), 0, multiple)
     (today,) = split_for_rank(
         whole, 1, layout.dp, layout.ranks.dp, max_len=S, route_experts=experts, max_tokens=BUDGET, multiple=multiple
     )
@@ -166,7 +166,7 @@ def check_per_rank_step_data(actor, algo, tokens, loss_mask, rewards, fields, be
             x, y = getattr(a, f.name), getattr(b, f.name)
             same = torch.equal(x, y) if torch.is_tensor(y) else x == y
             assert same, f"per-rank step data: micro-batch field {f.name} differs from the all-gathered path"
-    trained = sorted(i for mb in mini.micro_batches for i in mb.sequences)
+    trained = sorted(i for mb in mini.micro_batches for i in mb.source_rows)
     received = [i for i in trained if i not in local.held]
     # exactly this DP rank's samples that this rank did not generate reached it, nothing else
     assert stats.received_bytes == sum(meta.sample_nbytes(i) for i in received), stats

@@ -28,7 +28,7 @@ def logits(model, tokens, mask, **extra):
 def main():
     args = worker_args(__doc__, model_dir=str)
     from mcore_rl.config import ModelConfig, ParallelConfig
-    from mcore_rl.megatron.packing import model_inputs
+    from mcore_rl.megatron.attention_inputs import model_inputs
     from mcore_rl.megatron.parallel import init_parallel
     from mcore_rl.models.bridge import ModelBridge, _MbridgeBackend
     from mcore_rl.platform import Platform

@@ -39,15 +39,15 @@ def world_sum(x: float) -> float:
 
 
 def packed_checks(actor, replay, samples, layout, full_logits):
-    from mcore_rl.batch import MicroBatch, pack_rollouts, split_for_rank, unpack_rows
+    from mcore_rl.batch import MicroBatch, pad_rollouts, split_for_rank, unpack_rows
 
     n = len(samples)
-    batch = pack_rollouts(samples, torch.zeros(n), torch.zeros(n), 0, layout.seq_len_multiple)
+    batch = pad_rollouts(samples, torch.zeros(n), torch.zeros(n), 0, layout.seq_len_multiple)
     (mini,) = split_for_rank(
         batch, 1, layout.dp, layout.ranks.dp, max_tokens=24, multiple=layout.seq_len_multiple, route_experts=8
     )
     mbs = mini.micro_batches
-    assert any(len(mb.sequences) > 1 for mb in mbs) or layout.dp > 1, [mb.seq_lengths for mb in mbs]
+    assert any(len(mb.source_rows) > 1 for mb in mbs) or layout.dp > 1, [mb.seq_lengths for mb in mbs]
     padded = actor.forward_only([MicroBatch(batch.tokens)], full_logits)[0]  # every sequence, on every rank
     plain = actor.forward_only(mbs, full_logits)
     r3_routes = replay.routes_from_rollout([mb.routed_experts for mb in mbs], [mb.route_valid for mb in mbs])
@@ -58,7 +58,7 @@ def packed_checks(actor, replay, samples, layout, full_logits):
     gap = r3_gap = 0.0
     for mb, a, b in zip(mbs, plain, r3_logits):
         for row, piece, replayed in zip(
-            mb.sequences, unpack_rows(a.transpose(1, 2), mb), unpack_rows(b.transpose(1, 2), mb)
+            mb.source_rows, unpack_rows(a.transpose(1, 2), mb), unpack_rows(b.transpose(1, 2), mb)
         ):
             length = int(batch.lengths[row])
             gap = max(gap, float((piece[0].t() - padded[row, :length]).abs().max()))
@@ -92,7 +92,7 @@ def main():
     args = worker_args(__doc__, model_dir=str, tp=int, pp=int, ep=int, recompute=int)
     model_dir, tp, pp, ep, recompute = args.model_dir, args.tp, args.pp, args.ep, args.recompute
 
-    from mcore_rl.batch import MicroBatch, pack_rollout_routes
+    from mcore_rl.batch import MicroBatch, pad_rollout_routes
     from mcore_rl.config import Config, ModelConfig, OptimConfig, ParallelConfig
     from mcore_rl.megatron.actor import Actor
 
@@ -204,7 +204,7 @@ def main():
     per = len(samples) // dp
     mine = range(dp_rank * per, (dp_rank + 1) * per)
     r3_mbs = [MicroBatch(r3_tokens[list(mine)])]
-    ids, valid = pack_rollout_routes([samples[i].routed_experts for i in mine], seq_len, 8)
+    ids, valid = pad_rollout_routes([samples[i].routed_experts for i in mine], seq_len, 8)
     assert not bool(valid.all()), "no padding in the R3 batch: the dummy-id path would be untested"
     r3_routes = replay.routes_from_rollout([ids], [valid])
     plain = actor.forward_only(r3_mbs, full_logits)[0]
