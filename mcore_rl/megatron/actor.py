@@ -41,6 +41,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from mcore_rl import safety
 from mcore_rl.batch import (
     MicroBatch,
     MiniBatch,
@@ -50,13 +51,23 @@ from mcore_rl.batch import (
     partition_by_tokens,
     unpack_rows,
 )
+from mcore_rl.compat.megatron import drop_received_activations, output_hidden_states
+from mcore_rl.compat.megatron_optim import StepOutcome, guarded_step
+from mcore_rl.compat.megatron_state import actor_state
 from mcore_rl.config import AlgoConfig, Config, OptimConfig
+from mcore_rl.megatron import checkpoint
+from mcore_rl.megatron.attention_inputs import model_inputs
+from mcore_rl.megatron.context_parallel import packed_params, plan_shard, shard, take_local, unshard
 from mcore_rl.megatron.logprobs import OutputHead
+from mcore_rl.megatron.offload import HostOffload
 from mcore_rl.megatron.parallel import init_parallel
 from mcore_rl.megatron.policy_loss import make_log_prob_fn, make_policy_loss_fn
+from mcore_rl.megatron.routing_replay import RecordedRoutes, RoutingReplay
 from mcore_rl.models.bridge import ModelBridge
+from mcore_rl.models.hf_io import write_hf_folder
 from mcore_rl.platform import Platform, collectives, get_platform
 from mcore_rl.preflight.layout import Layout
+from mcore_rl.run_dir import OutputWriteError, write_failure
 from mcore_rl.weights.exporter import HFExporter
 
 logger = logging.getLogger(__name__)
@@ -164,8 +175,6 @@ class Actor:
         self.tf_config = self.bridge.transformer_config
         self.optimizer = self.scheduler = None
         self.replay = None  # RoutingReplay, when cfg.algo.routing_replay is set (enable_routing_replay)
-        from mcore_rl.megatron.offload import HostOffload
-
         # the reference model never changes: its host copy is made once (HostOffload.read_only)
         self._host = HostOffload(self.platform, read_only=frozen)
         if frozen:
@@ -190,8 +199,6 @@ class Actor:
         Adam moments) to host memory; their device storages are released (resized to 0 bytes). Gradients are
         released without a copy (they are zeroed before the next use). Returns the bytes released; collective
         only in that every rank should do it at the same point. Idempotent."""
-        from mcore_rl.compat.megatron_state import actor_state
-
         state = actor_state(self.model, self.optimizer)
         return self._host.offload(state.kept, state.gradients)
 
@@ -250,8 +257,6 @@ class Actor:
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.utils import get_model_config
 
-        from mcore_rl.compat.megatron import drop_received_activations, output_hidden_states
-
         self._require_resident("a forward / backward pass")
         self._check(micro_batches)
         device = self.platform.device
@@ -291,19 +296,13 @@ class Actor:
         """The context-parallel split of `mb` (None at cp = 1): mcore_rl.megatron.context_parallel."""
         if self.layout.cp == 1:
             return None
-        from mcore_rl.megatron.context_parallel import plan_shard
-
         local_multiple = self.layout.tp if self.layout.sequence_parallel else 1
         return plan_shard(mb, self.layout.cp, self.layout.ranks.cp, local_multiple)
 
     def _model_inputs(self, mb: MicroBatch, plan, mode: str):
         """(micro-batch as this rank computes it, attention mask, extra forward kwargs)."""
-        from mcore_rl.megatron.attention_inputs import model_inputs
-
         if plan is None:
             return (mb, *model_inputs(mb, mode))
-        from mcore_rl.megatron.context_parallel import packed_params, shard
-
         local = shard(mb, plan)
         return local, None, {"packed_seq_params": packed_params(plan, self.layout.groups.cp, mb.tokens.device)}
 
@@ -311,8 +310,6 @@ class Actor:
         """A forward-only result of this rank's part of the sequences -> the whole micro-batch (cp > 1)."""
         if plan is None:
             return result
-        from mcore_rl.megatron.context_parallel import unshard
-
         return unshard(result, plan, self.layout.groups.cp)
 
     def _from_last_stage(self, obj):
@@ -413,11 +410,9 @@ class Actor:
     def check_weights_finite(self, what: str, fix: Optional[str] = None) -> None:
         """Collective: raises safety.TrainingHalted on every rank when any rank's weights hold NaN/inf
         (`what` starts the message), so nothing non-finite reaches the engine, a checkpoint or an export."""
-        from mcore_rl.safety import check_weights_finite
-
         self._require_resident("check_weights_finite")
         named = ((name, p.data) for chunk in self.model for name, p in chunk.named_parameters())
-        check_weights_finite(named, what, fix=fix)
+        safety.check_weights_finite(named, what, fix=fix)
 
     # ---- train -------------------------------------------------------------------------------
     def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
@@ -463,8 +458,6 @@ class Actor:
     def _step_if_finite(self, loss: float):
         """The optimizer step, skipped on every rank when the global loss or gradient norm is not finite
         (the LR schedule then stays where it is, as in Megatron's own loop)."""
-        from mcore_rl.compat.megatron_optim import StepOutcome, guarded_step
-
         if not math.isfinite(loss):
             return StepOutcome(False, float("nan"))
         outcome = guarded_step(self.optimizer)
@@ -509,8 +502,6 @@ class Actor:
     # ---- routing replay ----------------------------------------------------------------------
     def enable_routing_replay(self) -> None:
         """Wrap every MoE router of this rank for record / replay (cfg.algo.routing_replay). Collective over PP."""
-        from mcore_rl.megatron.routing_replay import RoutingReplay
-
         self.replay = RoutingReplay.install(self.model, self.layout)
 
     def _require_replay(self):
@@ -524,8 +515,6 @@ class Actor:
         plan = self._cp_plan(mb)
         if plan is None:
             return values
-        from mcore_rl.megatron.context_parallel import take_local
-
         return take_local(values, plan)
 
     def _store_routes(self, micro_batches: list[MicroBatch], routes) -> None:
@@ -535,8 +524,6 @@ class Actor:
             mb.replay_routes = mb_routes
 
     def _replay_routes(self, micro_batches: list[MicroBatch]):
-        from mcore_rl.megatron.routing_replay import RecordedRoutes
-
         for mb in micro_batches:
             if mb.replay_routes is None:  # R3: the engine's routes, in the router's order (kept for later epochs)
                 mb.require("routed_experts", "route_valid")
@@ -556,9 +543,6 @@ class Actor:
         `source_dir`: a HF folder whose tokenizer / generation files are copied next to the weights."""
         from pathlib import Path
 
-        from mcore_rl.models.hf_io import write_hf_folder
-        from mcore_rl.run_dir import OutputWriteError, write_failure
-
         writer = torch.distributed.get_rank() == 0
         stream = self.export_hf_weights(receive=writer)
         failed = None  # rank 0's reason, for every rank
@@ -576,14 +560,10 @@ class Actor:
 
     def save_checkpoint(self, directory: str, extra: Optional[dict] = None) -> None:
         """Model + optimizer + scheduler as a Megatron dist checkpoint, loadable into any layout (collective)."""
-        from mcore_rl.megatron.checkpoint import save_checkpoint
-
         self._require_resident("save_checkpoint")
-        save_checkpoint(self, directory, extra)
+        checkpoint.save_checkpoint(self, directory, extra)
 
     def load_checkpoint(self, directory: str, load_optimizer: bool = True) -> dict:
         """Load a checkpoint written by `save_checkpoint` (any layout); returns its `extra` (collective)."""
-        from mcore_rl.megatron.checkpoint import load_checkpoint
-
         self._require_resident("load_checkpoint")
-        return load_checkpoint(self, directory, load_optimizer=load_optimizer)
+        return checkpoint.load_checkpoint(self, directory, load_optimizer=load_optimizer)
