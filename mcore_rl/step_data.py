@@ -40,6 +40,7 @@ from mcore_rl.batch import (
     pad_rollouts,
     step_seq_len,
 )
+from mcore_rl.platform import collectives
 from mcore_rl.rollout.data_parallel import LocalRollout
 
 _META_COLUMNS = 6  # prompt length, response length, truncated, valid, route layers, route top-k
@@ -137,8 +138,6 @@ def needs_by_rank(plans: list[MiniBatchPlan], dp_of_rank: list[int]) -> list[lis
 
 def dp_ranks(dp_rank: int) -> list[int]:
     """Collective: the data-parallel rank of every global rank (this rank passes its own)."""
-    from mcore_rl.platform import collectives
-
     if not dist.is_initialized():
         return [dp_rank]
     rank = dist.get_rank()

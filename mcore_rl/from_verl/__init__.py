@@ -14,11 +14,15 @@ from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence, get_type_hints
 
+from mcore_rl.config import Config, ConfigError, load_config
 from mcore_rl.from_verl.hydra import parse_command
 from mcore_rl.from_verl.keys import STATUSES
 from mcore_rl.from_verl.mapping import convert
 from mcore_rl.from_verl.shell import ShellError, read_script
 from mcore_rl.from_verl.verl_run import Conversion, ConversionError
+from mcore_rl.preflight.check import describe_run, model_dims
+from mcore_rl.preflight.layout import LayoutError
+from mcore_rl.preflight.run import validate_run
 
 __all__ = [
     "ShellError",
@@ -85,8 +89,6 @@ def _section_order(cls: type, prefix: str = "") -> list[str]:
 
 def preset_text(conv: Converted, out_name: str) -> str:
     """The preset YAML: nested sections, one comment per setting naming where it came from."""
-    from mcore_rl.config import Config
-
     c = conv.conversion
     settings = c.settings
     order = [k for k in _section_order(Config) if k in settings]
@@ -113,11 +115,6 @@ def preset_text(conv: Converted, out_name: str) -> str:
 
 def check_preset(path: str | os.PathLike, world: int, model_config: Optional[str] = None) -> tuple[bool, str]:
     """`mcore-rl check` in this process: (passed, the check's report or its error with the fix)."""
-    from mcore_rl.config import ConfigError, load_config
-    from mcore_rl.preflight.check import describe_run, model_dims
-    from mcore_rl.preflight.layout import LayoutError
-    from mcore_rl.preflight.run import validate_run
-
     try:
         cfg = load_config(path)
         if model_config is None and not (Path(cfg.model.path) / "config.json").is_file():

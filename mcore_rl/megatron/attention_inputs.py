@@ -24,6 +24,8 @@ from typing import Any, Optional
 
 import torch
 
+from mcore_rl.platform import npu_actual_seq_len
+
 
 def cu_seqlens(seq_lengths: list[int], device) -> torch.Tensor:
     """[n + 1] int32 cumulative segment boundaries, starting at 0."""
@@ -36,8 +38,6 @@ def packed_seq_params(seq_lengths: list[int], device, ends_only: bool = False) -
     """Megatron's THD params; `ends_only` (mode "thd-ends", NPU): cu_seqlens as the fused attention's end offsets
     (`mcore_rl.platform.npu_actual_seq_len`) and Megatron's bounds, which its RoPE reads, as the padded ones."""
     from megatron.core.packed_seq_params import PackedSeqParams
-
-    from mcore_rl.platform import npu_actual_seq_len
 
     bounds = cu_seqlens(seq_lengths, device)
     longest = max(seq_lengths)

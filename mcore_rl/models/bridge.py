@@ -155,7 +155,7 @@ class _MbridgeBackend:
         from megatron.core.transformer.dot_product_attention import DotProductAttention
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-        from mcore_rl.models.segment_attention import SegmentDotProductAttention
+        from mcore_rl.models.segment_attention import SegmentDotProductAttention  # Megatron: where a spec is built
 
         spec = get_gpt_decoder_block_spec(self.impl.config, use_transformer_engine=False, **kwargs)
         _replace_module(spec, WrappedTorchNorm, RMSNorm)

@@ -48,6 +48,8 @@ import logging
 
 import torch
 
+from mcore_rl.compat import megatron as compat_megatron
+
 logger = logging.getLogger(__name__)
 
 _MARK = "_mcore_rl_cpu_patch"  # set on every replacement: makes apply() idempotent
@@ -300,8 +302,6 @@ def _results_queue():
 
 def _patch_checkpoint_writer() -> None:
     from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    from mcore_rl.compat import megatron as compat_megatron
 
     if not compat_megatron.sync_save_writes_here():
         return

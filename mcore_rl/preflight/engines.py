@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 from mcore_rl.config import Config
 from mcore_rl.preflight.layout import LayoutError, ModelDims, divisors
+from mcore_rl.preflight.support import first_release_with
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,6 @@ def check_engine_capabilities(cfg: Config, platform: Optional[str]) -> None:
     that would allow each and why it cannot share the actor's process today."""
     if platform != "npu" or cfg.rollout.engine != "vllm":
         return
-    from mcore_rl.preflight.support import first_release_with
 
     a, r = cfg.algo, cfg.rollout
     if a.routing_replay == "r3":

@@ -15,6 +15,8 @@ from packaging.version import Version
 from mcore_rl.compat import transformers as compat_transformers
 from mcore_rl.config import Config, ConfigError
 from mcore_rl.preflight.architectures import ARCHITECTURES
+from mcore_rl.preflight.hf_tensors import expected_hf_tensors, tolerated_extra
+from mcore_rl.safety import first_non_finite
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -95,8 +97,6 @@ def _read_headers(folder: Path, files: list[str]) -> dict[str, tuple[str, dict]]
 
 def _check_tensors(folder: Path, config: dict, tensors: dict[str, tuple[str, dict]]) -> None:
     """Names and shapes against what config.json's architecture needs (mcore_rl.preflight.hf_tensors)."""
-    from mcore_rl.preflight.hf_tensors import expected_hf_tensors, tolerated_extra
-
     try:
         expected = expected_hf_tensors(config)
     except (KeyError, TypeError) as e:
@@ -141,8 +141,6 @@ _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 def _check_finite(folder: Path, tensors: dict[str, tuple[str, dict]]) -> None:
     from safetensors import safe_open
-
-    from mcore_rl.safety import first_non_finite
 
     total = sum(e["data_offsets"][1] - e["data_offsets"][0] for _, e in tensors.values())
     if total > FINITE_CHECK_MAX_BYTES:

@@ -44,7 +44,8 @@ from typing import Optional
 
 from mcore_rl.config import Config
 from mcore_rl.preflight.host_chunks import HOST_CHUNK_BYTES, pinned_bytes
-from mcore_rl.preflight.layout import Layout, ModelDims
+from mcore_rl.preflight.layout import Layout, LayoutError, ModelDims
+from mcore_rl.preflight.run import validate_run
 
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -544,9 +545,6 @@ def levers(cfg: Config, layout: Layout, dims: ModelDims, plan: MemoryPlan) -> li
 def layout_levers(cfg: Config, layout: Layout, dims: ModelDims, plan: MemoryPlan, count: int = 2) -> list[str]:
     """Other layouts of the same world size (tp, pp, ep; etp 1; cp as it is, or 2x / 4x it: context parallelism
     divides the activations of long sequences) that fit, lowest peak first."""
-    from mcore_rl.preflight.layout import LayoutError
-    from mcore_rl.preflight.run import validate_run
-
     found = []
     world = layout.world_size
     for tp, pp, cp, ep in itertools.product((1, 2, 4, 8), (1, 2, 4, 8), _cp_sizes(layout.cp), (1, 2, 4, 8, 16, 32, 64)):

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from mcore_rl.config import ConfigError, config_to_dict
+
 CONFIG_FILE = "config.yaml"  # in a checkpoint folder (and in RUN_DIR, for the newest start)
 
 
@@ -135,8 +137,6 @@ def _check_world(cfg, ckpt_path: Path) -> None:
     """The checkpoint's own record of its world size (COMPLETE marker), for those without a saved config."""
     import json
 
-    from mcore_rl.config import ConfigError
-
     world = cfg.trainer.nproc * cfg.trainer.nnodes
     try:
         saved_world = json.loads((Path(ckpt_path) / "COMPLETE").read_text()).get("world_size")
@@ -154,8 +154,6 @@ def check_resume_changes(cfg, ckpt_path: Path) -> list[Change]:
     """The applied changes of resuming `cfg` from the checkpoint at ckpt_path; ConfigError for a refused
     one (or an unreadable saved config). No saved config at all (written by hand): nothing to compare."""
     import yaml
-
-    from mcore_rl.config import ConfigError, config_to_dict
 
     path = saved_config_path(Path(ckpt_path))
     if path is None:

@@ -6,6 +6,7 @@ from typing import Any, Optional
 
 from mcore_rl.config import RolloutConfig
 from mcore_rl.rollout.base import EngineCapabilities, RolloutEngine, RolloutSample, SamplingParams
+from mcore_rl.rollout.embedded import EmbeddedEngine
 
 __all__ = ["EngineCapabilities", "RolloutEngine", "RolloutSample", "SamplingParams", "make_engine", "sampling_params"]
 
@@ -47,8 +48,6 @@ def make_engine(
 
 def _build_engine(cfg: RolloutConfig, model_path: str, platform: Any, dtype: str, kwargs: dict) -> RolloutEngine:
     if cfg.engine == "embedded":
-        from mcore_rl.rollout.embedded import EmbeddedEngine
-
         device = getattr(platform, "device", "cpu") if platform is not None else "cpu"
         return EmbeddedEngine(model_path, dtype=dtype, device=device, **kwargs)
     if cfg.engine == "vllm":

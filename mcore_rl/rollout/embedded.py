@@ -47,6 +47,7 @@ from mcore_rl.rollout.base import (
     check_generate_request,
     check_score_request,
 )
+from mcore_rl.rollout.weight_sync import fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -313,8 +314,6 @@ class EmbeddedEngine(RolloutEngine, WeightReader):
 
     @torch.no_grad()
     def weight_fingerprints(self, names: list[str]) -> dict[str, torch.Tensor]:
-        from mcore_rl.rollout.weight_sync import fingerprint
-
         return {name: fingerprint(name, self._targets[name]) for name in names}
 
     def rebuild_from(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from mcore_rl.config import ConfigError
 from mcore_rl.run_dir.checksums import TRUST_FLAG, checksum_share, marker_problem, unverifiable, verify_checkpoint
 from mcore_rl.run_dir.errors import CheckpointWriteError, checkpoint_write_error
 from mcore_rl.run_dir.layout import (
@@ -128,7 +129,7 @@ class CheckpointManager:
             # BaseException): name the OS error and the path; the partial write is removed, it is never read
             error = checkpoint_write_error(e, step, tmp, self.latest())
             if _raised_on_every_rank(e):  # only rank 0, the writer's coordinator, holds every rank's error
-                from mcore_rl.platform import collectives
+                from mcore_rl.platform import collectives  # torch, as in ownership: not for the pre-flight
 
                 error = CheckpointWriteError(collectives.from_rank0(str(error)))
             if rank == 0:
@@ -169,8 +170,6 @@ def resolve_resume(cfg) -> Optional[Checkpoint]:
 
     PATH may be a checkpoint directory or another run directory (its newest complete checkpoint is used).
     """
-    from mcore_rl.config import ConfigError
-
     resume = cfg.checkpoint.resume
     if resume == "never":
         return None
@@ -201,8 +200,6 @@ def resolve_verified_resume(cfg, log=None) -> Optional[Checkpoint]:
 
     resume=auto falls back to the newest complete checkpoint that verifies, saying which it skipped and
     why; an explicit PATH that does not verify is a ConfigError naming the file."""
-    from mcore_rl.config import ConfigError
-
     rank, _ = dist_rank_and_barrier()
     world, gather = dist_world_and_gather()
     chosen = resolve_resume(cfg)

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from mcore_rl.config import ConfigError
 from mcore_rl.run_dir.checkpoints import CheckpointManager, dist_rank_and_barrier, resolve_resume
 from mcore_rl.run_dir.checksums import unverifiable
 from mcore_rl.run_dir.layout import (
@@ -60,8 +61,6 @@ class RunLock:
         """Take the lock or raise ConfigError naming the holder."""
         import fcntl
         import socket
-
-        from mcore_rl.config import ConfigError
 
         path = Path(run_dir) / LOCK_FILE
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -181,8 +180,6 @@ def abandon_newer(manager: CheckpointManager, resume: Checkpoint) -> list[Path]:
 def claim_run_dir(cfg, resume: Optional[Checkpoint], log=None) -> RunLock:
     """Rank 0, before anything is written: lock RUN_DIR, refuse (or move aside) another run, abandon newer
     checkpoints when resuming from an older one of this run. Raises ConfigError with the fix."""
-    from mcore_rl.config import ConfigError
-
     run_dir = Path(cfg.trainer.run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"trainer.run_dir = {run_dir} is a file, not a directory: choose another trainer.run_dir")
@@ -218,8 +215,6 @@ def _existing_ancestor(path: Path) -> Path:
 def _check_writable(run_dir: Path, checkpoint_bytes: Optional[int]) -> None:
     """The run directory (or the folder it will be made in) is a writable directory with room for one
     checkpoint (`checkpoint_bytes`, from the memory plan: mcore_rl.preflight.memory_plan.checkpoint_bytes)."""
-    from mcore_rl.config import ConfigError
-
     base = _existing_ancestor(run_dir)
     if not base.is_dir():
         raise ConfigError(
@@ -246,8 +241,6 @@ def _check_writable(run_dir: Path, checkpoint_bytes: Optional[int]) -> None:
 def check_run_dir(cfg, checkpoint_bytes: Optional[int] = None) -> None:
     """Pre-flight, before any process starts: the run directory is usable by this run (not a file, writable,
     room for one checkpoint, not locked by another run, not another run's checkpoints unless moving them aside)."""
-    from mcore_rl.config import ConfigError
-
     run_dir = Path(cfg.trainer.run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"trainer.run_dir = {run_dir} is a file, not a directory: choose another trainer.run_dir")
@@ -268,8 +261,7 @@ def check_run_dir(cfg, checkpoint_bytes: Optional[int] = None) -> None:
 def claim_run_dir_collective(cfg, resume: Optional[Checkpoint], log=None) -> Optional[RunLock]:
     """Every rank calls this; rank 0 claims the run directory (claim_run_dir) and every rank raises the
     same ConfigError when it cannot. Returns the lock on rank 0, None elsewhere."""
-    from mcore_rl.config import ConfigError
-    from mcore_rl.platform import collectives
+    from mcore_rl.platform import collectives  # torch: only the collective paths load it (the pre-flight's do not)
 
     rank, _ = dist_rank_and_barrier()
     lock, error = None, None
