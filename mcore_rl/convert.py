@@ -99,11 +99,11 @@ def convert(args: argparse.Namespace) -> None:
     """Run one conversion (collective under torchrun)."""
     import torch
 
-    # Megatron (seconds to import, and its start-up warnings) only for a conversion whose arguments passed check_args
+    platform = get_platform(args.platform)
+    platform.adapt_megatron()  # before Megatron is imported (on CPU: without TorchDynamo, as in the trainer)
+    # Megatron (seconds to import) only for a conversion whose arguments passed check_args
     from mcore_rl.megatron.actor import Actor
 
-    platform = get_platform(args.platform)
-    platform.adapt_megatron()
     cfg = Config(platform=platform.name, model=ModelConfig(path=args.hf, dtype=args.dtype))
     cfg.actor.parallel = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
     from_hf = args.direction == "hf-to-mcore"
