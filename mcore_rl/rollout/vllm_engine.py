@@ -71,9 +71,10 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
+from mcore_rl.compat import vllm as compat_vllm
 from mcore_rl.config import RolloutConfig
 from mcore_rl.models.hf_io import torch_dtype, write_hf_folder
-from mcore_rl.platform import free_port
+from mcore_rl.platform import Platform, free_port
 from mcore_rl.preflight.engines import validate_rollout_tp
 from mcore_rl.rollout.base import (
     MEMORY_TAGS,
@@ -113,13 +114,9 @@ def _ensure_launcher_env() -> None:
 def _check_ascend_stack() -> None:
     """Where vLLM-Ascend is installed: refuse versions whose MoE reload cannot work, and set the Ascend
     environment (VLLM_ASCEND_ENABLE_NZ=0 for sleep mode, ...) before vLLM reads it."""
-    from mcore_rl.compat.vllm import check_vllm_ascend, installed_vllm_ascend
-
-    version = installed_vllm_ascend()
+    version = compat_vllm.installed_vllm_ascend()
     if version is not None:
-        check_vllm_ascend(version)
-        from mcore_rl.platform import Platform
-
+        compat_vllm.check_vllm_ascend(version)
         Platform("npu").apply_environment()
 
 
@@ -152,10 +149,8 @@ def reload_weights_in_worker(worker: Any, weights: Iterable[tuple[str, torch.Ten
     """Runs inside each vLLM worker (via ``collective_rpc``): load checkpoint-format weights in place, by the
     path the installed vLLM offers (mcore_rl.compat.vllm.reload_in_place: ``reload_weights(weights_iterator=)``
     where it exists, else the model's ``load_weights`` with vLLM-Ascend's MoE loaders restored)."""
-    from mcore_rl.compat.vllm import reload_in_place
-
     weights = list(weights) if not isinstance(weights, list) else weights
-    reload_in_place(worker.model_runner, weights)
+    compat_vllm.reload_in_place(worker.model_runner, weights)
     return len(weights)
 
 
@@ -172,9 +167,7 @@ def _release_device_cache() -> None:
 
 def reload_from_folder_in_worker(worker: Any, folder: str) -> str:
     """Runs inside each vLLM worker: re-read every weight from a Hugging Face folder in place."""
-    from mcore_rl.compat.vllm import reload_from_folder
-
-    return reload_from_folder(worker.model_runner, folder)
+    return compat_vllm.reload_from_folder(worker.model_runner, folder)
 
 
 @contextmanager
@@ -535,15 +528,13 @@ class VllmEngine(DataParallelEngine):
     def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
         """Re-allocate `tags` (MEMORY_TAGS: "weights", "kv_cache"; None: all) after sleep(). The trainer wakes the
         weights, syncs, moves the actor off the device, then wakes the KV cache (two-phase wake)."""
-        from mcore_rl.compat.vllm import wake_up
-
         wanted = list(MEMORY_TAGS if tags is None else tags)
         unknown = sorted(set(wanted) - set(MEMORY_TAGS))
         if unknown:
             raise ValueError(f"wake_up tags {unknown} unknown; use a subset of {list(MEMORY_TAGS)}")
         waking = [t for t in MEMORY_TAGS if t in wanted and t in self._sleeping]
         if waking:
-            self._sleeping.difference_update(wake_up(self.llm, waking, MEMORY_TAGS))
+            self._sleeping.difference_update(compat_vllm.wake_up(self.llm, waking, MEMORY_TAGS))
         elif not self._sleep_mode:
             self._log_once("sleep", "vLLM engine: sleep/wake_up are no-ops on this platform; memory stays allocated")
 
