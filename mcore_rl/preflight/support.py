@@ -101,7 +101,8 @@ def _same_release(a: str, b: str) -> bool:
 
 
 def _min_vllm_ascend() -> str:
-    from mcore_rl.compat.vllm import MIN_VLLM_ASCEND  # the floor the engine enforces (one value)
+    # the floor the engine enforces (one value); here, not at the top: compat.vllm imports torch, the pre-flight none
+    from mcore_rl.compat.vllm import MIN_VLLM_ASCEND
 
     return MIN_VLLM_ASCEND
 
