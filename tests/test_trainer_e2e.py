@@ -242,6 +242,36 @@ def _wait_for_checkpoint_write(proc: subprocess.Popen, run_dir: Path, step: int,
     raise AssertionError(f"checkpoint {step} was not being written within {timeout} s")
 
 
+def _kill_while_writing(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float) -> None:
+    """SIGKILL the whole job as soon as checkpoint `step` is being written. The job's processes are listed while
+    waiting, so the kill follows the .tmp folder's appearance within a few milliseconds: a tiny model's write
+    takes well under a second, and listing them only after seeing the folder let the write finish first."""
+    import psutil
+
+    tmp = run_dir / "checkpoints" / f"step_{step:08d}.tmp"
+    deadline = time.time() + timeout
+    victims: list = []
+    try:
+        while not tmp.exists():
+            if proc.poll() is not None:
+                raise AssertionError(f"training exited ({proc.returncode}) before writing checkpoint {step}")
+            if time.time() > deadline:
+                raise AssertionError(f"checkpoint {step} was not being written within {timeout} s")
+            try:
+                root = psutil.Process(proc.pid)
+                victims = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                pass
+            time.sleep(0.002)
+        for p in victims:
+            try:
+                p.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+    finally:
+        kill_job(proc)  # whatever started since it was listed
+
+
 def test_kill_during_checkpoint_write_then_exact_resume(tiny_model_dir, task, tmp_path):
     """4 steps straight == the same run SIGKILLed while writing its step-4 checkpoint, then resumed.
 
@@ -262,10 +292,7 @@ def test_kill_during_checkpoint_write_then_exact_resume(tiny_model_dir, task, tm
         start_new_session=True,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
-    try:
-        _wait_for_checkpoint_write(proc, resumed, 4, timeout=240)
-    finally:
-        kill_job(proc)  # torchrun and both ranks, mid-write
+    _kill_while_writing(proc, resumed, 4, timeout=240)  # torchrun and both ranks, mid-write
     from mcore_rl.run_dir import CheckpointManager
 
     assert not is_complete(resumed / "checkpoints" / "step_00000004")
