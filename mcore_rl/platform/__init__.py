@@ -198,8 +198,11 @@ class Platform:
         """Collect garbage, then `empty_cache`: tensors only unreachable (reference cycles) die first, and their blocks
         leave torch's caching allocator with the others. Called before the engine maps device memory (a wake, a
         rebuild beside an awake engine): vLLM's sleep-mode allocator maps new physical memory and cannot use
-        blocks that torch's cache still holds from the training peak."""
-        gc.collect()
+        blocks that torch's cache still holds from the training peak. cpu: no collection - torch's CPU allocator
+        caches nothing and no CPU engine sleeps, while a full collection of a trainer's objects costs ~0.15 s of
+        CPU at every sync (half the tiny demo's step; docs/benchmarks.md)."""
+        if self.name != "cpu":
+            gc.collect()
         self.empty_cache()
 
     def reset_peak_memory_stats(self) -> None:
