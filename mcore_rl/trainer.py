@@ -164,7 +164,7 @@ class Trainer:
         # Here, not at the top: the actor imports Megatron, whose warnings are raised at import time, after `run`
         # has quieted the known ones (platform.library_warnings.quiet_startup); and after adapt_megatron, which
         # imports Megatron without TorchDynamo on CPU (cpu_adapt patch 9: ~1 s of CPU per rank otherwise).
-        self.platform.adapt_megatron()
+        self.platform.adapt_megatron(self.cfg.actor.parallel.cp)
         from mcore_rl.megatron.actor import Actor
 
         cfg = self.cfg

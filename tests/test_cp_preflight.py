@@ -31,33 +31,30 @@ def test_the_layout_pads_rows_by_the_same_rule():
 
 
 def test_cp_runs_where_a_cp_attention_is_configured():
-    """CPU (the local spec's attention), CUDA with Transformer Engine (TE's, cp_comm_type p2p) and CUDA before
-    launch (TE not known yet: judged as the matrix's stack, with TE) run cp > 1; CUDA without TE and NPU do not."""
-    for platform, te in (("cpu", None), ("cpu", False), (None, None), ("auto", None), ("cuda", True), ("cuda", None)):
+    """CPU (the local spec's attention), CUDA with Transformer Engine (TE's, cp_comm_type p2p), NPU (MindSpeed's ring
+    attention, megatron_cp_algo) and CUDA before launch (TE not known yet: judged as the matrix's stack, with TE) run
+    cp > 1; CUDA without TE does not."""
+    runs = [("cpu", None), ("cpu", False), (None, None), ("auto", None), ("cuda", True), ("cuda", None)]
+    runs += [("npu", None), ("npu", True), ("npu", False)]  # NPU always builds the TE-named spec (MindSpeed's)
+    for platform, te in runs:
         assert cp_rules.platform_problem(4, platform, te) is None and cp_rules.refusal(platform, te) is None
     problem = cp_rules.platform_problem(2, "cuda", False)
     assert problem.startswith("actor.parallel.cp = 2 on cuda: context parallelism on CUDA needs Transformer Engine")
     assert "cp_comm_type p2p" in problem and "install transformer-engine" in problem
-    for te in (None, True, False):
-        problem = cp_rules.platform_problem(2, "npu", te)
-        assert problem.startswith("actor.parallel.cp = 2 on npu: MindSpeed's context parallel attention")
-        assert "context_parallel_algo" in problem
-    for platform, te in (("cuda", False), ("npu", None)):
-        assert cp_rules.platform_problem(2, platform, te).endswith("set actor.parallel.cp = 1")
-        assert cp_rules.platform_problem(1, platform, te) is None
+    assert problem.endswith("set actor.parallel.cp = 1") and cp_rules.platform_problem(1, "cuda", False) is None
 
 
-@pytest.mark.parametrize("platform, te", [("cuda", False), ("npu", None), ("npu", True)])
-def test_check_refuses_cp_where_it_cannot_run_before_launch(platform, te):
+def test_check_refuses_cp_where_it_cannot_run_before_launch():
     cfg = load_config(None, ["actor.parallel.cp=2"])
-    with pytest.raises(LayoutError, match=r"actor.parallel.cp = 2 on .*set actor.parallel.cp = 1"):
-        validate_layout(cfg.actor.parallel, 8, QWEN_JSON, platform=platform, transformer_engine=te)
+    with pytest.raises(LayoutError, match=r"actor.parallel.cp = 2 on cuda: .*set actor.parallel.cp = 1"):
+        validate_layout(cfg.actor.parallel, 8, QWEN_JSON, platform="cuda", transformer_engine=False)
 
 
-@pytest.mark.parametrize("te", [None, True])
-def test_check_lets_cp_run_on_cuda_with_transformer_engine(te):
+@pytest.mark.parametrize("platform, te", [("cuda", None), ("cuda", True), ("npu", None), ("npu", True)])
+def test_check_lets_cp_run_on_cuda_with_transformer_engine_and_on_npu(platform, te):
     cfg = load_config(None, ["actor.parallel.cp=2"])
-    assert validate_layout(cfg.actor.parallel, 8, QWEN_JSON, platform="cuda", transformer_engine=te).cp == 2
+    lay = validate_layout(cfg.actor.parallel, 8, QWEN_JSON, platform=platform, transformer_engine=te)
+    assert lay.cp == 2 and lay.dp == 4
 
 
 def test_cp_counts_in_the_world_and_in_the_expert_folding():

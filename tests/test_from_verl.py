@@ -434,16 +434,16 @@ def test_fsdp_actor_maps_to_data_parallelism_and_ulysses_is_listed(tmp_path):
     rows = conv.conversion.rows
     assert conv.conversion.strategy == "fsdp" and conv.conversion.world == 16
     assert (got["actor.parallel.tp"], got["actor.parallel.pp"], got["actor.parallel.ep"]) == (1, 1, 1)
-    row = rows["actor_rollout_ref.actor.ulysses_sequence_parallel_size"]
-    assert row.status == "not supported" and "whole sequences" in row.why and "x 4" in row.why
-    assert got["actor.max_tokens_per_micro_batch"] == 2560 * 4  # the Ulysses group's budget, on one device
+    row = rows["actor_rollout_ref.actor.ulysses_sequence_parallel_size"]  # NPU runs CP (MindSpeed's ring attention)
+    assert row.status == "mapped" and row.target == "actor.parallel.cp" and got["actor.parallel.cp"] == 4
+    assert got["actor.max_tokens_per_micro_batch"] == 2560 * 4  # the Ulysses group's budget, split over CP
     assert got["reward.overlong_buffer"] == 0 and got["trainer.steps"] == 500 and got["model.recompute"] is True
 
 
 def test_ulysses_maps_to_context_parallelism_where_cp_runs(tmp_path):
-    """The same run where CP runs (CPU, and CUDA with Transformer Engine; on NPU the pre-flight refuses cp > 1 until
-    MindSpeed's CP attention is configured): Ulysses SP 4 -> actor.parallel.cp 4 (Megatron CP, said so in the
-    comment), the SP group's budget split over the CP group; on NPU whole sequences per device."""
+    """The same run on every platform where CP runs (CPU, CUDA with Transformer Engine, NPU with MindSpeed's ring
+    attention): Ulysses SP 4 -> actor.parallel.cp 4 (Megatron CP, said so in the comment), the SP group's budget
+    split over the CP group."""
     script = tmp_path / "qwen2_5_3b_gspo_16.sh"
     script.write_text(
         (DATA / "qwen2_5_3b_gspo_npu16.sh").read_text().replace("trainer.device=npu", "trainer.device=cpu")
@@ -465,7 +465,7 @@ def test_ulysses_maps_to_context_parallelism_where_cp_runs(tmp_path):
     script.write_text((DATA / "qwen2_5_3b_gspo_npu16.sh").read_text())
     got, conv = converted(script, tmp_path)
     row = conv.conversion.rows["actor_rollout_ref.actor.ulysses_sequence_parallel_size"]
-    assert got["actor.parallel.cp"] == 1 and row.status == "not supported" and "context_parallel_algo" in row.why
+    assert got["platform"] == "npu" and got["actor.parallel.cp"] == 4 and row.status == "mapped"
     assert got["actor.max_tokens_per_micro_batch"] == 2560 * 4
 
 

@@ -87,7 +87,7 @@ def init_parallel(parallel: ParallelConfig, platform: Platform, hf_config, seed:
     if os.environ.get("RANK", "0") == "0":  # every rank reaches the same verdict: say it once
         for warning in layout.warnings:
             logger.warning("layout: %s", warning)
-    platform.adapt_megatron()
+    platform.adapt_megatron(layout.cp)  # on NPU: MindSpeed's CP arguments before the groups exist
     compat_megatron.apply_shims()
     compat_torch.apply_shims()
     platform.init_distributed()

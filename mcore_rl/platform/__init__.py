@@ -50,9 +50,41 @@ MINDSPEED_ARGS = {
 }
 
 
-def mindspeed_args_to_set(current: Any) -> dict:
-    """The MINDSPEED_ARGS entries whose value in MindSpeed's argument namespace `current` differs."""
-    return {k: v for k, v in MINDSPEED_ARGS.items() if getattr(current, k, None) != v}
+# MindSpeed's context-parallel algorithm for actor.parallel.cp > 1 (docs/context-parallel.md, "On NPU"): its ring
+# attention ("megatron_cp_algo") takes packed (TND) sequences split per sequence into 2 x cp chunks, rank r holding
+# chunks r and 2cp-1-r - the actor's split - and reads each sequence's bounds from cu_seqlens_q_padded // cp.
+# Ulysses (contiguous split, heads all-to-all), the hybrid and adaptive algorithms split otherwise.
+MINDSPEED_CP_ALGO = "megatron_cp_algo"
+
+
+def mindspeed_cp_args(cp: int) -> dict:
+    """The MindSpeed arguments for `cp` context-parallel ranks (none at cp 1). MindSpeed reads them from its argument
+    namespace: `context_parallel_size` > 1 makes its CP feature replace the attention classes and wrap
+    `initialize_model_parallel` (so they must be set before the process groups exist), and every TransformerConfig
+    gets a copy, which its CP attention reads (algorithm, mask type, ring window, overlap)."""
+    if cp <= 1:
+        return {}
+    return {
+        "context_parallel_size": cp,
+        "context_parallel_algo": MINDSPEED_CP_ALGO,
+        # causal: the ring's per-sequence causal (TND "eod") path, with MindSpeed's compressed causal mask;
+        # "general" would need a full [s, s] mask per micro-batch
+        "attention_mask_type": "causal",
+        # one ring over the CP group (no double ring); MindSpeed requires 1 <= cp_window_size < cp
+        "cp_window_size": 1,
+        # no second CP process group for overlapped send / receive (MindSpeed's default)
+        "use_cp_send_recv_overlap": False,
+    }
+
+
+def mindspeed_args(cp: int = 1) -> dict:
+    """Every MindSpeed argument the platform sets for a run with `cp` context-parallel ranks."""
+    return {**MINDSPEED_ARGS, **mindspeed_cp_args(cp)}
+
+
+def mindspeed_args_to_set(current: Any, cp: int = 1) -> dict:
+    """The `mindspeed_args(cp)` entries whose value in MindSpeed's argument namespace `current` differs."""
+    return {k: v for k, v in mindspeed_args(cp).items() if getattr(current, k, None) != v}
 
 
 @dataclass(frozen=True)
@@ -88,7 +120,8 @@ TE_CP_COMM_TYPE = "p2p"
 
 def context_parallel_config(name: str, te_spec: bool, cp: int) -> dict[str, str]:
     """TransformerConfig fields for context parallelism: cp_comm_type where TE's attention does CP (CUDA with the
-    TE spec); none at cp 1, and none for the local spec (its attention gathers K / V itself) or NPU (refused)."""
+    TE spec); none at cp 1, none for the local spec (its attention gathers K / V itself), and none on NPU: MindSpeed
+    copies its own CP arguments (`mindspeed_cp_args`, set by `adapt_megatron(cp)`) onto every TransformerConfig."""
     return {"cp_comm_type": TE_CP_COMM_TYPE} if cp > 1 and te_spec and name == "cuda" else {}
 
 
@@ -233,22 +266,24 @@ class Platform:
             )
         return DistInfo(torch.distributed.get_rank(), torch.distributed.get_world_size(), self.local_rank)
 
-    def adapt_megatron(self) -> None:
-        """Make Megatron-Core run on this device. Call before building models; idempotent."""
+    def adapt_megatron(self, cp: int = 1) -> None:
+        """Make Megatron-Core run on this device. Call before building models; idempotent. `cp`: the run's
+        context-parallel size, needed on NPU before Megatron's process groups are created (`mindspeed_cp_args`)."""
         if self.name == "cpu":
             from mcore_rl.platform import cpu_adapt  # imports Megatron: only where a model is built
 
             cpu_adapt.apply()
         elif self.name == "npu":
             self.apply_environment()
-            _adapt_npu()
+            _adapt_npu(cp)
         # cuda: Megatron's native device, nothing to adapt.
 
 
-def _adapt_npu() -> None:
+def _adapt_npu(cp: int = 1) -> None:
     """torch_npu first (registers the device and its torch.cuda shims), then MindSpeed's adaptor,
     which patches megatron.core in place; both must precede any `from megatron.core... import`
-    in user code, or those names stay bound to the unpatched objects."""
+    in user code, or those names stay bound to the unpatched objects. With `cp` > 1 the repatch also
+    installs MindSpeed's CP attention and its process-group wrapper (before `initialize_model_parallel`)."""
     already = sorted(m for m in sys.modules if m.startswith("megatron.core."))
     if already and "mindspeed.megatron_adaptor" not in sys.modules:
         logger.warning(
@@ -260,7 +295,7 @@ def _adapt_npu() -> None:
     import torch_npu  # noqa: F401
     from mindspeed.args_utils import get_full_args
 
-    missing = mindspeed_args_to_set(get_full_args())
+    missing = mindspeed_args_to_set(get_full_args(), cp)
     if missing:  # repatch re-applies MindSpeed's features with these arguments set (MindSpeed 2.2.0_core_r0.12.1)
         adaptor.repatch(missing)
 

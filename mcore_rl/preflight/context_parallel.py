@@ -11,7 +11,11 @@ ranks comes from (docs/context-parallel.md):
   * CPU: the local layer spec's attention gathers K / V over the CP group (mcore_rl/megatron/context_parallel.py);
   * CUDA with Transformer Engine: Megatron's TE attention does CP itself (cp_comm_type "p2p", the one TE
     communication type that takes the THD format; `Platform.context_parallel_config`); CUDA without TE is refused;
-  * NPU: refused (MindSpeed's `context_parallel_algo` is not configured by the actor yet).
+  * NPU: MindSpeed's ring attention (context_parallel_algo "megatron_cp_algo", `platform.mindspeed_cp_args`),
+    which takes the packed (TND) sequences in exactly this split: per sequence, chunks r and 2c-1-r, each
+    sequence a multiple of 2c tokens (its one rule on lengths, met by the split's padding). Its other rules
+    (ring window 1 <= w < c, causal mask type, fused attention on) are the platform's fixed settings, so no
+    config can break them; its Ulysses / hybrid algorithms, which would add head-count rules, are not used.
 Before launch (`mcore-rl check` on any machine) whether TE is installed on the cluster is unknown: CUDA is
 judged as the support matrix's stack, with TE; the start repeats the rule with TE known (`init_parallel`).
 """
@@ -35,11 +39,6 @@ def padded_length(tokens: int, cp: int) -> int:
 def refusal(platform: Optional[str], transformer_engine: Optional[bool] = None) -> Optional[str]:
     """Why `platform` ("cpu" / "cuda" / "npu"; None or "auto": decided at start) cannot run cp > 1, or None.
     `transformer_engine`: whether the actor builds the TE layer spec (None: not known yet, as before launch)."""
-    if platform == "npu":
-        return (
-            "MindSpeed's context parallel attention (context_parallel_algo) is not configured by the actor yet "
-            "(context parallelism runs on CPU and on CUDA with Transformer Engine)"
-        )
     if platform == "cuda" and transformer_engine is False:
         return (
             "context parallelism on CUDA needs Transformer Engine's CP attention (cp_comm_type p2p); "
