@@ -318,6 +318,7 @@ def test_reference_scripts_give_the_reference_presets(script, tmp_path):
 SECOND_PRESETS = {
     "qwen3_30b_a3b/npu32_tp4_pp4_ep8.yaml": "qwen3_30b_a3b/npu32_tp4_pp4_ep8_reference.yaml",
     "qwen2_5_3b/npu8_gspo.yaml": "qwen2_5_3b/npu16_gspo_reference.yaml",
+    "qwen3_30b_a3b/npu32_tp4_pp4_cp2_ep8_32k.yaml": "qwen3_30b_a3b/npu32_tp4_pp4_ep8_reference.yaml",  # long responses
 }
 
 

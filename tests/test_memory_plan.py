@@ -101,14 +101,12 @@ def test_a_misfit_names_levers_that_fit():
     layouts = [lever for lever in plan.levers if lever.startswith("layout tp")]
     assert plan.fits is False and layouts
     for lever in layouts:  # each suggested layout passes the pre-flight and fits when planned on its own
-        tp, pp, ep = (int(lever.split()[1 + i][2:]) for i in range(3))
+        sizes = {w[:2]: int(w[2:]) for w in lever.split()[1:] if w[:2] in ("tp", "pp", "cp", "ep") and w[2:].isdigit()}
         alt = load_config(
             QWEN_JSON.parent / "npu16_tp4_ep4.yaml",
             [
                 *npu16,
-                f"actor.parallel.tp={tp}",
-                f"actor.parallel.pp={pp}",
-                f"actor.parallel.ep={ep}",
+                *(f"actor.parallel.{k}={sizes.get(k, 1)}" for k in ("tp", "pp", "cp", "ep")),
                 "actor.parallel.etp=1",
             ],
         )
@@ -217,3 +215,20 @@ def test_actor_offload_takes_the_actor_and_reference_off_the_rollout_phase():
     plan = plan_memory(tight, lay, dims, device_gib=64)
     assert plan.fits is False and any(lever.startswith("actor.offload=true -> peak") for lever in plan.levers)
     assert plan_memory(replace(tight, actor=replace(tight.actor, offload=True)), lay, dims, device_gib=64).fits
+
+
+def test_the_npu_long_response_preset_needs_its_cp():
+    """The 32k-response Ascend preset: without CP the update does not fit a 64 GB NPU (one sequence's activations
+    per layer); with its CP2 it does, and the misfit's layout levers name a CP layout on NPU (CP runs there)."""
+    preset = QWEN_JSON.parent / "npu32_tp4_pp4_cp2_ep8_32k.yaml"
+    assert preset in DEVICE_PRESETS
+    cfg = load_config(preset)
+    dims = ModelDims.from_hf(QWEN_JSON)
+    lay = validate_run(cfg, 32, dims)
+    assert (lay.tp, lay.pp, lay.cp, lay.dp, lay.ep) == (4, 4, 2, 1, 8) and cfg.platform == "npu"
+    with_cp = plan_memory(cfg, lay, dims, device_gib=64)
+    no_cp = load_config(preset, ["actor.parallel.cp=1"])
+    plan = plan_memory(no_cp, validate_run(no_cp, 32, dims), dims, device_gib=64)
+    assert with_cp.fits and not plan.fits
+    assert plan.phase("update").total > 64 * 2**30 > with_cp.phase("update").total
+    assert any(" cp2 " in lever or " cp4 " in lever for lever in plan.levers), plan.levers
