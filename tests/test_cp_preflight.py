@@ -76,6 +76,11 @@ def test_cp_counts_in_the_world_and_in_the_expert_folding():
     lay = layout(16, tp=2, cp=4, ep=8, etp=1)
     assert (lay.tp, lay.cp, lay.dp, lay.edp) == (2, 4, 2, 2) and lay.tp * lay.pp * lay.cp * lay.dp == 16
     assert layout(8, cp=8, ep=1).cp == 8  # 8 CP ranks over 32 heads / 4 KV heads: no head rule for CP
+    # PP with CP (as the 32k preset runs, PP2 x CP4): accepted, the stages' layers as without CP; PP's rule stays
+    lay = layout(8, pp=2, cp=2, ep=2, etp=1)
+    assert (lay.pp, lay.cp, lay.dp, lay.edp, lay.layers_per_stage) == (2, 2, 2, 2, (24, 24))
+    with pytest.raises(LayoutError, match=r"pp = 5 must divide the model's 48 layers"):
+        layout(10, pp=5, cp=2, ep=1)
     with pytest.raises(LayoutError, match="query groups"):
         layout(8, tp=8, ep=1)  # TP's: 4 KV heads do not split over 8
 

@@ -47,6 +47,12 @@ Upstream defects worked around (`apply_shims`, called once per process before Me
     The shim gives those three modules a numpy namespace that also has `product` (= `numpy.prod`);
     numpy itself is not changed. Ascend images with numpy 1.26 never need it.
 
+Left behind by `parallel_state.destroy_model_parallel` (`destroy_model_parallel` clears them too):
+  * the embedding / position-embedding groups' rank lists: `initialize_model_parallel` sets them only on ranks
+    inside such a group, and 0.12.1 clears neither (0.16.1 clears the position-embedding one), so after a
+    layout change a rank outside the new groups still counts as inside (a later stage of PP2 after PP1:
+    `finalize_model_grads` asks for the position-embedding group, "not initialized").
+
 Defect rejected instead (`layout_problem`, run by the layout pre-flight):
   * megatron-core < 0.13 with tp > 1, ep = 1, etp = 1 and sequence parallel: the experts' row-parallel
     linear reduce-scatters its output over the dense TP group although the experts are not split over it
@@ -147,6 +153,15 @@ def gpt_model(chunk):
     while hasattr(chunk, "module") and not hasattr(chunk, "decoder") and not hasattr(chunk, "embedding"):
         chunk = chunk.module
     return chunk
+
+
+def destroy_model_parallel() -> None:
+    """Megatron's process groups gone (torch.distributed stays), with the rank lists it leaves (module docstring)."""
+    from megatron.core import parallel_state as mpu
+
+    mpu.destroy_model_parallel()
+    mpu._EMBEDDING_GLOBAL_RANKS = None
+    mpu._POSITION_EMBEDDING_GLOBAL_RANKS = None
 
 
 def drop_received_activations(chunks) -> None:

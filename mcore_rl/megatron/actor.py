@@ -267,7 +267,7 @@ class Actor:
         # (packed micro-batches); the schedule reads this flag from the model's config at each p2p call
         shapes = {mb.tokens.shape for mb, _, _ in inputs}
         get_model_config(self.model[0]).variable_seq_lengths = len(shapes) > 1
-        seq_len = max(s[1] for s in shapes)
+        seq_len, batch_size = self._schedule_shape(shapes)
         cp_group = self.layout.groups.cp if self.layout.cp > 1 else None
         batches = iter(inputs)
 
@@ -284,13 +284,19 @@ class Actor:
             model=self.model,
             num_microbatches=len(micro_batches),
             seq_length=seq_len,
-            micro_batch_size=micro_batches[0].tokens.shape[0],
+            micro_batch_size=batch_size,
             forward_only=forward_only,
         )
         # the schedule leaves the last received activation [s, b, h] on each later stage's decoder: drop it, so that
         # nothing of the pass stays on the device (while offloaded, during rollout)
         drop_received_activations(self.model)
         return outputs, plans
+
+    def _schedule_shape(self, shapes: set) -> tuple[int, int]:
+        """(seq_length, micro_batch_size) for Megatron's schedule from the [b, s] of the micro-batches as this rank
+        computes them: its p2p activations between stages are [seq_length / cp (/ tp under SP), b, h], so under
+        context parallelism (a rank's part of the rows: one packed row of T / cp tokens) it is given T."""
+        return max(s[1] for s in shapes) * self.layout.cp, max(s[0] for s in shapes)
 
     def _cp_plan(self, mb: MicroBatch):
         """The context-parallel split of `mb` (None at cp = 1): mcore_rl.megatron.context_parallel."""

@@ -101,9 +101,13 @@ def init_parallel(parallel: ParallelConfig, platform: Platform, hf_config, seed:
     return _bind(layout)
 
 
-def destroy_parallel() -> None:
-    from megatron.core import parallel_state as mpu
+def release_groups() -> None:
+    """Drop Megatron's process groups, torch.distributed stays: the next `init_parallel` creates another layout's
+    (one job checking several layouts in turn)."""
+    compat_megatron.destroy_model_parallel()
 
-    mpu.destroy_model_parallel()
+
+def destroy_parallel() -> None:
+    release_groups()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -1,27 +1,31 @@
 """Layout invariance of the policy losses (run under torchrun by tests/test_layout_invariance.py).
 
-Arguments: --out-dir --model-dir --tp --pp --ep --cp --n-micro --losses (comma-separated names of ALGOS)
---mode (ref = world-1 reference, writes OUT_DIR/ref.pt; check = compare with it), --results
-(tests/workers/harness.py). For each loss a fresh Actor takes one optimizer step on the same global batch; every rank takes its data-parallel share
-split into N_MICRO micro-batches. Compared with the reference: the global loss, and the update (after - before)
-of EVERY parameter, exported with its Hugging Face name; any mismatch raises.
-In check mode also: the on-policy shortcut equals the two-pass path in that layout (under R2). Under context
-parallelism (cp > 1) also, for gspo, the same step with the CP reduction of the sequence ratio patched out
-(`policy_loss.cp_row_sum` = identity): result "unreduced", its measured differences (not asserted here); and
-the step under R3 with the batch's natural routes (recorded by the reference job) as the engine's routes:
-result "r3", mismatch 0 and the reference loss and update.
+Arguments: --out-dir --model-dir --tp --pp --ep --cp --n-micro (one value each, or comma-separated lists of one
+value per layout: the job runs the layouts in turn in the same processes, dropping Megatron's groups between
+them: `release_groups`), --losses (comma-separated names of ALGOS), --checks (comma-separated subset of CHECKS,
+may be empty), --mode (ref = world-1 reference, one layout, writes OUT_DIR/ref.pt; check = compare with it),
+--results (tests/workers/harness.py). For each layout and loss a fresh Actor takes one optimizer step on the same
+global batch; every rank takes its data-parallel share split into N_MICRO micro-batches. Compared with the
+reference: the forward-only log-probs, the global loss, and the update (after - before) of EVERY parameter,
+exported with its Hugging Face name; any mismatch raises.
+Check mode's --checks, all for gspo: "shortcut": the on-policy shortcut equals the two-pass path in that layout
+(under R2). Under context parallelism (cp > 1) only: "unreduced": the same step with the CP reduction of the
+sequence ratio patched out (`policy_loss.cp_row_sum` = identity), its measured differences (not asserted here);
+"r3": the step under R3 with the batch's natural routes (recorded by the reference job) as the engine's routes,
+mismatch 0 and the reference loss and update.
 
 Then, in the same job, the packed path: another fresh Actor takes the step on the same global batch cut
 by `split_for_rank(max_tokens=BUDGET)` (DP shares balanced by tokens, sequences packed into rows,
-attention confined to each; the log-prob pass merges micro-batches up to a forward budget of 2 x BUDGET). Its log-probs (per sequence, at response positions), loss and updates
-are compared with the same padded world-1 reference. The MoE load-balancing
-loss is off in both (mbridge's Qwen3-MoE config: moe_router_load_balancing_type = "none"; asserted).
+attention confined to each; the log-prob pass merges micro-batches up to a forward budget of 2 x BUDGET). Its
+log-probs (per sequence, at response positions), loss and updates are compared with the same padded world-1
+reference. The MoE load-balancing loss is off in both (mbridge's Qwen3-MoE config:
+moe_router_load_balancing_type = "none"; asserted).
 
-Result per rank: for each loss its value, the step's metrics and the number of parameters, after check the
-measured differences, and under "packed" the packed path's measurements; after check also "shortcut", the
-on-policy shortcut's measured differences from the two-pass path.
+Result per rank: "layouts", one report per layout in the job's order: for each loss its value, the step's
+metrics and the number of parameters, after check the measured differences, and under "packed" the packed
+path's measurements; the results of the --checks under their names; "layout": the sizes and its seconds.
 
-In check mode, for gspo, also per-rank step data (mcore_rl.step_data) with the real collectives: each rank
+"step_data" (check mode, gspo): per-rank step data (mcore_rl.step_data) with the real collectives: each rank
 holds the half of the batch it "generated" (with R3 routes), the metadata is all-reduced and each rank receives
 only its DP rank's samples; its micro-batches must equal the all-gathered path's (pad_rollouts + split_for_rank
 of the whole batch) field by field, and a fresh Actor's loss and update on them must equal the packed step's
@@ -30,14 +34,22 @@ just taken; result "step_data": those differences, the samples held / trained on
 
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 
+from mcore_rl.megatron.parallel import release_groups
 from tests.workers.harness import cpu_megatron, worker_args, write_result
 
 B, S, GROUP = 8, 16, 4
 REL_TOL = 1e-5
+# a loss's absolute tolerance where its terms are summed in another order (packed rows; context parallel: each rank's
+# part of a sequence, reduced over the CP group): gspo's loss (~ -0.008) is the difference of two terms ~ 0.015, so
+# rounding alone moves it by ~1e-7, 2e-5 relative (measured at CP2 x TP2 x EP2; the update meets the usual bound)
+LOSS_ABS_TOL = 1e-6
 BUDGET = 2 * S  # packed micro-batches: the longest sequence (S tokens) fits, several per rank
+# the extra checks of a check job (--checks): unreduced and r3 under cp > 1 only, all of them with gspo
+CHECKS = ("unreduced", "r3", "shortcut", "step_data")
 ALGOS = {
     # hard clips (dual clip too) + token-level rollout IS: clipping paths must be hit
     "grpo": dict(loss="grpo", agg_mode="token-mean", clip_low=0.2, clip_high=0.28, dual_clip=1.5, rollout_is="token"),
@@ -297,21 +309,66 @@ def check_r3_routes(actor, algo, micro_batches, routes):
     return dict(loss=metrics["loss"], token_mismatch=mismatch, update=update)
 
 
+@dataclass(frozen=True)
+class LayoutCase:
+    """One layout of the job: its sizes and micro-batch count (the worker runs each in turn, same processes)."""
+
+    tp: int
+    pp: int
+    ep: int
+    cp: int
+    n_micro: int
+
+    @property
+    def text(self) -> str:
+        return f"tp{self.tp} pp{self.pp} ep{self.ep} cp{self.cp}"
+
+
+def layout_cases(args) -> list[LayoutCase]:
+    """--tp 2,1 --pp 1,2 ...: one layout per position (all lists the same length)."""
+    lists = [[int(v) for v in str(getattr(args, k)).split(",")] for k in ("tp", "pp", "ep", "cp", "n_micro")]
+    if len({len(values) for values in lists}) != 1:
+        raise SystemExit(f"--tp --pp --ep --cp --n-micro need one value per layout each: {lists}")
+    return [LayoutCase(*values) for values in zip(*lists)]
+
+
 def main():
     args = worker_args(
         __doc__,
         out_dir=str,
         model_dir=str,
-        tp=int,
-        pp=int,
-        ep=int,
-        cp=int,
-        n_micro=int,
+        tp=str,
+        pp=str,
+        ep=str,
+        cp=str,
+        n_micro=str,
         losses=str,
+        checks=str,
         mode=("ref", "check"),
     )
-    out_dir, model_dir, mode = args.out_dir, args.model_dir, args.mode
-    tp, pp, ep, cp, n_micro = args.tp, args.pp, args.ep, args.cp, args.n_micro
+    cases = layout_cases(args)
+    checks = set(filter(None, args.checks.split(",")))
+    if not checks <= set(CHECKS) or (args.mode == "ref" and len(cases) != 1):
+        raise SystemExit(f"--checks: a comma-separated subset of {CHECKS} (or none); ref mode: one layout")
+    platform = cpu_megatron()
+    ref = torch.load(os.path.join(args.out_dir, "ref.pt")) if args.mode == "check" else {}
+    reports = []
+    for i, case in enumerate(cases):
+        if i:  # Megatron's groups of the previous layout dropped: the next Actor creates this one's
+            release_groups()
+        start = time.perf_counter()
+        results, report = run_layout(case, args, checks, ref, platform)
+        reports.append(dict(report, layout=vars(case) | {"seconds": time.perf_counter() - start}))
+    if args.mode == "ref" and torch.distributed.get_rank() == 0:
+        torch.save(results, os.path.join(args.out_dir, "ref.pt"))
+    torch.distributed.barrier()
+    write_result(args.results, layouts=reports)
+
+
+def run_layout(case: LayoutCase, args, checks: set, ref: dict, platform):
+    """Every loss of --losses (and the --checks) in layout `case`; (results for ref.pt, this rank's report)."""
+    model_dir, mode = args.model_dir, args.mode
+    tp, pp, ep, cp, n_micro = case.tp, case.pp, case.ep, case.cp, case.n_micro
 
     from safetensors.torch import load_file
 
@@ -321,13 +378,10 @@ def main():
     from mcore_rl.megatron.actor import Actor
     from mcore_rl.megatron.policy_loss import make_log_prob_fn, make_policy_loss_fn
 
-    platform = cpu_megatron()
-
     before = load_file(os.path.join(model_dir, "model.safetensors"))
     tokens, loss_mask, rewards, noise = global_batch()
     counts = GlobalCounts.from_mask(loss_mask)  # from the full global batch, before any split
     advantages = group_advantages(rewards, GROUP).unsqueeze(-1).expand(B, S).contiguous()
-    ref = torch.load(os.path.join(out_dir, "ref.pt")) if mode == "check" else {}
     results, report = {}, {}
     for name in args.losses.split(","):
         algo = AlgoConfig(**ALGOS[name])
@@ -348,6 +402,7 @@ def main():
         mbs = [MicroBatch(tokens[r : r + size]) for r in range(rows.start, rows.stop, size)]
         lp_here = torch.cat(actor.forward_only(mbs, make_log_prob_fn(algo.temperature, tp_group)))
         lp_full = ref[name]["log_prob_full"][rows.start : rows.stop] if mode == "check" else lp_here
+        diff = 0.0
         if mode == "check":
             diff = float(((lp_here - lp_full) * loss_mask[rows.start : rows.stop]).abs().max())
             assert diff < 1e-5, f"{name}: forward_only log-probs differ from the TP1 reference by {diff}"
@@ -372,12 +427,16 @@ def main():
         metrics = actor.train_step(train_mbs, make_policy_loss_fn(algo, counts, tp_group))
         update = {n: (t.float() - before[n].float()).clone() for n, t in actor.export_hf_weights()}
         results[name] = {"loss": metrics["loss"], "metrics": metrics, "update": update, "log_prob_full": lp_here}
-        report[name] = {"loss": metrics["loss"], "metrics": metrics, "params": len(update)}
+        report[name] = {"loss": metrics["loss"], "metrics": metrics, "params": len(update), "log_prob_diff": diff}
         layout_text = f"tp{tp} pp{pp} ep{ep} cp{cp} dp{dp}"
+        tol = LOSS_ABS_TOL if cp > 1 else 0.0
         if mode == "check":
-            report[name].update(compare("layout", name, metrics, update, ref[name], f"{layout_text} micro{n_micro}"))
-        if mode == "check" and cp > 1 and name == "gspo":  # the same step without the CP reduction of the
-            # sequence ratio: each CP rank's ratio from its own part of the sequence only
+            report[name].update(
+                compare("layout", name, metrics, update, ref[name], f"{layout_text} micro{n_micro}", tol)
+            )
+        if mode == "check" and cp > 1 and name == "gspo" and "unreduced" in checks:
+            # the same step without the CP reduction of the sequence ratio: each CP rank's ratio from its own part
+            # of the sequence only
             import mcore_rl.megatron.policy_loss as policy_loss_module
 
             reduced = policy_loss_module.cp_row_sum
@@ -401,10 +460,12 @@ def main():
         del actor
         if name == "gspo" and mode == "ref":  # the batch's natural routes: R3 routes of the CP check below
             results["routes"] = natural_routes(Actor(cfg, platform), tokens)
-        if name == "gspo" and mode == "check" and cp > 1:
+        if name == "gspo" and mode == "check" and cp > 1 and "r3" in checks:
             report["r3"] = check_r3_routes(Actor(cfg, platform), algo, train_mbs, ref["routes"][rows.start : rows.stop])
-            report["r3"].update(compare("r3", name, report["r3"], report["r3"].pop("update"), ref[name], layout_text))
-        if name == "gspo" and mode == "check":
+            report["r3"].update(
+                compare("r3", name, report["r3"], report["r3"].pop("update"), ref[name], layout_text, tol)
+            )
+        if name == "gspo" and mode == "check" and "shortcut" in checks:
             shortcut_mbs = [
                 MicroBatch(
                     mb.tokens,
@@ -436,10 +497,12 @@ def main():
         # advantages of order 1: an absolute 1e-6 is what that allows (gspo's loss, ~-0.008, is a difference
         # of two terms ~0.015 and cannot meet 1e-5 relative from rounding alone). Updates: the usual bound.
         text = f"{layout_text} rows {lengths} (padded {B // dp}x{S}) lp {lp_diff:.1e}"
-        packed = compare("packed", name, metrics, update, want, text, loss_abs_tol=1e-6)
+        packed = compare("packed", name, metrics, update, want, text, LOSS_ABS_TOL)
         report[name]["packed"] = dict(packed, log_prob_diff=lp_diff, rows=lengths, params=len(update))
         del actor
-        if name == "gspo" and mode == "check":  # per-rank step data against the packed step just taken
+        if (
+            name == "gspo" and mode == "check" and "step_data" in checks
+        ):  # per-rank step data against the packed step just taken
             start = time.perf_counter()
             actor = Actor(cfg, platform)
             got, got_update, measured = check_per_rank_step_data(
@@ -448,10 +511,7 @@ def main():
             same = compare("step_data", name, got, got_update, {"loss": metrics["loss"], "update": update}, "")
             report["step_data"] = dict(same, **measured, seconds=time.perf_counter() - start)
             del actor
-    if mode == "ref" and torch.distributed.get_rank() == 0:
-        torch.save(results, os.path.join(out_dir, "ref.pt"))
-    torch.distributed.barrier()
-    write_result(args.results, layout=dict(tp=tp, pp=pp, ep=ep, cp=cp, n_micro=n_micro), **report)
+    return results, report
 
 
 if __name__ == "__main__":
