@@ -45,9 +45,13 @@ def _create_groups(layout: Layout) -> None:
         mpu.get_tensor_model_parallel_world_size(),
         mpu.get_pipeline_model_parallel_world_size(),
         mpu.get_expert_model_parallel_world_size(),
+        mpu.get_context_parallel_world_size(),
     )
-    if existing != (layout.tp, layout.pp, layout.ep):
-        raise RuntimeError("Megatron's process groups already exist with another layout; one layout per process")
+    if existing != (layout.tp, layout.pp, layout.ep, layout.cp):
+        raise RuntimeError(
+            "Megatron's process groups already exist with another layout: one layout per process, or "
+            "release_groups() before the next"
+        )
 
 
 def _bind(layout: Layout) -> Layout:
