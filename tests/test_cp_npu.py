@@ -94,3 +94,25 @@ def test_only_the_cp_arguments_that_differ_are_repatched():
 def test_npu_cp_needs_no_transformer_config_fields():
     """MindSpeed copies its arguments onto every TransformerConfig; the config gets no cp_comm_type (TE's) on NPU."""
     assert context_parallel_config("npu", True, 4) == {} and Platform("npu").context_parallel_config(4) == {}
+
+
+def test_the_groups_are_created_as_mindspeeds_cp_wrapper_takes_them():
+    """MindSpeed's wrapper of initialize_model_parallel takes megatron-core 0.12.1's parameters and builds its rings
+    for the default rank order: the actor's call passes only parameters the wrapper has, and no `order`."""
+    import ast
+    import inspect
+
+    from mcore_rl.megatron import parallel
+    from tests.contract.facts import MINDSPEED_CP_WRAPPER_PARAMS
+
+    calls = [
+        node
+        for node in ast.walk(ast.parse(inspect.getsource(parallel)))
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "initialize_model_parallel"
+    ]
+    assert len(calls) == 1 and not calls[0].args
+    keywords = {k.arg for k in calls[0].keywords}
+    assert "context_parallel_size" in keywords and "order" not in keywords
+    assert keywords <= set(MINDSPEED_CP_WRAPPER_PARAMS), keywords - set(MINDSPEED_CP_WRAPPER_PARAMS)
+    # the platform's CP arguments reach MindSpeed before those groups: init_parallel adapts with the layout's cp
+    assert "platform.adapt_megatron(layout.cp)" in inspect.getsource(parallel.init_parallel)

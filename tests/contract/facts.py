@@ -271,6 +271,45 @@ def _cp_comm_type(src) -> tuple[bool, bool, bool]:
     return "cp_comm_type" in fields(config), '"p2p"' in doc, passes
 
 
+# The parameters MindSpeed's initialize_model_parallel wrapper (its CP feature, read in its 2.2.0 / 2.3.0 / 26.0.0 /
+# 26.1.0 _core_r0.12.1 branches: docs/devices.md, "Facts outside the package index") takes and passes on to
+# Megatron's function positionally, in this order; it builds its ring groups for this rank order.
+MINDSPEED_CP_WRAPPER_PARAMS = (
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+    "pipeline_model_parallel_split_rank", "pipeline_model_parallel_comm_backend", "use_sharp",
+    "context_parallel_size", "hierarchical_context_parallel_sizes", "expert_model_parallel_size",
+    "num_distributed_optimizer_instances", "expert_tensor_parallel_size", "nccl_communicator_config_path",
+    "distributed_timeout_minutes", "order", "encoder_tensor_model_parallel_size",
+    "encoder_pipeline_model_parallel_size", "get_embedding_ranks", "get_position_embedding_ranks",
+    "create_gloo_process_groups",
+)  # fmt: skip
+
+
+def _mindspeed_cp_groups(src) -> tuple[bool, Optional[str], bool]:
+    """(initialize_model_parallel's leading parameters are MindSpeed's wrapper's positional ones, its default `order`,
+    RotaryEmbedding.forward selects this CP rank's positions only when not packed): MindSpeed's CP wrapper calls
+    Megatron's function correctly and builds its rings for the order the actor leaves at its default; the THD RoPE
+    (per sequence, from cu_seqlens_q_padded) is what runs for the actor's CP params, not MindSpeed's replaced
+    get_pos_emb_on_this_cp_rank."""
+    fn = find_function(src, "megatron/core/parallel_state.py", "initialize_model_parallel")
+    names_ = params(fn) or ()
+    matches = names_[: len(MINDSPEED_CP_WRAPPER_PARAMS)] == MINDSPEED_CP_WRAPPER_PARAMS
+    order = None
+    if fn is not None:
+        positional = fn.args.args
+        defaults = dict(zip([a.arg for a in positional[len(positional) - len(fn.args.defaults) :]], fn.args.defaults))
+        defaults.update({a.arg: d for a, d in zip(fn.args.kwonlyargs, fn.args.kw_defaults) if d is not None})
+        node = defaults.get("order")
+        order = node.value if isinstance(node, ast.Constant) else None
+    rope = find_class(src, ("megatron/core/models/common/embeddings/rotary_pos_embedding.py",), "RotaryEmbedding")
+    forward = method(rope, "forward")
+    guarded = any(
+        isinstance(n, ast.If) and "packed_seq" in names(n.test) and "get_pos_emb_on_this_cp_rank" in names(n)
+        for n in ast.walk(forward or ast.Module(body=[], type_ignores=[]))
+    )
+    return matches, order, guarded
+
+
 def _router(src):
     return find_class(src, ("megatron/core/transformer/moe/router.py",), "TopKRouter")
 
@@ -420,6 +459,9 @@ FACTS = (
          lambda s: asserts_with(method(_dpa(s), "__init__"), "Context parallelism is only supported by TEDotProductAttention")),
     Fact("cp_comm_type", "megatron-core", "TransformerConfig.cp_comm_type (doc names \"p2p\"), passed on by TEDotProductAttention",
          "platform.TE_CP_COMM_TYPE, platform.context_parallel_config", _cp_comm_type),
+    Fact("mindspeed_cp_groups", "megatron-core", "initialize_model_parallel: (MindSpeed's CP wrapper's positional "
+         "parameters lead, default order; RotaryEmbedding.forward skips the CP position split when packed)",
+         "platform.mindspeed_cp_args, megatron.parallel.init_parallel", _mindspeed_cp_groups),
     Fact("router_routing", "megatron-core", "TopKRouter.routing parameters", "megatron.routing_replay.RoutingReplay._routing",
          lambda s: params(method(_router(s), "routing"))),
     Fact("routing_returns_pair", "megatron-core", "TopKRouter.routing returns (probs, routing_map)",
@@ -491,6 +533,7 @@ _MCORE = dict(
     dpa_packed_assert=True,
     dpa_cp_assert=True,
     cp_comm_type=(True, True, True),
+    mindspeed_cp_groups=(False, "tp-cp-ep-dp-pp", True),  # 0.14 on: no MindSpeed release (the wrapper's order differs)
     routing_returns_pair=True,
     fp8_quantize_bound=True,
     output_layer_call=True,
@@ -542,6 +585,7 @@ RELEASES: dict[tuple[str, str], dict[str, Any]] = {
     ("vllm-ascend", "0.23.0"): dict(_ASCEND_0_13, worker_kv_bytes=True),
     ("megatron-core", "0.12.1"): dict(
         _MCORE,
+        mindspeed_cp_groups=(True, "tp-cp-ep-dp-pp", True),  # every MindSpeed release's megatron-core
         moe_router_fusion=False,
         avoid_prefix=False,
         sharding_types=("fully_sharded_model_space",),
@@ -550,7 +594,11 @@ RELEASES: dict[tuple[str, str], dict[str, Any]] = {
         vp_stage=False,
     ),
     ("megatron-core", "0.13.1"): dict(
-        _MCORE, moe_router_fusion=False, avoid_prefix=False, sharding_types=("fully_sharded_model_space",)
+        _MCORE,
+        mindspeed_cp_groups=(True, "tp-cp-ep-dp-pp", True),
+        moe_router_fusion=False,
+        avoid_prefix=False,
+        sharding_types=("fully_sharded_model_space",),
     ),
     ("megatron-core", "0.14.0"): dict(_MCORE_0_14),
     ("megatron-core", "0.15.3"): dict(_MCORE_0_15),

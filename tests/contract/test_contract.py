@@ -84,6 +84,10 @@ def _patched(tmp_path, distribution, version, path, old, new):
             "cp_comm_type: Optional[Union[str, List[str]]] = None", "cp_kind: Optional[str] = None",
             "cp_comm_type", "platform.TE_CP_COMM_TYPE",
         ),
+        (  # MindSpeed's CP wrapper builds its rings for Megatron's default rank order (the NPU stack's 0.12.1)
+            "megatron-core", "0.12.1", "megatron/core/parallel_state.py",
+            'order: str = "tp-cp-ep-dp-pp"', 'order: str = "tp-pp-dp"', "mindspeed_cp_groups", "platform.mindspeed_cp_args",
+        ),
     ],
 )  # fmt: skip
 def test_checker_fails_when_a_fact_is_made_false(tmp_path, distribution, version, path, old, new, fact, project):
