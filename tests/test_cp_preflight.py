@@ -90,6 +90,17 @@ def test_the_split_summary_names_the_chunks_and_the_tokens_per_rank():
     assert line.startswith("context parallel: cp4, each sequence in 8 load-balanced chunks (padded to a multiple of 8")
     assert "rows to a multiple of 32" in line and "is 8704 tokens per CP rank" in line
     assert cp_rules.split_summary(1, 4, True, 34816, None) is None
+    npu = cp_rules.split_summary(2, 4, True, 34816, 34816, "npu")
+    assert npu.endswith("attention across CP ranks: MindSpeed's ring attention, context_parallel_algo megatron_cp_algo")
+    assert "decided at start: CPU: K / V all-gathered" in line and "NPU: MindSpeed's ring attention" in line
+
+
+def test_the_attention_named_is_the_one_the_platform_configures():
+    from mcore_rl.platform import MINDSPEED_CP_ALGO, TE_CP_COMM_TYPE
+
+    assert f"context_parallel_algo {MINDSPEED_CP_ALGO}" in cp_rules.cp_attention("npu")
+    assert f"cp_comm_type {TE_CP_COMM_TYPE}" in cp_rules.cp_attention("cuda")
+    assert set(cp_rules.CP_ATTENTION) == {"cpu", "cuda", "npu"}
 
 
 # ------------------------------------------------------------------------------------------ the memory plan

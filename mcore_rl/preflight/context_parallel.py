@@ -54,8 +54,27 @@ def platform_problem(cp: int, platform: Optional[str], transformer_engine: Optio
     return None if why is None else f"actor.parallel.cp = {cp} on {platform}: {why}: set actor.parallel.cp = 1"
 
 
-def split_summary(cp: int, tp: int, sequence_parallel: bool, longest: int, budget: Optional[int]) -> Optional[str]:
-    """One line for `mcore-rl check`: how sequences are cut over the CP ranks (None with cp 1)."""
+# What attends across the CP ranks, per platform, as `mcore-rl check` names it (the values the platform sets:
+# mcore_rl.platform.TE_CP_COMM_TYPE and MINDSPEED_CP_ALGO; tests/test_cp_preflight.py keeps them equal).
+CP_ATTENTION = {
+    "cpu": "K / V all-gathered over the CP group (the local spec's attention)",
+    "cuda": "Transformer Engine's CP attention, cp_comm_type p2p (refused at start without Transformer Engine)",
+    "npu": "MindSpeed's ring attention, context_parallel_algo megatron_cp_algo",
+}
+
+
+def cp_attention(platform: Optional[str]) -> str:
+    """What attends across the CP ranks on `platform` (None / "auto": each platform's, decided at start)."""
+    if platform in CP_ATTENTION:
+        return CP_ATTENTION[platform]
+    return "decided at start: " + "; ".join(f"{name.upper()}: {how}" for name, how in CP_ATTENTION.items())
+
+
+def split_summary(
+    cp: int, tp: int, sequence_parallel: bool, longest: int, budget: Optional[int], platform: Optional[str] = None
+) -> Optional[str]:
+    """One line for `mcore-rl check`: how sequences are cut over the CP ranks and what attends across them (None
+    with cp 1)."""
     if cp <= 1:
         return None
     multiple = sequence_multiple(cp, tp, sequence_parallel)
@@ -64,5 +83,6 @@ def split_summary(cp: int, tp: int, sequence_parallel: bool, longest: int, budge
     return (
         f"context parallel: cp{cp}, each sequence in {2 * cp} load-balanced chunks (padded to a multiple of "
         f"{2 * cp} tokens), rows to a multiple of {multiple}; the longest sequence ({longest} tokens) is "
-        f"{per_rank} tokens per CP rank; {row} are split the same way"
+        f"{per_rank} tokens per CP rank; {row} are split the same way; attention across CP ranks: "
+        f"{cp_attention(platform)}"
     )
