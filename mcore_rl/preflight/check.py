@@ -61,5 +61,7 @@ def describe_run(cfg: Config, layout: Layout, nnodes: int, nproc: int) -> str:
         ),
     ]
     longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
-    lines += filter(None, [split_summary(layout.cp, layout.tp, layout.sequence_parallel, longest, budget, cfg.platform)])
+    lines += filter(
+        None, [split_summary(layout.cp, layout.tp, layout.sequence_parallel, longest, budget, cfg.platform)]
+    )
     return "\n".join(lines + [f"warning: {w}" for w in layout.warnings])
