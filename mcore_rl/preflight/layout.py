@@ -14,8 +14,9 @@ The rules mirror what Megatron-Core asserts later (parallel_state, TransformerCo
   ep * etp | tp * cp * dp                            (MoE parallel folding: EP x ETP x EDP = TP x CP x DP)
   tp | vocabulary                                    (VocabParallelEmbedding; see `_check_vocab`)
   MoE with tp > 1 needs sequence parallel            (Megatron raises in training; turned on with a warning)
-  cp > 1 on CPU only: the actor splits every sequence over the CP ranks (mcore_rl/megatron/context_parallel.py)
-          and the local spec's attention gathers K / V; TE's / MindSpeed's CP attention is not configured yet
+  cp > 1: the actor splits every sequence over the CP ranks (mcore_rl/megatron/context_parallel.py); the
+          attention across them is the local spec's (CPU), TE's (CUDA; refused at start without TE) or
+          MindSpeed's ring attention (NPU): preflight.context_parallel
   etp == 1 on NPU: MindSpeed's grouped linear shards experts on the other dimension (export untested)
   layouts the installed megatron-core cannot run    (compat.megatron.layout_problem: version read from the
                                                      package metadata, Megatron itself is not imported)
