@@ -221,7 +221,9 @@ class Trainer:
         """Actor weights -> rollout engine (bucketed), verified against the actor when `verify`: the hand-over to
         the rollout phase (Colocation.handover: the engine's wakes around it, with offload the actor to the host)."""
         with self.colocation.handover():
-            stats = sync_engine_weights(self.actor.export_hf_weights, self.engine, self.cfg.rollout.sync_bucket_mb)
+            stats = sync_engine_weights(
+                self.actor.export_hf_weights, self.engine, self.cfg.rollout.sync_bucket_mb, fingerprints=verify
+            )
             if verify:  # the verification's reads of the actor, valid after its state left the device
                 reference, export_fn = self.colocation.actor_reads(self.probe)
         out = {"sync/seconds": stats.seconds, "sync/gb_per_s": stats.gb_per_s}

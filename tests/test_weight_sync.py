@@ -75,6 +75,18 @@ def test_sync_makes_engine_equal_actor_and_changes_outputs(tiny_model_dir, actor
     assert report.passed and report.max_diff <= 1e-4 and report.num_tokens == 3 * 24 and not report.rebuilt
 
 
+def test_fingerprints_only_for_a_verified_sync(tiny_model_dir, actor_dir):
+    """The trainer asks for fingerprints only when it verifies the sync; the weights arrive either way."""
+    engine = EmbeddedEngine(tiny_model_dir)
+    plain = sync_weights(export_from(actor_dir)(), engine, bucket_mb=1, fingerprints=False)
+    assert plain.fingerprints == {} and plain.num_tensors == checkpoint_bytes(actor_dir)[2]
+    actor = AutoModelForCausalLM.from_pretrained(actor_dir, dtype=torch.float32).eval()
+    probe = ProbeBatch.random(engine.config.vocab_size, num_seqs=2, seed=5)
+    assert verify_sync(engine, reference_fn(actor), probe, tol=1e-4).passed
+    printed = sync_weights(export_from(actor_dir)(), engine, bucket_mb=1)
+    assert sorted(printed.fingerprints) == sorted(name for name, _ in export_from(actor_dir)())
+
+
 def test_bucket_smaller_than_largest_tensor(tiny_model_dir, actor_dir):
     engine = EmbeddedEngine(tiny_model_dir)
     total, largest, count = checkpoint_bytes(actor_dir)

@@ -130,12 +130,20 @@ def _timed(stream: WeightStream, clock: list[float]) -> Iterator[tuple[str, torc
         yield item
 
 
-def sync_weights(export_iter: WeightStream, engine: Optional[RolloutEngine], bucket_mb: float, group=None) -> SyncStats:
+def sync_weights(
+    export_iter: WeightStream,
+    engine: Optional[RolloutEngine],
+    bucket_mb: float,
+    group=None,
+    fingerprints: bool = True,
+) -> SyncStats:
     """Stream (HF name, full tensor) pairs from the exporter into `engine` in buckets of `bucket_mb` MB.
 
     `engine` is None on ranks without an engine replica (they still drive the exporter; see module doc).
     After the stream, an engine that knows its weight names checks that every one of them arrived; the
     outcome is agreed over `group` (default: all ranks), so a missing weight raises on every rank.
+    `fingerprints`: sample each tensor for the weight-level check (SyncStats.fingerprints; only a verified
+    sync reads them, and they cost a seeded generator per tensor).
     """
     if bucket_mb <= 0:
         raise ValueError(f"rollout.sync_bucket_mb={bucket_mb}; use a positive bucket size in MB (e.g. 256)")
@@ -167,7 +175,7 @@ def sync_weights(export_iter: WeightStream, engine: Optional[RolloutEngine], buc
         stats["total_bytes"] += size
         stats["largest_tensor_bytes"] = max(stats["largest_tensor_bytes"], size)
         seen.add(name)
-        if engine is not None:
+        if engine is not None and fingerprints:
             prints[name] = fingerprint(name, tensor)  # stays on the device: no host sync per tensor
         if bucket and bucket_bytes + size > limit:
             flush()
@@ -189,10 +197,13 @@ def sync_weights(export_iter: WeightStream, engine: Optional[RolloutEngine], buc
     return result
 
 
-def sync_engine_weights(export: Callable[..., WeightStream], engine: RolloutEngine, bucket_mb: float) -> SyncStats:
+def sync_engine_weights(
+    export: Callable[..., WeightStream], engine: RolloutEngine, bucket_mb: float, fingerprints: bool = True
+) -> SyncStats:
     """One sync of the actor into `engine`: `export(receiver=...)` (the actor's `export_hf_weights`) with what
-    the engine offers, so the exporter writes into the engine's memory where it can, streamed by `sync_weights`."""
-    return sync_weights(export(receiver=engine.capabilities.receiver), engine, bucket_mb)
+    the engine offers, so the exporter writes into the engine's memory where it can, streamed by `sync_weights`
+    (`fingerprints`: for a verification of this sync)."""
+    return sync_weights(export(receiver=engine.capabilities.receiver), engine, bucket_mb, fingerprints=fingerprints)
 
 
 def _to_host(prints: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
