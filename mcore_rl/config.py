@@ -147,7 +147,8 @@ class RewardConfig:
     overlong_buffer: int = 0  # DAPO overlong penalty buffer length in tokens (0: off)
     overlong_penalty: float = 1.0
     max_error_rate: float = 0.5  # stop the run when more than this fraction of a batch's rewards fail
-    timeout_s: float = 300.0  # per batch; the reward runs in a worker process (0: in the trainer, no timeout)
+    # per batch; the reward runs in a worker process (0: in the trainer, no timeout; the built-in task always is)
+    timeout_s: float = 300.0
 
 
 @dataclass

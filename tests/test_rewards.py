@@ -207,3 +207,26 @@ def test_a_reward_that_calls_sys_exit_is_a_reward_error(timeout_s, monkeypatch):
         scorer.close()
     assert out.valid == [False, False] and out.errors == 2
     assert out.first_error == "SystemExit: it called sys.exit(0) (on response 'a')"
+
+
+def test_the_builtin_task_reward_runs_in_the_trainer_and_scores_as_its_worker_would(monkeypatch):
+    """reward.fn=task cannot hang (string comparisons): no worker process even with reward.timeout_s > 0, and the
+    same rewards, validity and penalties as the same function in a RewardWorker (the path every other reward takes)."""
+    monkeypatch.setenv("PYTHONPATH", f"{REPO}:{os.environ.get('PYTHONPATH', '')}")  # the spawned worker imports it
+    texts = ["7", " 7\n", "71", "", "21<|im_end|>", "12", "213", "2"]
+    truths = ["7", "7", "7", "7", "21", "21", "21", "21"]
+    sources = ["mcore_rl/copy_kth"] * 4 + ["mcore_rl/reverse"] * 4
+    lengths = [1, 2, 2, 1, 3, 8, 8, 1]
+    scorer = RewardScorer("task", max_new_tokens=8, overlong_buffer=2, timeout_s=300)
+    reference = RewardScorer("mcore_rl.rewards.task:score", max_new_tokens=8, overlong_buffer=2, timeout_s=300)
+    try:
+        assert scorer.worker is None and reference.worker is not None
+        got = scorer(texts, truths, sources, response_lengths=lengths)
+        want = reference(texts, truths, sources, response_lengths=lengths)
+        assert reference.worker._proc is not None  # the reference did score in its worker
+    finally:
+        scorer.close()
+        reference.close()
+    assert got == want
+    assert got.rewards == [1.0, 1.0, 0.0, 0.0, 1.0, 0.0 - 1.0, 0.5 * 2 / 3 - 1.0, 0.25]
+    assert RewardScorer("math", max_new_tokens=8, timeout_s=300).worker is not None  # math-verify can hang

@@ -25,6 +25,10 @@ BUILTIN_REWARDS = {
     "task": "mcore_rl.rewards.task:score",
     "math": "mcore_rl.rewards.math:score",
 }
+# Built-ins that cannot hang or take the process down: our own string comparisons over one response (at most
+# rollout.max_new_tokens tokens), microseconds a sample. They run in the trainer whatever reward.timeout_s says: a
+# worker would add nothing but a process start at the first step and a pipe round trip every batch.
+BOUNDED_REWARDS = frozenset({"task"})
 
 
 def resolve_reward_fn(name: str) -> RewardFn:
@@ -169,7 +173,8 @@ class RewardScorer:
     """Scores responses with one reward function plus the optional overlong penalty.
 
     With timeout_s > 0 the function runs in a RewardWorker process and a batch that takes longer counts
-    every sample as a reward error (the message says so); timeout_s = 0 runs it in this process."""
+    every sample as a reward error (the message says so); timeout_s = 0 runs it in this process, and so do the
+    built-ins of BOUNDED_REWARDS always (nothing to time out). Errors are counted the same way in both places."""
 
     def __init__(
         self,
@@ -180,7 +185,8 @@ class RewardScorer:
         timeout_s: float = 0.0,
     ):
         self.fn = resolve_reward_fn(fn) if isinstance(fn, str) else fn
-        self.worker = RewardWorker(fn, timeout_s) if timeout_s > 0 else None
+        in_process = timeout_s <= 0 or (isinstance(fn, str) and fn in BOUNDED_REWARDS)
+        self.worker = None if in_process else RewardWorker(fn, timeout_s)
         self.overlong = (
             OverlongPenalty(max_new_tokens, overlong_buffer, overlong_penalty) if overlong_buffer > 0 else None
         )
