@@ -53,7 +53,7 @@ class ParallelConfig:
     cp: int = 1  # context parallel
     sequence_parallel: bool = False  # required by Megatron for MoE with tp > 1 (turned on automatically)
     micro_batch_size: int = 1  # sequences per micro-batch
-    virtual_pp: Optional[int] = None  # interleaved pipeline chunks per stage
+    virtual_pp: Optional[int] = None  # interleaved pipeline chunks per stage: > 1 refused (preflight/layout.py)
     num_layers_in_first_stage: Optional[int] = None  # uneven pipeline: layers on the first stage
     num_layers_in_last_stage: Optional[int] = None  # uneven pipeline: layers on the last stage
 

@@ -251,6 +251,41 @@ def test_train_fails_fast_before_starting_processes(tmp_path, tiny_model_dir):
     assert not (tmp_path / "run").exists()
 
 
+def test_check_and_train_refuse_layouts_the_actor_cannot_train(tmp_path, tiny_model_dir):
+    """Interleaved pipeline stages (virtual_pp 2 at PP2) and, on CPU, ETP2 with EP2: one error line naming the
+    key and the fix from the pre-flight, no process started, no run folder."""
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1"}\n' * 8)
+    args = [
+        REPO / "configs/tiny/sapo_cpu.yaml",
+        f"model.path={tiny_model_dir}",
+        f"data.train_path={data}",
+        "trainer.val_every=0",
+        f"trainer.run_dir={tmp_path / 'run'}",
+    ]
+    vpp = ["actor.parallel.tp=1", "actor.parallel.pp=2", "actor.parallel.virtual_pp=2"]
+    for proc in (cli("check", *args, *vpp), cli("train", *args, *vpp)):
+        msg = one_line_error(proc)
+        assert msg == (
+            "mcore-rl: error: actor.parallel.virtual_pp = 2: interleaved (virtual) pipeline stages are not supported "
+            "by the actor yet (every pass would need >= pp micro-batches); set actor.parallel.virtual_pp: null (or 1)"
+        )
+        assert "process(es) on" not in proc.stdout
+    etp = ["actor.parallel.ep=2", "actor.parallel.etp=2", "trainer.nproc=4"]
+    for proc in (cli("check", *args, *etp), cli("train", *args, *etp)):
+        msg = one_line_error(proc)
+        assert "actor.parallel.etp = 2 with ep = 2 on CPU: gloo rejects" in msg, msg
+        assert msg.endswith("set actor.parallel.etp = 1") and "process(es) on" not in proc.stdout
+    assert not (tmp_path / "run").exists()
+    # plain torchrun launches skip the pre-flight: the trainer's check before it builds the actor refuses both
+    from mcore_rl.config import ConfigError, load_config
+    from mcore_rl.preflight.run import check_before_build
+
+    for bad, key in ((vpp, "virtual_pp = 2"), (etp[:2], "etp = 2 with ep = 2 on CPU")):
+        with pytest.raises(ConfigError, match=f"^actor.parallel.{key}"):
+            check_before_build(load_config(args[0], [*args[1:], *bad]), 4, "cpu")
+
+
 def test_train_rejects_layout_the_installed_megatron_cannot_run(tmp_path, tiny_model_dir):
     """SAPO's TP2 preset with experts not split over TP (etp = 1): megatron-core < 0.13 computes it wrongly, so
     `mcore-rl train` must stop in the pre-flight with the reason, before any process starts; newer versions

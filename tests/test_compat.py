@@ -49,12 +49,15 @@ def test_layout_rule_for_old_megatron(tiny_model_dir, monkeypatch, megatron):
     if megatron == "0.12.1":
         with pytest.raises(LayoutError, match=r"megatron-core 0\.12\.1 \(< 0\.13\).*set actor\.parallel\.etp = 2"):
             validate_layout(rejected, 2, tiny_model_dir)
-        with pytest.raises(LayoutError, match="virtual_pp = 2 needs megatron-core >= 0.13"):
-            validate_layout(
-                ParallelConfig(pp=2, virtual_pp=2), 2, {**_tiny_json(tiny_model_dir), "num_hidden_layers": 4}
-            )
+        assert "virtual_pp = 2 needs megatron-core >= 0.13" in compat_megatron.layout_problem(1, 1, 1, False, 2)
     else:
         assert validate_layout(rejected, 2, tiny_model_dir).etp == 1
+        assert compat_megatron.layout_problem(1, 1, 1, False, 2) is None
+    # virtual_pp: the actor's own refusal comes first on every version (it cannot train interleaved stages)
+    with pytest.raises(
+        LayoutError, match=r"^actor\.parallel\.virtual_pp = 2: interleaved .*\.virtual_pp: null \(or 1\)$"
+    ):
+        validate_layout(ParallelConfig(pp=2, virtual_pp=2), 2, {**_tiny_json(tiny_model_dir), "num_hidden_layers": 4})
     # the neighbouring layouts run on every version: experts split over TP, over EP, or no sequence parallel
     for ok in (ParallelConfig(tp=2, ep=1, etp=2), ParallelConfig(tp=2, ep=2, etp=1), ParallelConfig(tp=1, ep=2)):
         validate_layout(ok, ok.tp * ok.ep, tiny_model_dir)

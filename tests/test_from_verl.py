@@ -382,6 +382,27 @@ def test_grpo_megatron_rules(tmp_path):
     assert got["actor.optim.lr"] == 2e-6  # the here-document's "lr=9" is text, not an assignment
 
 
+def test_virtual_pipeline_is_not_supported_and_the_preset_runs_the_plain_pipeline(tmp_path):
+    """verl's virtual pipeline size > 1: listed as not supported with the pre-flight's reason (the actor cannot
+    train interleaved stages), the preset keeps virtual_pp null and passes check; 1 is the plain pipeline."""
+    script, key = DATA / "grpo_megatron_qwen3_8b_tp2_pp2.sh", "actor_rollout_ref.actor.megatron."
+    key += "virtual_pipeline_model_parallel_size"
+    for size, status in ((2, "not supported"), (1, "mapped")):
+        got, conv = converted(script, tmp_path, f"{key}={size}")
+        row = conv.conversion.rows[key]
+        assert (row.status, row.target, got["actor.parallel.virtual_pp"]) == (status, "actor.parallel.virtual_pp", None)
+        out = tmp_path / f"vpp{size}.yaml"
+        out.write_text(preset_text(conv, str(out)))
+        passed, message = check_preset(out, conv.conversion.world, str(model_config(script)))
+        assert passed, message
+    assert conv.conversion.rows[key].why == "1: the plain pipeline (null)"
+    got, conv = converted(script, tmp_path, f"{key}=2")
+    assert conv.conversion.rows[key].why == (
+        "2: interleaved (virtual) pipeline stages are not supported by the actor yet (every pass would need >= pp "
+        "micro-batches); the plain pipeline instead (virtual_pp: null)"
+    )
+
+
 DAPO = DATA / "dapo_qwen3_8b_megatron_tp2_pp2.sh"
 
 

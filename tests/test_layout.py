@@ -6,7 +6,6 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from mcore_rl.compat import megatron as compat_megatron
 from mcore_rl.config import ParallelConfig, load_config
 from mcore_rl.preflight.architectures import ARCHITECTURES
 from mcore_rl.preflight.engines import validate_rollout_tp
@@ -90,15 +89,17 @@ def test_uneven_stages_allow_pp_not_dividing_layers():
     assert "leaves 41 layers for 3 middle stages" in msg
 
 
-def test_virtual_pp_divides_stage_layers():
-    if compat_megatron.builds_with_vp_stage():
-        assert validate_layout(ParallelConfig(pp=4, virtual_pp=3), 4, QWEN).vpp == 3
-    else:  # megatron-core 0.12 builds one virtual stage only: the pre-flight says so
-        assert "virtual_pp = 3 needs megatron-core >= 0.13" in err(ParallelConfig(pp=4, virtual_pp=3), 4)
-    assert "virtual_pp = 5 must divide the layers of every pipeline stage [12, 12, 12, 12]" in err(
-        ParallelConfig(pp=4, virtual_pp=5), 4
-    )
-    assert "needs pp >= 2" in err(ParallelConfig(pp=1, virtual_pp=2), 1)
+def test_virtual_pp_refused_before_the_other_rules():
+    """The actor cannot run interleaved pipeline stages: any virtual_pp but null / 1 is refused first, whatever
+    else the layout says and on every megatron-core version; 1 is the plain pipeline (vpp None for Megatron)."""
+    fix = "set actor.parallel.virtual_pp: null (or 1)"
+    for parallel, world in ((ParallelConfig(pp=4, virtual_pp=3), 4), (ParallelConfig(pp=1, virtual_pp=2), 5)):
+        msg = err(parallel, world)
+        assert msg.startswith(f"actor.parallel.virtual_pp = {parallel.virtual_pp}: interleaved (virtual) pipeline")
+        assert "every pass would need >= pp micro-batches" in msg and msg.endswith(fix) and "\n" not in msg
+    assert validate_layout(ParallelConfig(pp=4), 4, QWEN).vpp is None
+    lay = validate_layout(ParallelConfig(pp=4, virtual_pp=1), 4, QWEN)
+    assert lay.vpp is None and "virtual_pp = 1 is the plain pipeline schedule: treated as null" in lay.warnings
 
 
 def test_ep_divides_experts():
@@ -158,6 +159,23 @@ def test_context_parallel_refused_where_no_cp_attention_is_configured():
 def test_expert_tp_refused_on_npu_only():
     assert "etp = 2 on NPU: MindSpeed" in err(ParallelConfig(tp=2, ep=2, etp=2), 4, platform="npu")
     assert validate_layout(ParallelConfig(tp=2, ep=2, etp=2), 4, QWEN, platform="cuda").etp == 2
+
+
+def test_cpu_run_refuses_expert_tp_with_ep():
+    """On CPU the layout builds (the weight export runs in it, tests/test_shm_gather.py) but a run cannot train:
+    with experts split over EP the ETP ranks receive different token counts (gloo rejects the uneven all-gather)."""
+    big = ["actor.parallel.tp=2", "actor.parallel.pp=2", "actor.parallel.cp=2", "actor.parallel.ep=2"]
+    cfg = load_config(None, ["platform=cpu", *big, "actor.parallel.etp=2"])
+    assert validate_layout(cfg.actor.parallel, 8, QWEN, platform="cpu").etp == 2
+    with pytest.raises(LayoutError) as e:
+        validate_run(cfg, 8, QWEN)
+    assert str(e.value) == (
+        "actor.parallel.etp = 2 with ep = 2 on CPU: gloo rejects the uneven all-gather of the alltoall "
+        "dispatcher's expert tensor parallel step (the first MoE layer would abort); set actor.parallel.etp = 1"
+    )
+    validate_run(load_config(None, ["platform=cuda", *big, "actor.parallel.etp=2"]), 8, QWEN)
+    for ok in (["actor.parallel.tp=2", "actor.parallel.etp=2"], [*big, "actor.parallel.etp=1"]):  # EP1 / no ETP
+        validate_run(load_config(None, ["platform=cpu", *ok]), 2 if len(ok) == 2 else 8, QWEN)
 
 
 NPU_VLLM = ["platform=npu", "rollout.engine=vllm", "rollout.tp=4"]

@@ -8,6 +8,7 @@ from typing import Optional
 from mcore_rl.from_verl.keys import MODEL, OT, A, F, M, R
 from mcore_rl.from_verl.verl_run import Setting, VerlRun, int_or_note, truthy
 from mcore_rl.preflight import context_parallel
+from mcore_rl.preflight.layout import VIRTUAL_PP_UNSUPPORTED, virtual_pp_refusal
 
 
 def cluster(run: VerlRun) -> None:
@@ -35,11 +36,7 @@ def layout(run: VerlRun) -> None:
         run.set("actor.parallel.ep", run.get(M + "expert_model_parallel_size"), M + "expert_model_parallel_size")
         run.set("actor.parallel.etp", run.get(M + "expert_tensor_parallel_size"), M + "expert_tensor_parallel_size")
         run.set("actor.parallel.cp", run.get(M + "context_parallel_size"), M + "context_parallel_size")
-        if run.get(M + "virtual_pipeline_model_parallel_size") is not None:
-            vpp = M + "virtual_pipeline_model_parallel_size"
-            run.set("actor.parallel.virtual_pp", run.get(vpp), vpp)
-        else:
-            run.mark(M + "virtual_pipeline_model_parallel_size", "mapped", "actor.parallel.virtual_pp", "null: off")
+        _virtual_pipeline(run)
         sp = truthy(run.get(M + "sequence_parallel")) and tp > 1
         run.set("actor.parallel.sequence_parallel", sp, M + "sequence_parallel")
         for side in ("first", "last"):
@@ -62,6 +59,19 @@ def layout(run: VerlRun) -> None:
         run.mark(F + "fsdp_size", "not needed", "", "-1: one sharding group over all devices")
     else:
         run.mark(F + "fsdp_size", "not supported", "", f"{size}: hybrid sharding; here one group over all DP ranks")
+
+
+def _virtual_pipeline(run: VerlRun) -> None:
+    """Interleaved stages cannot train here (the pre-flight refuses virtual_pp > 1): the plain pipeline instead."""
+    key = M + "virtual_pipeline_model_parallel_size"
+    size = run.get(key)
+    if virtual_pp_refusal(size):
+        why = f"{size}: {VIRTUAL_PP_UNSUPPORTED}; the plain pipeline instead (virtual_pp: null)"
+        run.mark(key, "not supported", "actor.parallel.virtual_pp", why)
+    else:
+        run.mark(
+            key, "mapped", "actor.parallel.virtual_pp", "null: off" if size is None else "1: the plain pipeline (null)"
+        )
 
 
 def _ulysses_key(run: VerlRun) -> str:

@@ -18,6 +18,7 @@ The rules mirror what Megatron-Core asserts later (parallel_state, TransformerCo
           attention across them is the local spec's (CPU), TE's (CUDA; refused at start without TE) or
           MindSpeed's ring attention (NPU): preflight.context_parallel
   etp == 1 on NPU: MindSpeed's grouped linear shards experts on the other dimension (export untested)
+  virtual_pp null (or 1): the actor does not run interleaved pipeline stages (`virtual_pp_refusal`)
   layouts the installed megatron-core cannot run    (compat.megatron.layout_problem: version read from the
                                                      package metadata, Megatron itself is not imported)
 The rules of the run as a whole (architecture, engine, how a step's samples split) are in `preflight.run`.
@@ -38,6 +39,7 @@ from mcore_rl.preflight import context_parallel
 
 # Megatron-LM's default `--make-vocab-size-divisible-by`; its vocabulary padding multiple is this x TP.
 MEGATRON_VOCAB_DIVISIBLE_BY = 128
+VIRTUAL_PP_UNSUPPORTED = "interleaved (virtual) pipeline stages are not supported by the actor yet (every pass would need >= pp micro-batches)"
 
 
 class LayoutError(ValueError):
@@ -264,18 +266,26 @@ def _stage_layers(p: ParallelConfig, dims: ModelDims) -> tuple[int, ...]:
             )
         mid = (middle_layers // middle_stages,) * middle_stages if middle_stages else ()
         stages = ((first,) if first is not None else ()) + mid + ((last,) if last is not None else ())
-    if p.virtual_pp is not None:
-        if p.pp < 2:
-            raise LayoutError(
-                f"virtual_pp = {p.virtual_pp} needs pp >= 2 (got pp = {p.pp}): remove virtual_pp or raise pp"
-            )
-        bad = [s for s in stages if s % p.virtual_pp]
-        if bad:
-            raise LayoutError(
-                f"virtual_pp = {p.virtual_pp} must divide the layers of every pipeline stage {list(stages)}: "
-                f"use virtual_pp in {divisors(math.gcd(*stages))}"
-            )
     return stages
+
+
+def virtual_pp_refusal(value: Any) -> Optional[str]:
+    """Why `actor.parallel.virtual_pp = value` cannot train (None: it can). Interleaved pipeline stages need a
+    data iterator per model chunk and at least pp micro-batches in every pass (the forward-only log-prob
+    passes and the merged packed passes too), which needs filler micro-batches the actor does not build."""
+    if value is None or value == 1:
+        return None
+    return f"actor.parallel.virtual_pp = {value}: {VIRTUAL_PP_UNSUPPORTED}; set actor.parallel.virtual_pp: null (or 1)"
+
+
+def _virtual_pp(p: ParallelConfig, warnings: list[str]) -> Optional[int]:
+    """The virtual pipeline size Megatron gets: None, the plain schedule (1, one chunk per stage, is the same)."""
+    problem = virtual_pp_refusal(p.virtual_pp)
+    if problem:
+        raise LayoutError(problem)
+    if p.virtual_pp == 1:
+        warnings.append("virtual_pp = 1 is the plain pipeline schedule: treated as null")
+    return None
 
 
 def _check_experts(p: ParallelConfig, dims: ModelDims) -> None:
@@ -365,6 +375,8 @@ def validate_layout(
     dims = ModelDims.from_hf(dims)
     p = parallel
     _check_sizes(p, world_size)
+    warnings: list[str] = []
+    vpp = _virtual_pp(p, warnings)
     dp = _check_world(p, world_size)
     _check_heads(p, dims)
     stages = _stage_layers(p, dims)
@@ -372,15 +384,10 @@ def validate_layout(
     edp = _check_expert_folding(p, dp, world_size)
     padded_vocab = _check_vocab(p, dims)
     _check_platform(p, dims, platform, transformer_engine)
-    warnings: list[str] = []
     sp = _sequence_parallel(p, dims, warnings)
-    problem = compat_megatron.layout_problem(p.tp, p.ep, p.expert_tp, sp, p.virtual_pp, moe=bool(dims.num_experts))
+    problem = compat_megatron.layout_problem(p.tp, p.ep, p.expert_tp, sp, vpp, moe=bool(dims.num_experts))
     if problem:
         raise LayoutError(problem)
-    if platform == "cpu" and p.expert_tp > 1 and p.ep > 1:
-        warnings.append(
-            f"etp = {p.expert_tp} with ep > 1 on CPU: gloo rejects the uneven all-gather of the alltoall dispatcher; etp = 1 avoids it"
-        )
     seq_multiple = context_parallel.sequence_multiple(p.cp, p.tp, sp)
     return Layout(
         world_size=world_size,
@@ -391,7 +398,7 @@ def validate_layout(
         ep=p.ep,
         etp=p.expert_tp,
         edp=edp,
-        vpp=p.virtual_pp,
+        vpp=vpp,
         sequence_parallel=sp,
         micro_batch_size=p.micro_batch_size,
         layers_per_stage=stages,

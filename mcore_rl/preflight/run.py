@@ -1,7 +1,8 @@
 """The whole pre-flight of a run (`validate_run`): the model's architecture, the engine's capabilities and
 tensor-parallel size, the actor's layout, and how a step's samples split over mini-batches, data-parallel ranks
 and micro-batches (`check_step_split`, the one statement of that rule), and whether the longest sequence, padded
-as the layout pads it, fits the token budget (`check_token_budget`)."""
+as the layout pads it, fits the token budget (`check_token_budget`), and whether the experts can train in the
+layout on this platform (`check_expert_dispatch`)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def validate_run(cfg: Config, world_size: int, dims: Any, platform: Optional[str
     check_architecture(cfg, dims)
     check_engine_capabilities(cfg, platform)
     layout = validate_layout(cfg.actor.parallel, world_size, dims, platform=platform)
+    check_expert_dispatch(layout, platform)
     warnings = list(layout.warnings)
     if cfg.rollout.engine == "vllm":
         warnings += validate_rollout_tp(cfg.rollout.tp, world_size, dims).warnings
@@ -65,11 +67,27 @@ def check_token_budget(cfg: Config, layout: Layout) -> None:
     )
 
 
+def check_expert_dispatch(layout: Layout, platform: Optional[str]) -> None:
+    """Training on CPU with the experts split over EP and ETP: the alltoall dispatcher all-gathers the tokens of
+    the ETP ranks, whose counts differ once EP splits the experts (equal with EP = 1), and gloo rejects an uneven
+    all-gather, so the first MoE layer's forward aborts. The layout itself builds on CPU (the weight export is
+    tested in it); a run cannot train in it. ep > 1 means a MoE model (`validate_layout` refuses it for dense)."""
+    if platform == "cpu" and layout.ep > 1 and layout.etp > 1:
+        raise LayoutError(
+            f"actor.parallel.etp = {layout.etp} with ep = {layout.ep} on CPU: gloo rejects the uneven all-gather "
+            f"of the alltoall dispatcher's expert tensor parallel step (the first MoE layer would abort); "
+            f"set actor.parallel.etp = 1"
+        )
+
+
 def check_before_build(cfg: Config, world_size: int, platform: Optional[str]) -> None:
     """What the trainer checks before it builds the actor, for launches without the pre-flight (plain torchrun
-    of `mcore-rl train`, launch/ scripts): the layout and the token budget, as one-line config errors."""
+    of `mcore-rl train`, launch/ scripts): the layout, the expert dispatch and the token budget, as one-line
+    config errors."""
     try:
-        check_token_budget(cfg, validate_layout(cfg.actor.parallel, world_size, cfg.model.path, platform=platform))
+        layout = validate_layout(cfg.actor.parallel, world_size, cfg.model.path, platform=platform)
+        check_expert_dispatch(layout, platform)
+        check_token_budget(cfg, layout)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
 
