@@ -156,17 +156,20 @@ def local_meta(local: LocalRollout, rewards: list[float], valid: list[bool]) -> 
     total = local.num_prompts * local.n
     ints = torch.zeros(total, _META_COLUMNS, dtype=torch.int64)
     floats = torch.zeros(total, dtype=torch.float32)
-    scored = local.scored
+    scored = local.scored  # a contiguous range of step indices
     if len(rewards) != len(scored) or len(valid) != len(scored):
         raise ValueError(f"{len(rewards)} rewards / {len(valid)} flags for the {len(scored)} samples this rank scores")
+    rows = []
     for k, i in enumerate(scored):
         s = local.sample(i)
         routes = s.routed_experts
         layers, top_k = (int(routes.shape[1]), int(routes.shape[2])) if routes is not None else (0, 0)
-        ints[i] = torch.tensor(
+        rows.append(
             [len(s.prompt_ids), len(s.response_ids), int(s.finish_reason == _TRUNCATED), int(valid[k]), layers, top_k]
         )
         floats[i] = float(rewards[k])
+    if rows:  # one tensor, not one per sample
+        ints[scored.start : scored.stop] = torch.tensor(rows, dtype=torch.int64)
     return ints, floats
 
 

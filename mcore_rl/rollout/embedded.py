@@ -446,23 +446,25 @@ class EmbeddedEngine(RolloutEngine, WeightReader):
 
     def _collect(self, prompts, width, tokens, logps, lengths, stop_ids, prompt_routes, step_routes):
         tokens = torch.stack(tokens, 1).cpu()
-        logps = torch.stack(logps, 1).cpu()
+        logps = torch.stack(logps, 1).float().cpu()
         lengths = lengths.cpu()
-        stop_ids = stop_ids.cpu()
+        # whole-batch tensor work, then plain lists per row: every response has at least one token, and it ended
+        # by a stop token ("stop") or at max_new_tokens ("length")
+        stopped = torch.isin(tokens.gather(1, (lengths - 1)[:, None]).squeeze(1), stop_ids.cpu()).tolist()
+        rows, counts = tokens.tolist(), lengths.tolist()
         response_routes = torch.cat(step_routes, 1).cpu() if step_routes else None
         out = []
         for i, p in enumerate(prompts):
-            n = int(lengths[i])
-            resp = tokens[i, :n]
+            n = counts[i]
             routes = None
             if prompt_routes is not None:
                 routes = torch.cat([prompt_routes[i, width - len(p) :].cpu(), response_routes[i, :n]], 0)
             out.append(
                 RolloutSample(
                     prompt_ids=list(p),
-                    response_ids=resp.tolist(),
-                    logprobs=logps[i, :n].float().clone(),
-                    finish_reason="stop" if bool(torch.isin(resp[-1:], stop_ids).any()) else "length",
+                    response_ids=rows[i][:n],
+                    logprobs=logps[i, :n].clone(),
+                    finish_reason="stop" if stopped[i] else "length",
                     routed_experts=routes,
                 )
             )
