@@ -2,7 +2,8 @@
 
 `train CONFIG [key=value ...]` validates the config and the parallel layout first (seconds, no process
 started), then runs torchrun (mcore_rl.torchrun, in a fork of itself) with trainer.nproc processes on this
-machine; inside torchrun (LOCAL_RANK / WORLD_SIZE set, also by launch/ scripts) it runs the trainer.
+machine (on CPU forked from it too, torch and the loaded inputs with them: mcore_rl.torchrun.ForkedWorker);
+inside torchrun (LOCAL_RANK / WORLD_SIZE set, also by launch/ scripts) it runs the trainer.
 Bad input exits with status 2 and one line `mcore-rl: error: ...` naming the problem and the fix.
 """
 
@@ -18,6 +19,7 @@ from typing import Optional, Sequence
 from mcore_rl.algo_config import LOSSES
 from mcore_rl.compat import describe_versions
 from mcore_rl.config import CONFIG_WARNED_ENV, Config, ConfigError, check_paths, load_config
+from mcore_rl.data.dataset import PromptInputs
 from mcore_rl.data.task import MULTI_TOKEN_KINDS as WARM_START_KINDS
 from mcore_rl.data.task import TASK_KINDS
 from mcore_rl.models.tiny import ARCHS
@@ -154,10 +156,11 @@ class InputError(ValueError):
     """A training input (dataset, reward function, tokenizer) is unusable."""
 
 
-def check_inputs(cfg: Config) -> None:
+def check_inputs(cfg: Config) -> PromptInputs:
     """Load what a run reads first - reward function, tokenizer, datasets - so bad inputs fail here,
-    in seconds and before any process starts, instead of on every rank after Megatron is up."""
-    from mcore_rl.data import load_prompt_dataset
+    in seconds and before any process starts, instead of on every rank after Megatron is up. Returns the
+    tokenizer and the prompt sets, for the ranks `mcore-rl train` forks."""
+    from mcore_rl.data import PromptInputs, load_prompt_dataset
     from mcore_rl.data.dataset import DatasetFileError
     from mcore_rl.rewards import resolve_reward_fn
 
@@ -177,16 +180,20 @@ def check_inputs(cfg: Config) -> None:
                 f"the folder needs tokenizer files next to config.json"
             ) from e
         check_tokenizer(tokenizer, cfg.model.path)
+        key = PromptInputs.key_of(cfg)
         paths = {"data.train_path": cfg.data.train_path}
         if cfg.trainer.val_every > 0:
             paths["data.val_path"] = cfg.data.val_path
-        for key, path in paths.items():
+        sets = {}
+        for name, path in paths.items():
             try:
-                load_prompt_dataset(path, tokenizer, cfg.data.max_prompt_len, cfg.data.prompt_key)
+                sets[name] = load_prompt_dataset(path, tokenizer, cfg.data.max_prompt_len, cfg.data.prompt_key)
             except DatasetFileError as e:  # says what the file is, not which setting names it
-                raise ValueError(f"{key} = {e}") from None
+                raise ValueError(f"{name} = {e}") from None
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise InputError(str(e)) from None
+    val_set = sets.get("data.val_path") if key[2] is not None else None
+    return PromptInputs(key, tokenizer, sets["data.train_path"], val_set)
 
 
 def check_resume(cfg: Config) -> None:
@@ -214,7 +221,7 @@ def cmd_train(args) -> int:
 
         watch = die_with_launcher()  # a kill -9 of `mcore-rl train` (or of torchrun) ends this worker too
         try:
-            run(cfg)
+            run(cfg, inputs=getattr(args, "inputs", None))
         except (TrainingHalted, ConfigError, OutputWriteError) as e:  # a clear reason, not a crash
             stopped = isinstance(e, StopRequested)
             line = f"mcore-rl: {'' if stopped else 'error: '}{e}"
@@ -238,7 +245,7 @@ def cmd_train(args) -> int:
 
     check_run_dir(cfg, checkpoint_bytes(cfg, model_dims(cfg)))
     check_resume(cfg)
-    check_inputs(cfg)
+    inputs = check_inputs(cfg)
     for warning in layout.warnings:
         print(f"mcore-rl: warning: {warning}", file=sys.stderr)
     cmd = [
@@ -258,12 +265,18 @@ def cmd_train(args) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # without it every rank spins all cores (0.5 s stalls on small CPUs)
     env[CONFIG_WARNED_ENV] = "1"  # the config's warnings were printed here: rank 0 need not repeat them
+    from mcore_rl.platform import get_platform
     from mcore_rl.supervise import run_supervised
+    from mcore_rl.torchrun import ForkedWorker
     from mcore_rl.torchrun import main as torchrun_main
 
     # SIGTERM/SIGINT reach every worker; nothing is left running. torchrun's agent runs in a fork of this process
     # (torch is imported here already: a fresh `python -m mcore_rl.torchrun` spent ~1 s importing it again).
-    return run_supervised(cmd, env, target=lambda: torchrun_main(cmd[3:]))
+    # On CPU torchrun forks the ranks from its agent too, and they take over the tokenizer and prompt sets loaded
+    # above (PromptInputs) instead of loading them again.
+    forks = get_platform(platform).forks_workers
+    worker = ForkedWorker(lambda argv: main(argv, inputs=inputs)) if forks else None
+    return run_supervised(cmd, env, target=lambda: torchrun_main(cmd[3:], worker=worker))
 
 
 def cmd_plot(args) -> int:
@@ -377,12 +390,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None, version_of=None) -> int:
+def main(argv: Optional[Sequence[str]] = None, version_of=None, inputs: Optional[PromptInputs] = None) -> int:
     """`version_of` (distribution -> installed version or None) replaces the installed metadata for the
-    support-matrix check of `check` / `train` (tests pass the combination they judge)."""
+    support-matrix check of `check` / `train` (tests pass the combination they judge). `inputs`: the launcher's
+    loaded tokenizer and prompt sets, in the ranks it forked (the trainer loads its own where they do not match)."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     args.version_of = version_of
+    args.inputs = inputs
     if args.command == "convert":
         args.args = list(args.args) + extra
     elif extra:

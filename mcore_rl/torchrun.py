@@ -7,17 +7,25 @@ train`), one line names the file, and the exit status is the failed worker's own
 A run that succeeds writes nothing.
 
     python -m mcore_rl.torchrun LOG_FILE [torchrun arguments ...]
+
+`mcore-rl train` runs the agent in a fork of itself and has it fork the workers too (`main(..., worker=...)`):
+each worker then starts with torch, transformers and the input check's modules imported, as the launcher has them;
+a fresh `python -m mcore_rl.cli` spent ~1.8 s of CPU per rank importing them again. `ForkedWorker` sets the fork up
+as torchrun sets up a worker's process (its own session, the signals' default actions, line-buffered output, the
+environment's thread count) and exits with the status the command would have.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 # torchrun's agent logs (worker exits, "Sending process N closing signal") under these loggers
 _AGENT_LOGGERS = ("torch.distributed.run", "torch.distributed.elastic", "torch.distributed.launcher")
@@ -79,7 +87,87 @@ def report_signal_death(error, report: Path) -> None:
     )
 
 
-def main(argv: Sequence[str]) -> int:
+class ForkedWorker:
+    """torchrun's worker as a fork of the agent that runs `main(args)` (what `python -u -m MODULE ARGS` would run
+    once its interpreter had imported MODULE); torchrun passes it the command's arguments (-u -m MODULE ARGS)."""
+
+    def __init__(self, main: Callable[[list[str]], int]):
+        self.main = main
+        self.__name__ = self.__qualname__ = "mcore_rl.torchrun.ForkedWorker"  # torchrun's logs name its entrypoint
+
+    def __call__(self, *cmd_args: str) -> None:
+        os.setsid()  # as torchrun starts a command: its own session (supervise.die_with_launcher's reaper needs it)
+        for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):  # the agent's handlers are the agent's
+            signal.signal(signum, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        sys.stdout.reconfigure(line_buffering=True)  # python -u: each line out as it is written
+        sys.stderr.reconfigure(line_buffering=True)
+        threads = os.environ.get("OMP_NUM_THREADS", "")
+        if threads.isdigit() and int(threads) > 0:  # a fresh interpreter reads it at start; this one started earlier
+            import torch
+
+            torch.set_num_threads(int(threads))
+        args = list(cmd_args)
+        if args[:1] == ["-u"]:
+            args = args[1:]
+        if args[:1] == ["-m"]:
+            args = args[2:]
+        real_exit = os._exit
+        os._exit = _reporting_exit(real_exit, _return_queue())
+        try:
+            code = self.main(args)
+        except KeyboardInterrupt:  # as an interpreter ends on one (torch's wrapper would report success)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+            raise
+        finally:
+            os._exit = real_exit
+        if code:
+            sys.exit(code)
+
+
+def _return_queue():
+    """torch's queue for this forked worker's return value: `ret_val_` of the frame that called the entrypoint
+    (torch.distributed.elastic.multiprocessing.api._wrap); None where torch names it otherwise."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_wrap" and "ret_val_" in frame.f_locals:
+            return frame.f_locals["ret_val_"]
+        frame = frame.f_back
+    return None
+
+
+def _reporting_exit(real_exit: Callable[[int], None], queue) -> Callable[[int], None]:
+    """os._exit for a forked worker: torch's agent counts a forked worker done by the return value it puts on
+    `queue`, and waits forever for one that ended with status 0 without it (the trainer's Ctrl-C-twice stop ends
+    with os._exit(0)); a fresh interpreter's agent goes by the exit status alone."""
+
+    def exit_now(status: int) -> None:
+        if status == 0 and queue is not None:
+            queue.put(None)
+        real_exit(status)
+
+    return exit_now
+
+
+def _run_forked(args, worker: ForkedWorker) -> None:
+    """torch.distributed.run.run for `--standalone` with the workers forked from this process (`worker`)."""
+    import uuid
+
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args
+
+    if not args.standalone:
+        raise ValueError("forked workers: only a --standalone launch (one machine) is supported")
+    args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    config, _, cmd_args = config_from_args(args)
+    config.start_method = "fork"
+    elastic_launch(config=config, entrypoint=worker)(*cmd_args)
+
+
+def main(argv: Sequence[str], worker: Optional[ForkedWorker] = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -90,7 +178,10 @@ def main(argv: Sequence[str]) -> int:
         logger.addHandler(held)
         logger.propagate = False
     try:
-        run(parse_args(args))
+        if worker is None:
+            run(parse_args(args))
+        else:
+            _run_forked(parse_args(args), worker)
     except ChildFailedError as e:
         text = "\n".join(held.lines + [traceback.format_exc()])
         path = _write_log(log_file, text)

@@ -42,7 +42,7 @@ from mcore_rl.batch import plan_mini_batches
 from mcore_rl.colocation import Colocation, Phase
 from mcore_rl.compat import describe_versions
 from mcore_rl.config import Config, save_config
-from mcore_rl.data import EpochSampler, load_prompt_dataset
+from mcore_rl.data import EpochSampler, PromptInputs, load_prompt_dataset
 from mcore_rl.dynamic_sampling import CapWarnings, collect, overlong_filtered, round_seed, single_round
 from mcore_rl.metrics import MetricsLogger, PhaseTimer, SampleLog
 from mcore_rl.platform import collectives, get_platform
@@ -98,7 +98,7 @@ def _set_rng_state(state: dict) -> None:
 class Trainer:
     """Holds what lives across steps: actor, engine, data sampler, reward function, loggers."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, inputs: "PromptInputs | None" = None):
         self.cfg = cfg
         # First: a Ctrl-C while the run starts stops it at the first step boundary, like one later on.
         self.stop_signals = StopSignals(Path(cfg.trainer.run_dir) / STOP_FILE, at_once=self._stop_at_once)
@@ -111,7 +111,7 @@ class Trainer:
         check_before_build(cfg, self.world, self.platform.name)  # plain torchrun launches skip the pre-flight
         resume = self._claim_run_dir()
         # Cheap, rank-local work first so bad data or reward functions fail before Megatron starts.
-        self._load_inputs()
+        self._load_inputs(inputs)
         self._build_actors()
         self.colocation = Colocation.start(
             self.actor, self.platform, cfg.actor.offload, self._build_engine, sync=lambda: self.sync_engine(False)
@@ -146,14 +146,21 @@ class Trainer:
             save_config(cfg, self.run_dir / "config.yaml")
         return resume
 
-    def _load_inputs(self) -> None:
-        """Tokenizer, reward function, prompt datasets and their sampler."""
+    def _load_inputs(self, inputs: "PromptInputs | None") -> None:
+        """Tokenizer, reward function, prompt datasets and their sampler; the tokenizer and the datasets those that
+        `inputs` holds when loaded for this config (the launcher's, in a rank it forked)."""
         cfg = self.cfg
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.reward_fn = RewardScorer.from_config(cfg.reward, cfg.rollout.max_new_tokens)
-        load = lambda path: load_prompt_dataset(path, self.tokenizer, cfg.data.max_prompt_len, cfg.data.prompt_key)
-        self.train_set = load(cfg.data.train_path)
-        self.val_set = load(cfg.data.val_path) if cfg.data.val_path and cfg.trainer.val_every > 0 else None
+        if inputs is not None and inputs.key == PromptInputs.key_of(cfg):
+            self.tokenizer, self.train_set, self.val_set = inputs.tokenizer, inputs.train_set, inputs.val_set
+            for dataset in (self.train_set, self.val_set):
+                if dataset is not None:
+                    dataset.log_summary()  # what loading it here would have said
+        else:
+            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+            load = lambda path: load_prompt_dataset(path, self.tokenizer, cfg.data.max_prompt_len, cfg.data.prompt_key)
+            self.train_set = load(cfg.data.train_path)
+            self.val_set = load(cfg.data.val_path) if cfg.data.val_path and cfg.trainer.val_every > 0 else None
         self.sampler = EpochSampler(
             len(self.train_set), cfg.data.prompts_per_step, seed=cfg.data.seed, shuffle=cfg.data.shuffle
         )
@@ -594,7 +601,8 @@ def _interrupted(cfg: Config, trainer: "Trainer | None") -> StopRequested:
     return StopRequested.at_once(step, newest.path if newest else None)
 
 
-def run(cfg: Config) -> None:
+def run(cfg: Config, inputs: "PromptInputs | None" = None) -> None:
+    """Train `cfg` on this rank; `inputs`: the tokenizer and prompt sets, already loaded (mcore_rl.cli)."""
     _setup_logging()
     verbose = verbose_requested(cfg.trainer.verbose)
     # before Megatron is imported: most of its warnings are raised at import time
@@ -605,7 +613,7 @@ def run(cfg: Config) -> None:
     torch.manual_seed(cfg.trainer.seed)
     trainer = None
     try:
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, inputs)
         trainer.fit()
     except Interrupted:
         raise _interrupted(cfg, trainer) from None

@@ -9,6 +9,9 @@ import pytest
 
 from mcore_rl.data import EpochSampler, load_prompt_dataset
 from mcore_rl.models.tiny import build_tokenizer
+from tests.torchrun_util import REPO
+
+CONFIG = REPO / "configs" / "tiny" / "gspo_cpu.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +67,34 @@ def test_parquet_and_jsonl_give_the_same_examples(tmp_path, tokenizer):
     b = load_prompt_dataset(write_jsonl(tmp_path / "d.jsonl", rows), tokenizer, max_prompt_len=64)
     assert [vars(e) for e in a] == [vars(e) for e in b]
     assert a[3].prompt_ids == expected_ids(tokenizer, "q3")
+
+
+def test_prompts_tokenised_in_chunks_keep_file_order_and_filters(tmp_path, tokenizer, monkeypatch):
+    """Prompts are tokenised in batches (dataset.TOKENIZE_CHUNK rows a call): chunks that cut through malformed and
+    too-long rows give each kept prompt its own ids, in file order, with the same counts."""
+    import mcore_rl.data.dataset as dataset
+
+    monkeypatch.setattr(dataset, "TOKENIZE_CHUNK", 2)
+    contents = ["a", "bb", "x" * 40, "ccc", "dd", "x" * 41, "e"]
+    rows = [row(c, str(i)) for i, c in enumerate(contents)]
+    rows.insert(3, "{not json")
+    ds = load_prompt_dataset(write_jsonl(tmp_path / "d.jsonl", rows), tokenizer, max_prompt_len=30)
+    kept = [c for c in contents if len(c) < 40]
+    assert [e.prompt_ids for e in ds] == [expected_ids(tokenizer, c) for c in kept]
+    assert [e.index for e in ds] == [0, 1, 4, 5, 7] and [e.ground_truth for e in ds] == ["0", "1", "3", "4", "6"]
+    s = ds.summary
+    assert (s.rows, s.kept, s.too_long, s.malformed) == (8, 5, 2, 1)
+
+
+def test_prompt_inputs_key_names_the_validation_set_only_where_it_is_used(tmp_path):
+    from mcore_rl.config import load_config
+    from mcore_rl.data import PromptInputs
+
+    base = ["model.path=m", "data.train_path=t.parquet", "data.val_path=v.parquet"]
+    with_val = PromptInputs.key_of(load_config(CONFIG, [*base, "trainer.val_every=5"]))
+    without = PromptInputs.key_of(load_config(CONFIG, [*base, "trainer.val_every=0"]))
+    assert with_val == ("m", "t.parquet", "v.parquet", 64, "prompt") and without[2] is None
+    assert PromptInputs.key_of(load_config(CONFIG, [*base, "data.max_prompt_len=32"]))[3] == 32
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from mcore_rl.data.dataset import (
     EpochSampler,
     PromptDataset,
     PromptExample,
+    PromptInputs,
     load_prompt_dataset,
     tokenize_prompt,
 )
@@ -15,6 +16,7 @@ __all__ = [
     "EpochSampler",
     "PromptDataset",
     "PromptExample",
+    "PromptInputs",
     "TaskSpec",
     "chance_reward",
     "load_prompt_dataset",

@@ -162,6 +162,13 @@ class Platform:
         (CPU, and CUDA without TE - the GPU smoke suite's machine has none)."""
         return uses_te_spec(self.name, transformer_engine_importable())
 
+    @property
+    def forks_workers(self) -> bool:
+        """Whether `mcore-rl train` forks its ranks from the launcher (torch, transformers and the loaded inputs
+        already there: ~2 s of CPU per rank less, mcore_rl.torchrun.ForkedWorker) instead of starting interpreters:
+        on CPU only. A launcher that queried a GPU or imported torch_npu holds a device runtime not made for fork."""
+        return self.name == "cpu"
+
     def apply_environment(self, env: Optional[dict] = None) -> dict[str, str]:
         """Set (if unset) the environment variables this platform needs in `env` (default os.environ);
         returns the values in effect. Call before importing torch_npu / vllm-ascend."""
