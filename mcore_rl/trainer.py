@@ -567,15 +567,14 @@ class Trainer:
         self._plot()
 
     def _plot(self) -> None:
-        """Rank 0 writes the plots; a failure (a full disk) stops every rank with the same message."""
+        """Every rank writes its share of the plots (plot.plot_run's part); a failure on any (a full disk) stops
+        every rank with the same message."""
         failed = None
-        if self.rank == 0:
-            try:
-                pngs = plot_run(self.run_dir)
-                log.info("training done: metrics %s, plots %s", self.run_dir / "metrics.jsonl", pngs[0].parent)
-            except OSError as e:
-                failed = write_failure(e, self.run_dir / "plots")[0]
-        failed = collectives.from_rank0(failed)
+        try:
+            plot_run(self.run_dir, part=(self.rank, self.world))
+        except OSError as e:
+            failed = write_failure(e, self.run_dir / "plots")[0]
+        failed = collectives.first_given(failed)
         if failed is not None:
             export = " and the export" if self.cfg.checkpoint.save_hf else ""
             raise OutputWriteError(
@@ -583,6 +582,8 @@ class Trainer:
                 f"checkpoints, metrics.jsonl{export} are intact: free space, then write them with "
                 f"`mcore-rl plot {self.run_dir}`"
             )
+        if self.rank == 0:
+            log.info("training done: metrics %s, plots %s", self.run_dir / "metrics.jsonl", self.run_dir / "plots")
 
 
 def _setup_logging() -> None:

@@ -211,6 +211,23 @@ def test_plot_run_writes_pngs(tmp_path):
     assert image.shape[0] > 300 and image.shape[1] > 800
 
 
+def test_plot_run_in_parts_writes_the_same_pngs(tmp_path):
+    """The trainer's ranks write the plots together (part=(rank, world)): the parts are disjoint, together they are
+    the whole set, and each PNG is the one a single call writes."""
+    with MetricsLogger(tmp_path, cfg_for(tmp_path, "trainer.tensorboard=false"), rank=0, progress=False) as m:
+        for step in range(1, 5):
+            m.log(step, {"reward_mean": step / 4, "pg_loss": 1 / step, "grad_norm": 0.5, "time/update": 0.5})
+    whole = {p.name: p.read_bytes() for p in plot_run(tmp_path, tmp_path / "whole")}
+    parts = [plot_run(tmp_path, tmp_path / "parts", part=(i, 3)) for i in range(3)]
+    names = [p.name for part in parts for p in part]
+    assert sorted(names) == sorted(whole) and len(names) == len(set(names)) == 5
+    assert parts[0][0].name == "overview.png" and all(len(part) >= 1 for part in parts)
+    for name, data in whole.items():
+        assert (tmp_path / "parts" / name).read_bytes() == data, name
+    with pytest.raises(ValueError, match="index must be in 0 .. 2"):
+        plot_run(tmp_path, part=(3, 3))
+
+
 def test_group_metrics():
     groups = group_metrics(
         [

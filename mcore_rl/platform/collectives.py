@@ -169,6 +169,16 @@ def from_rank0(value, group=None):
     return box[0]
 
 
+def first_given(value, group=None):
+    """The lowest rank's small picklable value that is not None (a failure message), or None, on every rank of
+    `group`; `value` itself without a process group. For the outcome of work every rank does its share of."""
+    if not _active(group):
+        return value
+    values = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return next((v for v in values if v is not None), None)
+
+
 def _up32(value: float) -> float:
     """The smallest float32 >= value (max over float32 must not round a local maximum down)."""
     v = torch.tensor(value, dtype=torch.float32)
