@@ -151,6 +151,7 @@ class Trainer:
         `inputs` holds when loaded for this config (the launcher's, in a rank it forked)."""
         cfg = self.cfg
         self.reward_fn = RewardScorer.from_config(cfg.reward, cfg.rollout.max_new_tokens)
+        self.reward_fn.start()  # its worker's interpreter starts while the model is built, not in the first step
         if inputs is not None and inputs.key == PromptInputs.key_of(cfg):
             self.tokenizer, self.train_set, self.val_set = inputs.tokenizer, inputs.train_set, inputs.val_set
             for dataset in (self.train_set, self.val_set):

@@ -146,10 +146,14 @@ class RewardWorker:
         self._proc.start()
         child.close()
 
-    def score(self, items: list[tuple]):
-        """score_items in the worker; TimeoutError when it does not answer within timeout_s."""
+    def start(self) -> None:
+        """The worker process started (again, when it died), if it is not running."""
         if self._proc is None or not self._proc.is_alive():
             self._start()
+
+    def score(self, items: list[tuple]):
+        """score_items in the worker; TimeoutError when it does not answer within timeout_s."""
+        self.start()
         self._conn.send(items)
         if not self._conn.poll(self.timeout_s):
             self.close()
@@ -197,6 +201,12 @@ class RewardScorer:
         return cls(
             reward_cfg.fn, max_new_tokens, reward_cfg.overlong_buffer, reward_cfg.overlong_penalty, reward_cfg.timeout_s
         )
+
+    def start(self) -> None:
+        """Start the worker process now (timeout_s > 0): the trainer calls this before it builds the model, so the
+        worker's interpreter starts meanwhile instead of inside the first step's scoring."""
+        if self.worker is not None:
+            self.worker.start()
 
     def close(self) -> None:
         if self.worker is not None:
