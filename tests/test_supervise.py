@@ -8,6 +8,7 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from mcore_rl.safety import StopSignals
 
@@ -174,3 +175,64 @@ def test_a_forked_child_is_set_up_like_the_command_and_its_status_returned(tmp_p
     proc = subprocess.run([sys.executable, "-c", FORKED, str(out)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert json.loads(out.read_text()) == {"session_leader": True, "env": "yes", "parent": True}
+
+
+FORKED_WORKERS = """
+import json, os, signal, sys, types
+import torch
+from mcore_rl import torchrun
+
+out, agent = sys.argv[1], os.getpid()
+sys.modules["made_by_the_launcher"] = types.ModuleType("made_by_the_launcher")  # only a fork has it
+torch.set_num_threads(2)  # the launcher's count; the workers' environment says 1
+os.environ["OMP_NUM_THREADS"] = "1"
+
+
+def worker(argv):  # torchrun's rank, forked from this process
+    rank = int(os.environ["RANK"])
+    seen = {
+        "argv": argv,
+        "forked": "made_by_the_launcher" in sys.modules,
+        "session_leader": os.getsid(0) == os.getpid(),
+        "threads": torch.get_num_threads(),
+        "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+        "world": os.environ["WORLD_SIZE"],
+    }
+    open(os.path.join(out, f"rank{rank}.json"), "w").write(json.dumps(seen))
+    if sys.argv[2] == "fail" and rank == 1:
+        return 3
+    if rank == 1:  # as the trainer's Ctrl-C-twice stop ends: torch's agent must not wait for it forever
+        os._exit(0)
+    return 0
+
+
+log = os.path.join(out, "torchrun.log")
+args = [log, "--standalone", "--nproc_per_node=2", "-m", "some.module", "train", "cfg.yaml"]
+sys.exit(torchrun.main(args, worker=torchrun.ForkedWorker(worker)))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["ok", "fail"])
+def test_forked_workers_are_set_up_like_torchruns_command_and_end_with_its_status(tmp_path, case):
+    """On CPU `mcore-rl train` has torchrun's agent fork the ranks (torchrun.ForkedWorker) instead of starting
+    interpreters: each gets the command's arguments, its own session, the default SIGTERM action and the
+    environment's thread count; a rank that ends with os._exit(0) does not leave the agent waiting, and a rank's
+    failure is the agent's exit status (with torchrun's report in the log file)."""
+    import json
+
+    proc = subprocess.run(
+        [sys.executable, "-c", FORKED_WORKERS, str(tmp_path), case], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == (3 if case == "fail" else 0), proc.stderr[-3000:]
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert seen == {
+            "argv": ["train", "cfg.yaml"],
+            "forked": True,
+            "session_leader": True,
+            "threads": 1,
+            "sigterm_default": True,
+            "world": "2",
+        }, seen
+    assert (tmp_path / "torchrun.log").is_file() == (case == "fail")
