@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch.distributed as dist
 
@@ -75,25 +76,27 @@ class DataParallelEngine(RolloutEngine):
         prompt i of the full list is seeded from `params.seed + i * n`."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class LocalRollout:
-    """What this rank holds after generation: n samples for each prompt of its replica's share."""
+    """What this rank holds after generation: n samples for each prompt of its replica's share.
+
+    Frozen: the ranges below are computed once (the step data asks for them per sample)."""
 
     replicas: ReplicaLayout
     num_prompts: int
     n: int
     groups: list[list[RolloutSample]]  # groups[k][j]: sample j of prompt prompts[k]
 
-    @property
+    @cached_property
     def prompts(self) -> range:
         return self.replicas.share(self.num_prompts)
 
-    @property
+    @cached_property
     def held(self) -> range:
         """Step sample indices this rank holds (group order)."""
         return range(self.prompts.start * self.n, self.prompts.stop * self.n)
 
-    @property
+    @cached_property
     def scored(self) -> range:
         """Step sample indices this rank scores: its contiguous part of the replica's held samples."""
         held, peer = self.held, self.replicas.rank % self.replicas.tp
