@@ -273,8 +273,9 @@ def cmd_train(args) -> int:
     # SIGTERM/SIGINT reach every worker; nothing is left running. torchrun's agent runs in a fork of this process
     # (torch is imported here already: a fresh `python -m mcore_rl.torchrun` spent ~1 s importing it again).
     # On CPU torchrun forks the ranks from its agent too, and they take over the tokenizer and prompt sets loaded
-    # above (PromptInputs) instead of loading them again.
-    forks = get_platform(platform).forks_workers
+    # above (PromptInputs) instead of loading them again. With the embedded engine only: vLLM's own processes and
+    # threads have not been run from a forked rank.
+    forks = get_platform(platform).forks_workers and cfg.rollout.engine == "embedded"
     worker = ForkedWorker(lambda argv: main(argv, inputs=inputs)) if forks else None
     return run_supervised(cmd, env, target=lambda: torchrun_main(cmd[3:], worker=worker))
 

@@ -100,8 +100,9 @@ class ForkedWorker:
         for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):  # the agent's handlers are the agent's
             signal.signal(signum, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        sys.stdout.reconfigure(line_buffering=True)  # python -u: each line out as it is written
-        sys.stderr.reconfigure(line_buffering=True)
+        for stream in (sys.stdout, sys.stderr):  # python -u: each line out as it is written
+            if hasattr(stream, "reconfigure"):
+                stream.reconfigure(line_buffering=True)
         threads = os.environ.get("OMP_NUM_THREADS", "")
         if threads.isdigit() and int(threads) > 0:  # a fresh interpreter reads it at start; this one started earlier
             import torch

@@ -166,7 +166,8 @@ class Platform:
     def forks_workers(self) -> bool:
         """Whether `mcore-rl train` forks its ranks from the launcher (torch, transformers and the loaded inputs
         already there: ~2 s of CPU per rank less, mcore_rl.torchrun.ForkedWorker) instead of starting interpreters:
-        on CPU only. A launcher that queried a GPU or imported torch_npu holds a device runtime not made for fork."""
+        on CPU only (and with the embedded engine: mcore_rl.cli). A launcher that queried a GPU or imported
+        torch_npu holds a device runtime not made for fork."""
         return self.name == "cpu"
 
     def apply_environment(self, env: Optional[dict] = None) -> dict[str, str]:
