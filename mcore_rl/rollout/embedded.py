@@ -1,6 +1,7 @@
 """The embedded rollout engine: a transformers model in the trainer's own process (default on CPU and in tests).
 
-Sampling is our own loop over a KV cache on left-padded batches (each prompt repeated n times):
+Sampling is our own loop over a KV cache on left-padded batches (each prompt repeated n times; the prefill runs
+once per distinct prompt and its n rows start from copies of its cache and logits):
 
 - log-probs: the log-prob returned for a sampled token is ``log_softmax(logits / T)[token]``, the
   temperature-scaled distribution *before* top-k / top-p filtering (no renormalisation over the kept set).
@@ -409,12 +410,8 @@ class EmbeddedEngine(RolloutEngine, WeightReader):
         self, prompts: list[list[int]], params: SamplingParams, stop: set[int], gen: torch.Generator
     ) -> list[RolloutSample]:
         batch, width = len(prompts), max(len(p) for p in prompts)
-        ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((batch, width), dtype=torch.long)
-        for i, p in enumerate(prompts):  # left padding: every prompt ends at the same column
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        distinct, rows = _distinct_rows(prompts)
+        ids, mask = self._left_padded(distinct, width)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         stop_ids = torch.tensor(sorted(stop), dtype=torch.long, device=self.device)
         capture = self.num_moe_layers > 0 and self.return_routed_experts
@@ -424,7 +421,12 @@ class EmbeddedEngine(RolloutEngine, WeightReader):
         lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
         with _RouteRecorder(self.model, self.top_k_experts) if capture else _null() as rec:
             logits = self._forward(ids, mask, positions, cache, keep=1)[:, -1]
-            prompt_routes = rec.take(batch, width) if capture else None
+            prompt_routes = rec.take(len(distinct), width) if capture else None
+            if len(distinct) < batch:  # each distinct prompt was prefilled once: its rows start from copies
+                rows = rows.to(self.device)
+                cache.reorder_cache(rows)
+                logits, mask, positions = logits[rows], mask[rows], positions[rows]
+                prompt_routes = prompt_routes[rows] if capture else None
             for step in range(params.max_new_tokens):
                 token, logp = self._pick(logits, params, gen)
                 tokens.append(token)
@@ -443,6 +445,15 @@ class EmbeddedEngine(RolloutEngine, WeightReader):
                 if last:
                     break
         return self._collect(prompts, width, tokens, logps, lengths, stop_ids, prompt_routes, step_routes)
+
+    def _left_padded(self, prompts: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids and attention mask [rows, width], left-padded: every prompt ends at the same column."""
+        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        return ids.to(self.device), mask.to(self.device)
 
     def _collect(self, prompts, width, tokens, logps, lengths, stop_ids, prompt_routes, step_routes):
         tokens = torch.stack(tokens, 1).cpu()
@@ -495,6 +506,13 @@ class EmbeddedEngine(RolloutEngine, WeightReader):
         logits = self._forward(ids, mask, positions).float()
         logp = torch.log_softmax(logits[:, :-1] / temperature, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         return [logp[i, p - 1 : len(s) - 1].cpu().clone() for i, (s, p) in enumerate(zip(sequences, prompt_lens))]
+
+
+def _distinct_rows(prompts: list[list[int]]) -> tuple[list[list[int]], torch.Tensor]:
+    """The distinct prompts in first-seen order, and for each row of `prompts` the index of its distinct prompt."""
+    index: dict[tuple[int, ...], int] = {}
+    rows = [index.setdefault(tuple(p), len(index)) for p in prompts]
+    return [list(p) for p in index], torch.tensor(rows, dtype=torch.long)
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
