@@ -42,6 +42,8 @@ ALLOWED = {
     ("platform/collectives.py", "sum_floats", "all_gather_into_tensor"): "the small-collectives module itself",
     ("platform/collectives.py", "from_rank0", "broadcast_object_list"): "the small-collectives module itself: "
     "rank 0's outcome of a write only it does (a failure message or None)",
+    ("platform/collectives.py", "first_given", "all_gather_object"): "the small-collectives module itself: the "
+    "lowest rank's outcome of work every rank does its share of (the split plots' failure message or None)",
     ("compat/torch.py", "reduce_scatter_padded", "all_reduce"): "torch < 2.8 gloo shim of Megatron's list "
     "reduce_scatter (uneven TP splits of MoE tokens): one padded all_reduce of the activation tensors",
     ("platform/shm_gather.py", "grow", "barrier"): "shared-memory gather: fence after creating files, no tensor",
