@@ -180,10 +180,10 @@ def check_inputs(cfg: Config) -> PromptInputs:
                 f"the folder needs tokenizer files next to config.json"
             ) from e
         check_tokenizer(tokenizer, cfg.model.path)
-        key = PromptInputs.key_of(cfg)
         paths = {"data.train_path": cfg.data.train_path}
-        if cfg.trainer.val_every > 0:
-            paths["data.val_path"] = cfg.data.val_path
+        val_path = PromptInputs.val_path_of(cfg)  # set where the run validates (check_paths)
+        if val_path is not None:
+            paths["data.val_path"] = val_path
         sets = {}
         for name, path in paths.items():
             try:
@@ -192,8 +192,7 @@ def check_inputs(cfg: Config) -> PromptInputs:
                 raise ValueError(f"{name} = {e}") from None
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise InputError(str(e)) from None
-    val_set = sets.get("data.val_path") if key[2] is not None else None
-    return PromptInputs(key, tokenizer, sets["data.train_path"], val_set)
+    return PromptInputs(PromptInputs.key_of(cfg), tokenizer, sets["data.train_path"], sets.get("data.val_path"))
 
 
 def check_resume(cfg: Config) -> None:

@@ -161,7 +161,8 @@ class Trainer:
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
             load = lambda path: load_prompt_dataset(path, self.tokenizer, cfg.data.max_prompt_len, cfg.data.prompt_key)
             self.train_set = load(cfg.data.train_path)
-            self.val_set = load(cfg.data.val_path) if cfg.data.val_path and cfg.trainer.val_every > 0 else None
+            val_path = PromptInputs.val_path_of(cfg)
+            self.val_set = load(val_path) if val_path is not None else None
         self.sampler = EpochSampler(
             len(self.train_set), cfg.data.prompts_per_step, seed=cfg.data.seed, shuffle=cfg.data.shuffle
         )

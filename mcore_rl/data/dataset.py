@@ -94,11 +94,15 @@ class PromptInputs:
     val_set: Optional[PromptDataset]
 
     @staticmethod
+    def val_path_of(cfg) -> Optional[str]:
+        """The validation set's file where the run validates (trainer.val_every > 0), else None."""
+        return cfg.data.val_path if cfg.data.val_path and cfg.trainer.val_every > 0 else None
+
+    @staticmethod
     def key_of(cfg) -> tuple:
         """The config values the inputs depend on (mcore_rl.config.Config); the validation set only where used."""
         d = cfg.data
-        val_path = d.val_path if d.val_path and cfg.trainer.val_every > 0 else None
-        return (cfg.model.path, d.train_path, val_path, d.max_prompt_len, d.prompt_key)
+        return (cfg.model.path, d.train_path, PromptInputs.val_path_of(cfg), d.max_prompt_len, d.prompt_key)
 
 
 def read_rows(path: str | Path) -> Iterator[tuple[int, Any]]:
