@@ -62,6 +62,26 @@ def _phase_summary(run_dir: Path) -> None:
         print(f"{k:24s} median {values[len(values) // 2]:.4f} s over {len(values)} steps")
 
 
+def run_on_ranks(script: str, nproc: int, args: list[str]) -> None:
+    """`script args` in `nproc` torchrun processes on this machine (one thread each unless OMP_NUM_THREADS says
+    otherwise); each rank sees LOCAL_RANK and runs the script's rank side. Also used by step_cpu.py."""
+    from mcore_rl.platform import free_port
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--nnodes=1",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        script,
+        *args,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    subprocess.run(cmd, check=True, cwd=REPO, env=env)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("config")
@@ -74,26 +94,10 @@ def main() -> None:
         return
     sys.path.insert(0, str(REPO))
     from mcore_rl.config import load_config
-    from mcore_rl.platform import free_port
 
     cfg = load_config(args.config, args.overrides)
     out = Path(args.out or Path(cfg.trainer.run_dir) / "profile").resolve()
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={cfg.trainer.nproc}",
-        "--nnodes=1",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        __file__,
-        args.config,
-        *args.overrides,
-        "--out",
-        str(out),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    subprocess.run(cmd, check=True, cwd=REPO, env=env)
+    run_on_ranks(__file__, cfg.trainer.nproc, [args.config, *args.overrides, "--out", str(out)])
     _report(out, args.top)
     _phase_summary(Path(cfg.trainer.run_dir))
 

@@ -17,7 +17,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -138,26 +137,12 @@ def main() -> None:
         _rank_main(args.config, args.overrides, args.skip)
         return
     sys.path.insert(0, str(REPO))
+    from profile_ranks import run_on_ranks  # this script's folder is first on sys.path
+
     from mcore_rl.config import load_config
-    from mcore_rl.platform import free_port
 
     cfg = load_config(args.config, args.overrides)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={cfg.trainer.nproc}",
-        "--nnodes=1",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        __file__,
-        args.config,
-        *args.overrides,
-        "--skip",
-        str(args.skip),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    subprocess.run(cmd, check=True, cwd=REPO, env=env)
+    run_on_ranks(__file__, cfg.trainer.nproc, [args.config, *args.overrides, "--skip", str(args.skip)])
     _report(Path(cfg.trainer.run_dir) / "step_cpu")
 
 
