@@ -251,18 +251,23 @@ def test_train_fails_fast_before_starting_processes(tmp_path, tiny_model_dir):
     assert not (tmp_path / "run").exists()
 
 
-def test_check_and_train_refuse_layouts_the_actor_cannot_train(tmp_path, tiny_model_dir):
-    """Interleaved pipeline stages (virtual_pp 2 at PP2) and, on CPU, ETP2 with EP2: one error line naming the
-    key and the fix from the pre-flight, no process started, no run folder."""
+def sapo_preset_args(tmp_path, model_dir) -> list:
+    """The SAPO TP2 preset on the tiny model, 8 one-digit prompts (train.jsonl), no validation, run in tmp_path/run."""
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "1"}\n' * 8)
-    args = [
+    return [
         REPO / "configs/tiny/sapo_cpu.yaml",
-        f"model.path={tiny_model_dir}",
+        f"model.path={model_dir}",
         f"data.train_path={data}",
         "trainer.val_every=0",
         f"trainer.run_dir={tmp_path / 'run'}",
     ]
+
+
+def test_check_and_train_refuse_layouts_the_actor_cannot_train(tmp_path, tiny_model_dir):
+    """Interleaved pipeline stages (virtual_pp 2 at PP2) and, on CPU, ETP2 with EP2: one error line naming the
+    key and the fix from the pre-flight, no process started, no run folder."""
+    args = sapo_preset_args(tmp_path, tiny_model_dir)
     vpp = ["actor.parallel.tp=1", "actor.parallel.pp=2", "actor.parallel.virtual_pp=2"]
     for proc in (cli("check", *args, *vpp), cli("train", *args, *vpp)):
         msg = one_line_error(proc)
@@ -290,16 +295,7 @@ def test_train_rejects_layout_the_installed_megatron_cannot_run(tmp_path, tiny_m
     """SAPO's TP2 preset with experts not split over TP (etp = 1): megatron-core < 0.13 computes it wrongly, so
     `mcore-rl train` must stop in the pre-flight with the reason, before any process starts; newer versions
     accept it. `mcore-rl check` prints the detected versions either way."""
-    data = tmp_path / "train.jsonl"
-    data.write_text('{"prompt": "1"}\n' * 8)
-    args = [
-        REPO / "configs/tiny/sapo_cpu.yaml",
-        f"model.path={tiny_model_dir}",
-        f"data.train_path={data}",
-        "trainer.val_every=0",
-        f"trainer.run_dir={tmp_path / 'run'}",
-        "actor.parallel.etp=1",
-    ]
+    args = [*sapo_preset_args(tmp_path, tiny_model_dir), "actor.parallel.etp=1"]
     check = cli("check", *args)
     if compat_megatron.layout_problem(2, 1, 1, True, None):
         for proc in (check, cli("train", *args)):
