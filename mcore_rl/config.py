@@ -32,6 +32,8 @@ RouterDtype = Literal["fp32", "fp64"]
 DecayStyle = Literal["constant", "linear", "cosine"]
 EngineName = Literal["embedded", "vllm"]
 VerifyFallback = Literal["rebuild", "error"]
+# colocated: every rank generates, then trains; separate: rollout ranks generate while actor ranks train (docs/architecture.md)
+PlacementName = Literal["colocated", "separate"]
 
 # Keys that existed once: loading a config that still sets one names what replaced it.
 REMOVED_KEYS = {
@@ -128,6 +130,9 @@ class RolloutConfig:
     verify_fallback: VerifyFallback = "rebuild"
     rebuild_dir: Optional[str] = None  # node-local folder for a vLLM rebuild's weight copy (one per node); None: TMPDIR
     enforce_eager: bool = True
+    placement: PlacementName = "colocated"  # separate: rollout on rollout.ranks of its own, the actor on the rest
+    ranks: Optional[int] = None  # separate: ranks that generate (replicas of rollout.tp each); None: half the world
+    max_staleness: Optional[int] = None  # weight versions a trained token may lag; None: 0 colocated, 1 separate
 
 
 @dataclass
