@@ -232,3 +232,26 @@ def test_the_npu_long_response_preset_needs_its_cp():
     assert with_cp.fits and not plan.fits
     assert plan.phase("update").total > 64 * 2**30 > with_cp.phase("update").total
     assert any(" cp2 " in lever or " cp4 " in lever for lever in plan.levers), plan.levers
+
+
+@pytest.mark.parametrize(
+    "field, value, least",
+    [("num_hidden_layers", 0, 1), ("hidden_size", -2048, 1), ("vocab_size", 0, 1), ("num_experts", -1, 0)],
+)
+def test_plan_refuses_a_model_config_with_impossible_sizes(tmp_path, field, value, least):
+    """0 layers or a negative hidden size gave a plan that "fits" (negative GiB) and vocab_size 0 a
+    ZeroDivisionError: the model config's sizes are checked before any planning, in one line naming the field."""
+    config = json.loads(QWEN_JSON.read_text())
+    config[field] = value
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps(config))
+    preset = QWEN_JSON.parent / "gpu8_tp2_ep8.yaml"
+    for command in (["plan", "--device-memory", 141], ["check"]):
+        proc = cli(*command, preset, "--model-config", bad)
+        errors = [l for l in proc.stderr.splitlines() if l.startswith("mcore-rl: error:")]
+        assert proc.returncode == 2 and len(errors) == 1, proc.stdout + proc.stderr
+        assert errors[0] == (
+            f"mcore-rl: error: {bad}: {field} = {value} must be an integer >= {least}: fix the config.json (or "
+            f"restore it from the model's release)"
+        )
+        assert "Traceback" not in proc.stderr and "verdict" not in proc.stdout

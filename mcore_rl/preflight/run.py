@@ -1,7 +1,7 @@
 """The whole pre-flight of a run (`validate_run`): the model's architecture, the engine's capabilities and
 tensor-parallel size, the actor's layout, and how a step's samples split over mini-batches, data-parallel ranks
 and micro-batches (`check_step_split`, the one statement of that rule), and whether the longest sequence, padded
-as the layout pads it, fits the token budget (`check_token_budget`), and whether the experts can train in the
+as the layout pads it, fits the token budget (`check_token_budget`) and the model's positions (`check_positions`), and whether the experts can train in the
 layout on this platform (`check_expert_dispatch`)."""
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def validate_run(cfg: Config, world_size: int, dims: Any, platform: Optional[str
     if cfg.rollout.engine == "vllm":
         warnings += validate_rollout_tp(cfg.rollout.tp, world_size, dims).warnings
     check_token_budget(cfg, layout)
+    check_positions(cfg, dims)
     packed = cfg.actor.max_tokens_per_micro_batch is not None  # DP shares are then balanced by tokens, not counts
     check_step_split(
         cfg.data.prompts_per_step * cfg.rollout.n,
@@ -67,6 +68,20 @@ def check_token_budget(cfg: Config, layout: Layout) -> None:
     )
 
 
+def check_positions(cfg: Config, dims: ModelDims) -> None:
+    """The longest sequence, data.max_prompt_len + rollout.max_new_tokens, within the model's
+    max_position_embeddings: beyond it the engine refuses the prompt (or RoPE runs past what the model learnt)."""
+    longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    if not dims.max_positions or longest <= dims.max_positions:
+        return
+    room = dims.max_positions - cfg.data.max_prompt_len
+    fix = f"lower rollout.max_new_tokens to at most {room}" if room >= 1 else "lower data.max_prompt_len"
+    raise LayoutError(
+        f"data.max_prompt_len + rollout.max_new_tokens = {cfg.data.max_prompt_len} + {cfg.rollout.max_new_tokens} "
+        f"= {longest} exceeds the model's max_position_embeddings = {dims.max_positions} (config.json): {fix}"
+    )
+
+
 def check_expert_dispatch(layout: Layout, platform: Optional[str]) -> None:
     """Training on CPU with the experts split over EP and ETP: the alltoall dispatcher all-gathers the tokens of
     the ETP ranks, whose counts differ once EP splits the experts (equal with EP = 1), and gloo rejects an uneven
@@ -88,6 +103,7 @@ def check_before_build(cfg: Config, world_size: int, platform: Optional[str]) ->
         layout = validate_layout(cfg.actor.parallel, world_size, cfg.model.path, platform=platform)
         check_expert_dispatch(layout, platform)
         check_token_budget(cfg, layout)
+        check_positions(cfg, ModelDims.from_hf(cfg.model.path))
     except LayoutError as e:
         raise ConfigError(str(e)) from None
 
