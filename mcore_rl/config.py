@@ -450,6 +450,26 @@ def _no_effect_with_embedded(r: RolloutConfig) -> list[str]:
     ]
 
 
+def _overlong_rules(cfg: Config) -> list[str]:
+    """The penalty's buffer lies within the response budget (`rewards.overlong.OverlongPenalty` refuses it on
+    every rank otherwise); overlong filtering with a budget of one token keeps almost nothing: the stop token
+    counts toward rollout.max_new_tokens (a response is cut when its last token is not a stop token), so only
+    a response that is the stop token alone, an empty answer, is not masked."""
+    buffer, budget = cfg.reward.overlong_buffer, cfg.rollout.max_new_tokens
+    _require(
+        buffer <= budget,
+        f"reward.overlong_buffer = {buffer} exceeds rollout.max_new_tokens = {budget}: the penalty's buffer is the "
+        f"last tokens of the response budget; set reward.overlong_buffer to at most {budget} (0: off)",
+    )
+    if not (cfg.algo.overlong_filtering and budget == 1):
+        return []
+    return [
+        "algo.overlong_filtering with rollout.max_new_tokens = 1 masks every response but an empty one: a response "
+        "is cut (and masked) unless its last token is a stop token, which counts toward max_new_tokens; raise "
+        "rollout.max_new_tokens to the answer's length + 1, or set algo.overlong_filtering=false"
+    ]
+
+
 def _check_combinations(cfg: Config) -> list[str]:
     a, r, o = cfg.algo, cfg.rollout, cfg.actor.optim
     warnings: list[str] = []
@@ -509,6 +529,7 @@ def _check_combinations(cfg: Config) -> list[str]:
         f"working directory; set it, e.g. trainer.run_dir=runs/my_run",
     )
     warnings += _no_effect_with_embedded(r)
+    warnings += _overlong_rules(cfg)
     _require(
         re.fullmatch(r"task|math|[\w.]+:\w+", cfg.reward.fn) is not None,
         f"reward.fn = {cfg.reward.fn!r}: use 'task', 'math' or 'package.module:function'",
