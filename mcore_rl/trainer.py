@@ -70,6 +70,7 @@ from mcore_rl.run_dir import (
     resolve_verified_resume,
     write_failure,
 )
+from mcore_rl.run_dir.errors import disk_full_error
 from mcore_rl.safety import (
     STOP_FILE,
     Interrupted,
@@ -620,6 +621,11 @@ def run(cfg: Config, inputs: "PromptInputs | None" = None) -> None:
         trainer.fit()
     except Interrupted:
         raise _interrupted(cfg, trainer) from None
+    except OSError as e:  # a full disk outside the checkpoint's own writes (metrics.jsonl ...): named, no traceback
+        full = disk_full_error(e, cfg.trainer.run_dir)
+        if full is None:
+            raise
+        raise full from None
     finally:
         StopSignals().ignore()  # the run is over: a later Ctrl-C would only interrupt the exit
         if trainer is not None and trainer.run_lock is not None:
