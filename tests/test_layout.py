@@ -25,6 +25,7 @@ QWEN = ModelDims(
     head_dim=128,
     ffn_hidden_size=6144,
     model_type="qwen3_moe",
+    max_positions=40960,  # the published model's max_position_embeddings
 )
 DENSE = ModelDims(num_layers=4, num_attention_heads=8, num_query_groups=8, num_experts=0, vocab_size=1000, hidden=64)
 
