@@ -403,10 +403,12 @@ def test_a_full_disk_outside_a_checkpoint_write_is_named(small_filesystem, tmp_p
     if small_filesystem is None:  # not root: the error a full disk gives a flush (no file named), injected
         failure = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     else:
-        with open(run / "filler", "wb") as f, pytest.raises(OSError) as filled:  # what fills the disk mid-run
+        with (
+            open(run / "filler", "wb", buffering=0) as f,
+            pytest.raises(OSError) as filled,
+        ):  # what fills the disk mid-run
             while True:
                 f.write(b"\0" * 65536)
-                f.flush()
         assert filled.value.errno == errno.ENOSPC
         with pytest.raises(OSError) as err:  # the file's last page fills first: a few steps more
             for step in range(2, 1000):
