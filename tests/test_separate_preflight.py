@@ -1,14 +1,15 @@
 """The separate placement before anything starts (issue 32): the pre-flight of the split
 (mcore_rl/preflight/placement.py, validate_run), the roles `check` prints, the per-role memory plan
-(mcore_rl/preflight/role_memory.py).
+(mcore_rl/preflight/role_memory.py) and `mcore-rl plan --from-run` (mcore_rl/preflight/split_plan.py).
 Pure Python and `mcore-rl` subprocesses; no training (the runtime of the placement is tested with it)."""
 
+import json
 import math
 import re
 
 import pytest
 
-from mcore_rl.config import load_config
+from mcore_rl.config import load_config, save_config
 from mcore_rl.preflight.layout import LayoutError, ModelDims
 from mcore_rl.preflight.memory_plan import GIB, plan_memory, total_params
 from mcore_rl.preflight.placement import RoleSplit, describe_roles
@@ -155,3 +156,107 @@ def test_a_role_that_does_not_fit_gets_its_own_levers():
         "plan", GPU8, "actor.optim.optimizer_offload_fraction=0", "--model-config", QWEN_JSON, "--device-memory", 80
     )
     assert proc.returncode == 1 and "DOES NOT FIT" in proc.stdout and "rollout ranks (4)" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------- plan --from-run
+
+ROWS = [  # a colocated run on 2 ranks: step 1 (warm-up) is left out, the rest give medians by hand
+    {"step": 1, "time/rollout": 60.0, "time/old_logprob": 9.0, "time/update": 9.0, "time/sync": 5.0,
+     "time/to_training": 2.0, "perf/step_seconds": 90.0},
+    {"step": 2, "time/rollout": 5.0, "time/old_logprob": 1.0, "time/update": 2.0, "time/sync": 0.5,
+     "time/to_training": 2.0, "perf/step_seconds": 10.75},
+    {"step": 3, "time/rollout": 6.0, "time/old_logprob": 1.0, "time/update": 2.0, "time/sync": 0.5,
+     "time/to_training": 2.0, "perf/step_seconds": 11.75},
+    {"step": 3, "val/reward_mean": 0.5},  # a validation row: no phase times
+    {"step": 4, "time/rollout": 7.0, "time/old_logprob": 1.0, "time/update": 2.0, "time/sync": 0.5,
+     "time/to_training": 2.0, "perf/step_seconds": 12.75},
+]  # fmt: skip
+
+
+def _colocated_run(tmp_path, rows=ROWS, placement="colocated"):
+    run = tmp_path / "run"
+    run.mkdir(parents=True)
+    save_config(load_config(None, ["trainer.nproc=2", f"rollout.placement={placement}"]), run / "config.yaml")
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    (run / "metrics.jsonl").write_text(text + '{"step": 5, "time/rollout": 1')  # a running run's torn last line
+    return run
+
+
+def test_from_run_prints_every_split_and_the_balanced_one(tmp_path):
+    """Measured on 2 ranks (medians of steps 2-4): rollout 6, actor 1 + 2 = 3, sync 0.5, handover 2, other 0.25.
+    On the preset's 8 ranks (actor TP2, here EP2, so 2, 4 or 6 actor ranks form; engine replicas of 2):
+      colocated: (6 + 3) x 2/8 + 0.5 + 2 + 0.25 = 5.0
+      6 + 2: actor 3 x 2/6 = 1, rollout 6 x 2/2 = 6: one step off 6 + 0.75 = 6.75, staleness 0 7.75
+      4 + 4: 1.5, 3: 3.75, 5.25;   2 + 6: 3, 2: 3.75, 5.75 (the same step as 4 + 4, better balanced)"""
+    run = _colocated_run(tmp_path)
+    proc = cli("plan", "--from-run", run, GPU8, "actor.parallel.ep=2", "--model-config", QWEN_JSON)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout.splitlines()
+    assert out[0] == f"plan --from-run: {GPU8} on 1 node(s) x 8 processes"
+    assert out[1].startswith(f"measured: {run}, colocated on 2 rank(s), median of 3 step(s): rollout 6.000 s, ")
+    assert "actor 3.000 s, sync 0.500 s, handover 2.000 s, other 0.250 s (step 11.750 s; rollout 51%)" in out[1]
+    rows = [line.split() for line in out[4:8]]
+    assert rows[0] == ["colocated", "(all", "8)", "5.000", "5.000"]
+    assert rows[1:] == [
+        ["6", "+", "2", "1.000", "6.000", "6.750", "7.750"],
+        ["4", "+", "4", "1.500", "3.000", "3.750", "5.250"],
+        ["2", "+", "6", "3.000", "2.000", "3.750", "5.750"],
+    ]
+    assert out[8] == (
+        "recommended: rollout.placement=separate rollout.ranks=6 (2 actor ranks): 3.750 s/step one step off, "
+        "1.33x the colocated 5.000 s"
+    )
+    # the preset's own EP4 forms on 4 actor ranks only; with a small handover colocated wins
+    fast = [
+        dict(r, **{"time/to_training": 0.0, "perf/step_seconds": r["perf/step_seconds"] - 2.0})
+        for r in ROWS
+        if "time/rollout" in r
+    ]
+    proc = cli("plan", "--from-run", _colocated_run(tmp_path / "b", fast), GPU8, "--model-config", QWEN_JSON)
+    assert [line.split()[:3] for line in proc.stdout.splitlines()[5:-1]] == [["4", "+", "4"]], proc.stdout
+    assert proc.stdout.splitlines()[-1] == (
+        "recommended: stay colocated (3.000 s/step); the best split, rollout.ranks=4, expects 3.750 s one step off"
+    )
+
+
+def test_from_run_marks_the_splits_that_do_not_fit(tmp_path):
+    run = _colocated_run(tmp_path)
+    proc = cli(
+        "plan",
+        "--from-run",
+        run,
+        GPU8,
+        "actor.parallel.ep=2",
+        "actor.optim.optimizer_offload_fraction=0",
+        "--model-config",
+        QWEN_JSON,
+        "--device-memory",
+        200,
+    )
+    assert proc.returncode == 0, proc.stderr
+    marks = {tuple(line.split()[:3]): line.split()[-1] for line in proc.stdout.splitlines()[5:8]}
+    # Adam's state on the device: each actor rank holds 1/dp of it (distributed optimizer), so the fewer actor
+    # ranks, the more: 6 (dp3) and 4 (dp2) fit a 200 GiB device, 2 (dp1: all of its half of the model) do not
+    assert marks == {("6", "+", "2"): "fits", ("4", "+", "4"): "fits", ("2", "+", "6"): "FIT"}
+    assert "rollout.ranks=4 (4 actor ranks)" in proc.stdout.splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing", "--from-run {run} is not a folder: give the trainer.run_dir of a colocated run"),
+        ("no-config", "--from-run {run} has no config.yaml (a run writes it when it starts)"),
+        ("no-steps", "{run}/metrics.jsonl has no step with time/rollout and time/update: let the run log"),
+        ("separate", "--from-run {run} ran with rollout.placement=separate"),
+    ],
+)
+def test_from_run_refuses_what_it_cannot_read(tmp_path, case, message):
+    run = tmp_path / "run"
+    if case == "no-config":
+        run.mkdir()
+    elif case != "missing":
+        _colocated_run(
+            tmp_path, [{"step": 1, "val/reward_mean": 0.1}], "separate" if case == "separate" else "colocated"
+        )
+    msg = one_line_error(cli("plan", "--from-run", run, GPU8, "--model-config", QWEN_JSON))
+    assert msg.startswith("mcore-rl: error: " + message.format(run=run)), msg

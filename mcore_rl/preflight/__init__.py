@@ -16,4 +16,5 @@ instead of repeating them:
   resume_changes.py  which settings a resume may change and which it refuses
   memory_plan.py     `mcore-rl plan`: per-rank bytes by phase;  host_chunks.py: the offload's pinned chunks
   role_memory.py     `mcore-rl plan` for the separate placement: one plan per role
+  split_plan.py      `mcore-rl plan --from-run`: the actor / rollout split from a colocated run's phase times
 """
