@@ -66,6 +66,21 @@ def test_a_split_that_cannot_run_is_one_error_naming_the_fix(overrides, world, m
     assert text.startswith(f"mcore-rl: error: {message}") and ("set " in text or "use " in text), text
 
 
+def test_the_trainer_checks_the_split_before_it_builds_the_actor():
+    """Plain torchrun launches skip the pre-flight; `check_before_build` (the trainer, before the actor) checks the
+    split and the actor's layout over the actor ranks, not over the whole world."""
+    from mcore_rl.config import ConfigError
+    from mcore_rl.preflight.run import check_before_build
+
+    path = [f"model.path={QWEN_JSON.parent}"]
+    check_before_build(load_config(GPU8, path), 8, "cuda")  # TP2 x DP2 over 4 actor ranks
+    # 6 actor ranks: EP4 cannot fold into TP2 x DP3 (over all 8 ranks, TP2 x DP4, it could)
+    with pytest.raises(ConfigError, match=r"^the actor's 6 ranks \(world 8 - rollout.ranks 2\): ep\*etp = 4\*1"):
+        check_before_build(load_config(GPU8, [*path, "rollout.ranks=2"]), 8, "cuda")
+    with pytest.raises(ConfigError, match=r"^rollout.placement=separate needs at least 2 ranks"):
+        check_before_build(load_config(GPU8, path), 1, "cuda")
+
+
 def test_rollout_tp_above_the_kv_heads_warns_and_rollout_ranks_without_separate_warns():
     _, lay = _run(NPU32, "rollout.tp=8")  # Qwen3-30B-A3B has 4 KV heads: each replicated 2x
     assert any("rollout.tp = 8 > 4 KV heads" in w for w in lay.warnings)

@@ -101,10 +101,12 @@ def check_expert_dispatch(layout: Layout, platform: Optional[str]) -> None:
 
 def check_before_build(cfg: Config, world_size: int, platform: Optional[str]) -> None:
     """What the trainer checks before it builds the actor, for launches without the pre-flight (plain torchrun
-    of `mcore-rl train`, launch/ scripts): the layout, the expert dispatch and the token budget, as one-line
-    config errors."""
+    of `mcore-rl train`, launch/ scripts): the placement's split, the actor's layout (over the actor ranks when
+    separate), the expert dispatch and the token budget, as one-line config errors."""
     try:
-        layout = validate_layout(cfg.actor.parallel, world_size, cfg.model.path, platform=platform)
+        split, _ = check_split(cfg, world_size, cfg.model.path)
+        actor_ranks = world_size if split is None else split.actor_ranks
+        layout = _actor_layout(cfg, actor_ranks, ModelDims.from_hf(cfg.model.path), platform, split)
         check_expert_dispatch(layout, platform)
         check_token_budget(cfg, layout)
     except LayoutError as e:
