@@ -159,6 +159,25 @@ def test_each_role_plans_only_what_it_holds():
     assert table.count("verdict: fits on a 80.0 GiB device") == 2
 
 
+def test_the_tiny_demo_split_plans_a_sync_bucket_of_at_most_the_model(tiny_model_dir):
+    """1 actor + 1 rollout rank on CPU; the sync bucket (256 MiB) cannot be larger than the whole model, whose
+    parameter count is the HF model's (tests/test_memory_plan.py)."""
+    from transformers import AutoModelForCausalLM
+
+    preset = QWEN_JSON.parents[1] / "tiny" / "gspo_separate_cpu.yaml"
+    cfg = load_config(preset, [f"model.path={tiny_model_dir}"])
+    dims = ModelDims.from_hf(tiny_model_dir)
+    lay = validate_run(cfg, cfg.trainer.nproc, dims)
+    assert (lay.world_size, lay.rollout_ranks, lay.ep) == (1, 1, 1)
+    plans = plan_memory(cfg, lay, dims)
+    hf_bytes = 4 * sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
+    assert hf_bytes < 256 << 20
+    for plan, phase in ((plans.actor, "weight send"), (plans.rollout, "weight sync")):
+        assert {i.name: i.bytes for i in plan.phase(phase).items}["weight sync bucket"] == hf_bytes
+    # the embedded engine on the rollout rank: a whole float32 copy of the model
+    assert {i.name: i.bytes for i in plans.rollout.phase("rollout").items}["engine weights"] == hf_bytes
+
+
 def test_a_role_that_does_not_fit_gets_its_own_levers():
     cfg, lay = _run(GPU8, "actor.optim.optimizer_offload_fraction=0", "rollout.gpu_memory_utilization=0.95")
     plans = plan_memory(cfg, lay, DIMS, device_gib=80)

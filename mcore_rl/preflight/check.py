@@ -49,7 +49,7 @@ def describe_run(cfg: Config, layout: Layout, nnodes: int, nproc: int) -> str:
         f" | sequence_parallel {'on' if layout.sequence_parallel else 'off'} | layers per stage {list(layout.layers_per_stage)}"
         + (f" x vpp{layout.vpp}" if layout.vpp else "")
         + f" | vocab {layout.padded_vocab_size}"
-        + ("" if roles is None else f" | on its {layout.world_size} ranks"),
+        + ("" if roles is None else f" | on its {layout.world_size} rank{'s' if layout.world_size > 1 else ''}"),
         f"batch: {cfg.data.prompts_per_step} prompts x n {cfg.rollout.n} = {samples} samples/step -> {cfg.algo.mini_batches} "
         f"mini-batch(es), {split}",
         f"rollout: {cfg.rollout.engine}"

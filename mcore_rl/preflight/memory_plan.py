@@ -442,9 +442,10 @@ def engine_items(cfg: Config, eng: EngineBytes, device_bytes: Optional[int]) -> 
 
 def sync_bucket(cfg: Config, dims: ModelDims) -> Item:
     """One bucket of the weight sync across the separate placement's split, on either side: rollout.sync_bucket_mb
-    of full HF tensors, or the largest tensor (the embedding) where that is bigger."""
-    largest = dims.vocab_size * dims.hidden * DTYPE_BYTES[cfg.model.dtype]
-    return Item("weight sync bucket", max(int(cfg.rollout.sync_bucket_mb * (1 << 20)), largest))
+    of full HF tensors (at most the whole model), or the largest tensor (the embedding) where that is bigger."""
+    b = DTYPE_BYTES[cfg.model.dtype]
+    bucket = min(int(cfg.rollout.sync_bucket_mb * (1 << 20)), total_params(dims) * b)
+    return Item("weight sync bucket", max(bucket, dims.vocab_size * dims.hidden * b))
 
 
 def _save_items(cfg: Config, layout: Layout, sp: StageParams) -> list[Item]:

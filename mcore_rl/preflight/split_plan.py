@@ -26,6 +26,7 @@ from typing import Optional
 from mcore_rl.config import Config, ConfigError, load_config
 from mcore_rl.metrics import METRICS_FILE, read_metrics
 from mcore_rl.preflight.layout import LayoutError, ModelDims
+from mcore_rl.preflight.memory_plan import plan_memory
 from mcore_rl.preflight.placement import engine_tp
 from mcore_rl.preflight.run import validate_run
 
@@ -110,8 +111,6 @@ def split_options(
     cfg: Config, world: int, dims: ModelDims, times: PhaseTimes, measured_world: int, device_gib: Optional[float]
 ) -> list[SplitOption]:
     """Every split of `world` ranks into whole engine replicas and an actor layout that forms, with its times."""
-    from mcore_rl.preflight.memory_plan import plan_memory
-
     unit = engine_tp(cfg.rollout)
     options = []
     for ranks in range(unit, world, unit):
