@@ -253,6 +253,16 @@ def test_from_run_prints_every_split_and_the_balanced_one(tmp_path):
     )
 
 
+def test_from_run_on_a_colocated_preset_whose_layout_no_split_forms(tmp_path):
+    """gpu8_tp2_ep8 (colocated): EP8 must fold into TP2 x DP, so the actor needs all 8 ranks (DP4): no split."""
+    run = _colocated_run(tmp_path)
+    proc = cli("plan", "--from-run", run, QWEN_JSON.parent / "gpu8_tp2_ep8.yaml", "--model-config", QWEN_JSON)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[4].split() == ["colocated", "(all", "8)", "5.000", "5.000"] and len(lines) == 6
+    assert lines[5] == ("recommended: stay colocated (no split of 8 ranks forms the actor's layout and whole replicas)")
+
+
 def test_from_run_marks_the_splits_that_do_not_fit(tmp_path):
     run = _colocated_run(tmp_path)
     proc = cli(
