@@ -101,6 +101,14 @@ def test_check_prints_each_role_its_ranks_nodes_and_replicas():
     ) in out
     assert "actor: tp4 pp1 cp1 dp4 | ep4 etp1 edp4" in out and "| on its 16 ranks" in out
     assert "rollout: vllm tp4 x 4 replicas" in out and "warning:" not in out
+    # one step off, the old policy is the proximal pass even where one mini-batch would be on-policy colocated
+    for staleness, says in (
+        ("null", "from the proximal pass (the samples are up to one update"),
+        ("0", "from the update"),
+    ):
+        one = ["algo.mini_batches=1", "algo.routing_replay=null", f"rollout.max_staleness={staleness}"]
+        proc = cli("check", NPU32, *one, "--model-config", QWEN_JSON)
+        assert f", old log-probs {says}" in proc.stdout, proc.stdout + proc.stderr
     # 8 nodes of 4: the same ranks, other nodes
     proc = cli("check", NPU32, "--nnodes", 8, "--nproc-per-node", 4, "--model-config", QWEN_JSON)
     assert "actor ranks 0-15 (nodes 0-3), rollout ranks 16-31 (nodes 4-7)" in proc.stdout, proc.stderr

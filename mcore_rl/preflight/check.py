@@ -55,14 +55,20 @@ def describe_run(cfg: Config, layout: Layout, nnodes: int, nproc: int) -> str:
         f"rollout: {cfg.rollout.engine}"
         + (f" tp{cfg.rollout.tp} x {generating // cfg.rollout.tp} replicas" if cfg.rollout.engine == "vllm" else ""),
         f"algo: {cfg.algo.loss} ({cfg.algo.agg_mode}), adv {cfg.algo.adv_estimator}, routing replay {cfg.algo.routing_replay or 'off'}"
-        + (
-            ", old log-probs from the update (exactly on-policy)"
-            if cfg.algo.old_from_update
-            else ", old log-probs from a separate pass"
-        ),
+        + _old_log_probs(cfg, roles is not None),
     ]
     longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
     lines += filter(
         None, [split_summary(layout.cp, layout.tp, layout.sequence_parallel, longest, budget, cfg.platform)]
     )
     return "\n".join(lines + [f"warning: {w}" for w in layout.warnings])
+
+
+def _old_log_probs(cfg: Config, separate: bool) -> str:
+    """Where the old policy's log-probs come from. One step off (separate, rollout.max_staleness null or > 0) the
+    samples come from the weights before the last update, so the proximal pass runs whatever algo says."""
+    if separate and cfg.rollout.max_staleness != 0:
+        return ", old log-probs from the proximal pass (the samples are up to one update stale)"
+    if cfg.algo.old_from_update:
+        return ", old log-probs from the update (exactly on-policy)"
+    return ", old log-probs from a separate pass"
