@@ -113,17 +113,24 @@ def cmd_check(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    """The per-rank memory plan by phase (same inputs as `check`); exit 1 when it does not fit the device."""
+    """The per-rank memory plan by phase (same inputs as `check`; per role in the separate placement); exit 1
+    when it does not fit the device. --from-run: the split of the separate placement from a run's times."""
     from mcore_rl.preflight.memory_plan import plan_memory
 
     cfg = load_config(args.config, args.overrides)
     world, nnodes, nproc = _world(args, cfg)
     dims = model_dims(cfg, args.model_config)
-    layout = validate_run(cfg, world, dims)
     if args.device_memory is not None and not (0 < args.device_memory < math.inf):  # NaN fails both
         raise ConfigError(
             f"--device-memory = {args.device_memory} must be a finite number of GiB > 0, e.g. --device-memory 80"
         )
+    if args.from_run is not None:
+        from mcore_rl.preflight.split_plan import split_report
+
+        print(f"plan --from-run: {args.config} on {nnodes} node(s) x {nproc} processes")
+        print(split_report(args.from_run, cfg, world, dims, args.device_memory))
+        return 0
+    layout = validate_run(cfg, world, dims)
     plan = plan_memory(cfg, layout, dims, args.device_memory)
     print(f"plan: {args.config}")
     print(describe_run(cfg, layout, nnodes, nproc))
@@ -365,6 +372,12 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "plan":
             p.add_argument(
                 "--device-memory", type=float, help="device memory in GiB (e.g. 64, 80, 141) for the verdict"
+            )
+            p.add_argument(
+                "--from-run",
+                metavar="RUN_DIR",
+                help="a colocated run's folder: print the actor / rollout split of the separate placement that "
+                "balances the roles on CONFIG's cluster, from the run's measured phase times",
             )
         p.set_defaults(func=func)
 

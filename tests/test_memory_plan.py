@@ -129,6 +129,9 @@ def test_every_preset_fits_the_devices_it_names(preset):
     for gib in _named_devices(preset):
         plan = plan_memory(cfg, lay, dims, device_gib=gib)
         assert plan.fits, f"{preset.name} does not fit {gib} GiB:\n{plan.table()}"
+        if cfg.rollout.placement == "separate":  # each role on its own ranks: both plans fit, neither holds the other
+            assert plan.actor.fits and plan.rollout.fits and lay.rollout_ranks == cfg.rollout.ranks
+            assert "rollout" not in {p.name for p in plan.actor.phases} and plan.rollout.state.params == 0
 
 
 @pytest.mark.parametrize("preset", DEVICE_PRESETS, ids=lambda p: f"{p.parent.name}/{p.stem}")
@@ -140,10 +143,14 @@ def test_device_presets_size_micro_batches_by_tokens(preset):
     assert "micro_batch_size" not in preset.read_text(), (
         f"{preset.name}: micro_batch_size is unused with a token budget"
     )
-    # the four Qwen3-30B-A3B presets, the two dense ones and the reference runs' presets (docs/from-verl.md)
-    assert len(DEVICE_PRESETS) >= 8 and {"npu32_tp4_pp4_ep8_reference", "npu16_gspo_reference"} <= {
-        p.stem for p in DEVICE_PRESETS
-    }
+    # the Qwen3-30B-A3B presets (two of them in the separate placement), the two dense ones and the reference
+    # runs' presets (docs/from-verl.md)
+    assert len(DEVICE_PRESETS) >= 10 and {
+        "npu32_tp4_pp4_ep8_reference",
+        "npu16_gspo_reference",
+        "npu32_separate_tp4_ep4",
+        "gpu8_separate_tp2_ep4",
+    } <= {p.stem for p in DEVICE_PRESETS}
 
 
 def test_plan_cli_prints_phases_and_verdict(tmp_path):

@@ -197,6 +197,9 @@ class Layout:
     padded_vocab_size: int
     seq_len_multiple: int  # every packed/padded sequence length must be a multiple of this
     warnings: tuple[str, ...] = ()
+    # rollout.placement=separate: the ranks that generate beside the world_size actor ranks (0: colocated, every
+    # rank does both); preflight.placement
+    rollout_ranks: int = 0
     bound_ranks: Optional[Ranks] = None  # set by bind(); read through `ranks`
     bound_groups: Optional[Groups] = None  # set by bind(); read through `groups`
 

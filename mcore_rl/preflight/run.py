@@ -13,10 +13,13 @@ from mcore_rl.config import Config, ConfigError
 from mcore_rl.preflight.architectures import check_architecture
 from mcore_rl.preflight.engines import check_engine_capabilities, validate_rollout_tp
 from mcore_rl.preflight.layout import Layout, LayoutError, ModelDims, divisors, validate_layout
+from mcore_rl.preflight.placement import check_split
 
 
 def validate_run(cfg: Config, world_size: int, dims: Any, platform: Optional[str] = None) -> Layout:
-    """The whole pre-flight for a run: actor layout, rollout TP (vLLM) and how a step's samples split.
+    """The whole pre-flight for a run: the placement's split (preflight.placement), actor layout (over the actor
+    ranks when separate: the returned Layout's world_size, with its rollout_ranks), rollout TP (vLLM) and how a
+    step's samples split.
 
     A step has prompts_per_step * n samples; they split evenly over the DP ranks and `algo.mini_batches`
     optimizer steps, and each rank's share of a mini-batch splits into micro-batches of micro_batch_size
@@ -27,10 +30,11 @@ def validate_run(cfg: Config, world_size: int, dims: Any, platform: Optional[str
     dims = ModelDims.from_hf(dims)
     check_architecture(cfg, dims)
     check_engine_capabilities(cfg, platform)
-    layout = validate_layout(cfg.actor.parallel, world_size, dims, platform=platform)
+    split, split_warnings = check_split(cfg, world_size, dims)
+    layout = _actor_layout(cfg, world_size if split is None else split.actor_ranks, dims, platform, split)
     check_expert_dispatch(layout, platform)
-    warnings = list(layout.warnings)
-    if cfg.rollout.engine == "vllm":
+    warnings = list(layout.warnings) + split_warnings
+    if cfg.rollout.engine == "vllm" and split is None:
         warnings += validate_rollout_tp(cfg.rollout.tp, world_size, dims).warnings
     check_token_budget(cfg, layout)
     check_positions(cfg, dims)
@@ -43,6 +47,21 @@ def validate_run(cfg: Config, world_size: int, dims: Any, platform: Optional[str
         f"data.prompts_per_step {cfg.data.prompts_per_step} x rollout.n {cfg.rollout.n}",
     )
     return dataclasses.replace(layout, warnings=tuple(warnings))
+
+
+def _actor_layout(cfg: Config, ranks: int, dims: ModelDims, platform: Optional[str], split) -> Layout:
+    """The actor's layout over its `ranks`: the world, or the separate placement's actor ranks (`split`), whose
+    errors also name the split and rollout.ranks, the other way to fix them."""
+    if split is None:
+        return validate_layout(cfg.actor.parallel, ranks, dims, platform=platform)
+    try:
+        layout = validate_layout(cfg.actor.parallel, ranks, dims, platform=platform)
+    except LayoutError as e:
+        raise LayoutError(
+            f"the actor's {ranks} ranks (world {split.world} - rollout.ranks {split.rollout_ranks}): {e}; "
+            f"or move ranks between the roles with rollout.ranks"
+        ) from None
+    return dataclasses.replace(layout, rollout_ranks=split.rollout_ranks)
 
 
 def check_token_budget(cfg: Config, layout: Layout) -> None:
@@ -97,10 +116,12 @@ def check_expert_dispatch(layout: Layout, platform: Optional[str]) -> None:
 
 def check_before_build(cfg: Config, world_size: int, platform: Optional[str]) -> None:
     """What the trainer checks before it builds the actor, for launches without the pre-flight (plain torchrun
-    of `mcore-rl train`, launch/ scripts): the layout, the expert dispatch and the token budget, as one-line
-    config errors."""
+    of `mcore-rl train`, launch/ scripts): the placement's split, the actor's layout (over the actor ranks when
+    separate), the expert dispatch and the token budget, as one-line config errors."""
     try:
-        layout = validate_layout(cfg.actor.parallel, world_size, cfg.model.path, platform=platform)
+        split, _ = check_split(cfg, world_size, cfg.model.path)
+        actor_ranks = world_size if split is None else split.actor_ranks
+        layout = _actor_layout(cfg, actor_ranks, ModelDims.from_hf(cfg.model.path), platform, split)
         check_expert_dispatch(layout, platform)
         check_token_budget(cfg, layout)
         check_positions(cfg, ModelDims.from_hf(cfg.model.path))
