@@ -13,7 +13,6 @@ SITES = [
     "rotary",
     "streams",
     "clip_grads",
-    "router_gemm",
     "split_sizes",
     "eager_fusions",
     "checkpoint_writer",
@@ -92,6 +91,20 @@ def site_outcome():
     """Every site's outcome from one plain-python world-1 process (the patches stay out of pytest)."""
     (outcome,) = run_worker(REPO / "tests" / "workers" / "actor_platform_sites.py", 1, torchrun=False).results
     return outcome
+
+
+def test_cpu_adaptation_mode_comes_from_the_environment(monkeypatch):
+    """MCORE_RL_CPU_ADAPT: unset or "all" - routing and speed-ups; "routing" - the routing alone (the GPU rehearsal);
+    anything else is refused naming the choices."""
+    from mcore_rl.platform import cpu_adapt
+
+    monkeypatch.delenv(cpu_adapt.MODE_ENV, raising=False)
+    assert cpu_adapt.mode() == "all"
+    monkeypatch.setenv(cpu_adapt.MODE_ENV, "routing")
+    assert cpu_adapt.mode() == "routing"
+    monkeypatch.setenv(cpu_adapt.MODE_ENV, "fast")
+    with pytest.raises(ValueError, match=r"MCORE_RL_CPU_ADAPT='fast' is not one of all, routing"):
+        cpu_adapt.mode()
 
 
 def test_every_site_was_checked(site_outcome):
