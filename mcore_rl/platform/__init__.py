@@ -241,9 +241,12 @@ class Platform:
         rebuild beside an awake engine): vLLM's sleep-mode allocator maps new physical memory and cannot use
         blocks that torch's cache still holds from the training peak. cpu: no collection - torch's CPU allocator
         caches nothing and no CPU engine sleeps, while a full collection of a trainer's objects costs ~0.15 s of
-        CPU at every sync (half the tiny demo's step; docs/benchmarks.md)."""
+        CPU at every sync (half the tiny demo's step; docs/benchmarks.md). The device is synchronised first (as verl's
+        memory_utils does): work still queued on it (an offload's copies, the step's last kernels) is done with the
+        memory the cache then returns, before the engine maps device memory of its own."""
         if self.name != "cpu":
             gc.collect()
+        self.synchronize()
         self.empty_cache()
 
     def reset_peak_memory_stats(self) -> None:

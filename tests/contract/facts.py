@@ -341,6 +341,34 @@ def _np_product(src) -> bool:
     )
 
 
+def _bound_names(statements) -> set[str]:
+    """Names bound by these statements (imports, assignments, definitions), nested blocks included."""
+    names = set()
+    for node in ast.walk(ast.Module(body=list(statements), type_ignores=[])):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return names
+
+
+def _te_general_gemm_unbound_without_te(src) -> bool:
+    """moe_utils binds te_general_gemm only inside a `try:` (the Transformer Engine import) while
+    RouterGatingLinearFunction reads it: unbound without TE. False where the router never reads the name."""
+    path = "megatron/core/transformer/moe/moe_utils.py"
+    tree, gating = src.tree(path), find_class(src, (path,), "RouterGatingLinearFunction")
+    if tree is None or gating is None:
+        return False
+    read = any(isinstance(n, ast.Name) and n.id == "te_general_gemm" for n in ast.walk(gating))
+    tries = [node for node in tree.body if isinstance(node, ast.Try)]
+    in_try = "te_general_gemm" in _bound_names(stmt for t in tries for stmt in t.body)
+    in_fallback = "te_general_gemm" in _bound_names(stmt for t in tries for h in t.handlers for stmt in h.body)
+    elsewhere = "te_general_gemm" in _bound_names(node for node in tree.body if not isinstance(node, ast.Try))
+    return read and in_try and not in_fallback and not elsewhere
+
+
 def _output_layer_call(src) -> bool:
     gpt = find_class(src, ("megatron/core/models/gpt/gpt_model.py",), "GPTModel")
     calls = [c for c in calls_to(gpt, "output_layer") if ast.unparse(c.func) == "self.output_layer"]
@@ -481,6 +509,8 @@ FACTS = (
          _np_product),
     Fact("fp8_quantize_bound", "megatron-core", "distrib_optimizer imports quantize_param_shard by name",
          "compat.megatron._shim_fp8_quantize", _fp8_quantize),
+    Fact("te_general_gemm_unbound", "megatron-core", "moe_utils binds te_general_gemm only when TE imports; the router's "
+         "gating reads it", "compat.megatron._shim_te_general_gemm", _te_general_gemm_unbound_without_te),
     Fact("output_layer_call", "megatron-core", "GPTModel calls self.output_layer(..., weight=, runtime_gather_output=)",
          "compat.megatron.output_hidden_states", _output_layer_call),
     Fact("vp_stage", "megatron-core", "get_gpt_decoder_block_spec takes vp_stage", "compat.megatron.builds_with_vp_stage",
@@ -542,6 +572,7 @@ _MCORE = dict(
     write_item_format=True,
     np_product=True,
     vp_stage=True,
+    te_general_gemm_unbound=True,  # from 0.13: the shim's range (compat.megatron)
 )
 _MCORE_0_14 = dict(_MCORE, moe_router_fusion=True, avoid_prefix=True, sharding_types=("fully_sharded_model_space",))
 _MCORE_0_15 = dict(_MCORE_0_14, sharding_types=("fully_sharded_model_space", "fully_reshardable"))
@@ -592,6 +623,7 @@ RELEASES: dict[tuple[str, str], dict[str, Any]] = {
         optimizer_metadata=("model_sharded_state_dict", "is_loading", "sharding_type"),
         write_item_format=False,
         vp_stage=False,
+        te_general_gemm_unbound=False,  # no te_general_gemm in 0.12.1's router gating
     ),
     ("megatron-core", "0.13.1"): dict(
         _MCORE,
