@@ -299,6 +299,9 @@ def _adapt_npu(cp: int = 1) -> None:
             "call get_platform().adapt_megatron() before importing Megatron",
             len(already),
         )
+    from mcore_rl.platform.mindspeed_compile import keep_originals
+
+    keep_originals()  # MindSpeed replaces torch.compile; the engine's build gets the original back
     import mindspeed.megatron_adaptor as adaptor
     import torch_npu  # noqa: F401
     from mindspeed.args_utils import get_full_args

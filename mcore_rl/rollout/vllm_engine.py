@@ -75,6 +75,7 @@ from mcore_rl.compat import vllm as compat_vllm
 from mcore_rl.config import RolloutConfig
 from mcore_rl.models.hf_io import torch_dtype, write_hf_folder
 from mcore_rl.platform import Platform, free_port
+from mcore_rl.platform.mindspeed_compile import original_compile
 from mcore_rl.preflight.engines import validate_rollout_tp
 from mcore_rl.rollout.base import (
     MEMORY_TAGS,
@@ -384,15 +385,20 @@ class VllmEngine(DataParallelEngine):
         _ensure_launcher_env()
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function (load_weights)
         routes = self._routes_possible()
-        try:
-            llm = LLM(**self._llm_args(path, routes))
-        except ValueError as err:
-            about_routes = "routed" in str(err).lower() or "auxoutput" in str(err).lower()
-            if not (routes and about_routes):
-                raise
-            self._log_once("routes", "vLLM engine: routed experts unavailable here (%s); routed_experts = None", err)
-            llm = LLM(**self._llm_args(path, routes=False))
-            routes = False
+        # NPU: MindSpeed's identity torch.compile would leave vLLM-Ascend's compilation and graph capture (both
+        # inside LLM()) eager; the originals are bound while it builds (mcore_rl/platform/mindspeed_compile.py)
+        with original_compile():
+            try:
+                llm = LLM(**self._llm_args(path, routes))
+            except ValueError as err:
+                about_routes = "routed" in str(err).lower() or "auxoutput" in str(err).lower()
+                if not (routes and about_routes):
+                    raise
+                self._log_once(
+                    "routes", "vLLM engine: routed experts unavailable here (%s); routed_experts = None", err
+                )
+                llm = LLM(**self._llm_args(path, routes=False))
+                routes = False
         self.routes_enabled = routes
         # Runs when the LLM is collected or at interpreter exit (then before vLLM's own finalizer, which it
         # detaches: finalizers run in reverse creation order), also after the trainer destroyed its groups.
