@@ -121,6 +121,14 @@ def _check_ascend_stack() -> None:
         Platform("npu").apply_environment()
 
 
+def sampled_vocabulary(tokenizer_size: int, vocab_size: int) -> Optional[list[int]]:
+    """The ids the engine may sample when the model's vocabulary is padded beyond the tokenizer's (Qwen3: 151,936
+    rows, 151,669 tokens): vLLM cuts its logits to config.json's vocab_size only, so a padded row could be sampled.
+    vLLM's `allowed_token_ids` masks the rest (vLLM 0.11 `v1/engine/processor.py` checks each id against
+    `len(tokenizer)`, a Python pass over the list per request); None where nothing is padded."""
+    return list(range(tokenizer_size)) if tokenizer_size < vocab_size else None
+
+
 def _read_hf_config(model_path: str) -> dict:
     path = Path(model_path) / "config.json"
     if not path.is_file():
@@ -272,6 +280,7 @@ class VllmEngine(DataParallelEngine):
         self._buffered: dict[str, torch.Tensor] = {}  # reload "rebuild": weights of the sync in progress
         self.reload_mode = self._pick_reload_mode(settings.reload)
         self.llm = self._start(self.model_path)
+        self._allowed = sampled_vocabulary(len(self.llm.get_tokenizer()), self.vocab_size)
         self._gather_group = self._make_gather_group()
 
     @property
@@ -568,7 +577,8 @@ class VllmEngine(DataParallelEngine):
         local: list[list[RolloutSample]] = []
         if len(mine):
             requests = [{"prompt_token_ids": list(prompts[i])} for i in mine]
-            sps = [generate_params(params, n, None if params.seed is None else params.seed + i * n) for i in mine]
+            seeds = [None if params.seed is None else params.seed + i * n for i in mine]
+            sps = [generate_params(params, n, seed, self._allowed) for seed in seeds]
             outputs = self.llm.generate(requests, sps, use_tqdm=False)
             local = [samples_of(prompts[i], out) for i, out in zip(mine, outputs)]
         return local
