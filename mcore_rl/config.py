@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import math
 import os
 import re
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
@@ -186,6 +187,12 @@ class TrainerConfig:
     # rank 0 writes the first N of its scored samples of every rollout round to RUN_DIR/samples.jsonl: the
     # response with its special tokens, length, finish reason, task reward and overlong penalty (0: off)
     sample_log: int = 0
+    # how long a collective may wait (the process group's timeout, and HCCL_EXEC_TIMEOUT on NPU); null: derived
+    # from rollout.max_new_tokens (collective_timeout_minutes below, docs/devices.md "Collective timeout")
+    collective_timeout_minutes: Optional[float] = None
+    # Ascend: deterministic matmuls and HCCL reductions, so the engine's log-probs match training's
+    # (mcore_rl.platform.ascend_env.DETERMINISTIC_ENV; docs/devices.md); no effect on cpu / cuda
+    deterministic: bool = False
 
 
 @dataclass
@@ -414,6 +421,11 @@ def _check_ranges(cfg: Config) -> None:
     }
     for key, v in positive.items():
         _require(v > 0, f"{key} = {v} must be > 0")
+    timeout = cfg.trainer.collective_timeout_minutes
+    _require(
+        timeout is None or timeout > 0,
+        f"trainer.collective_timeout_minutes = {timeout} must be > 0, or null to derive it from rollout.max_new_tokens",
+    )
     for key in ("verify_tolerance", "verify_high_tolerance"):
         v = getattr(r, key)
         _require(v is None or v > 0, f"rollout.{key} = {v} must be > 0, or null for the model dtype's default")
@@ -535,6 +547,23 @@ def _check_combinations(cfg: Config) -> list[str]:
         f"reward.fn = {cfg.reward.fn!r}: use 'task', 'math' or 'package.module:function'",
     )
     return warnings
+
+
+# The collective timeout when trainer.collective_timeout_minutes is null. After each rollout every rank waits in
+# a collective for the slowest replica, so the timeout must outlast one replica's longest generation: this many
+# minutes for everything else (loading, a checkpoint save, a rebuild), plus SECONDS_PER_RESPONSE_TOKEN for each
+# token of the longest response - an assumed worst decode rate of 10 tokens/s per sequence (a full batch on a slow
+# eager engine; docs/devices.md "Collective timeout").
+BASE_COLLECTIVE_MINUTES = 30.0
+SECONDS_PER_RESPONSE_TOKEN = 0.1
+
+
+def collective_timeout_minutes(cfg: Config) -> float:
+    """trainer.collective_timeout_minutes, or when null the derived value (whole minutes)."""
+    if cfg.trainer.collective_timeout_minutes is not None:
+        return float(cfg.trainer.collective_timeout_minutes)
+    decode_minutes = cfg.rollout.max_new_tokens * SECONDS_PER_RESPONSE_TOKEN / 60
+    return BASE_COLLECTIVE_MINUTES + float(math.ceil(decode_minutes))
 
 
 def validate_config(cfg: Config) -> list[str]:

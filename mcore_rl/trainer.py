@@ -45,7 +45,7 @@ from mcore_rl.config import Config, save_config
 from mcore_rl.data import EpochSampler, PromptInputs, load_prompt_dataset
 from mcore_rl.dynamic_sampling import CapWarnings, collect, overlong_filtered, round_seed, single_round
 from mcore_rl.metrics import MetricsLogger, PhaseTimer, SampleLog
-from mcore_rl.platform import collectives, get_platform
+from mcore_rl.platform import RunEnvironment, collectives, get_platform
 from mcore_rl.platform.library_warnings import quiet_startup, verbose_requested
 from mcore_rl.plot import plot_run
 from mcore_rl.preflight.resume_changes import CONFIG_FILE, check_resume_changes, describe
@@ -105,7 +105,7 @@ class Trainer:
         self.stop_signals = StopSignals(Path(cfg.trainer.run_dir) / STOP_FILE, at_once=self._stop_at_once)
         self.stop_signals.install()
         self.platform = get_platform(cfg.platform)
-        self.platform.init_distributed()
+        self.platform.init_distributed(RunEnvironment.of(cfg))  # the collective timeout, HCCL's env (NPU)
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.run_dir = Path(cfg.trainer.run_dir)

@@ -70,9 +70,13 @@ def test_megatron_subgroups_inherit_the_default_backend(tmp_path):
 def test_ascend_environment_is_set_once_and_user_values_win():
     env = {"HCCL_CONNECT_TIMEOUT": "600"}
     applied = Platform("npu").apply_environment(env)
-    assert (
-        applied == {"VLLM_ASCEND_ENABLE_NZ": "0", "HCCL_CONNECT_TIMEOUT": "600"} and env["VLLM_ASCEND_ENABLE_NZ"] == "0"
-    )
+    assert applied == {
+        "VLLM_ASCEND_ENABLE_NZ": "0",
+        "HCCL_CONNECT_TIMEOUT": "600",
+        "HCCL_BUFFSIZE": "256",
+        "CPU_AFFINITY_CONF": "1",
+    }
+    assert env["VLLM_ASCEND_ENABLE_NZ"] == "0"
     assert Platform("cuda").apply_environment({}) == {}
 
 

@@ -10,6 +10,7 @@ instead of repeating them:
   architectures.py   the `ARCHITECTURES` table and the check of a run's model against it
   engines.py         the rollout engine: vLLM's tensor-parallel size, what a platform's engine cannot deliver
   inputs.py          the model folder and the installed packages (`check_run_inputs`)
+  node.py            what the node must offer: the allocator setting vLLM's sleep mode takes, the rebuild's disk
   check.py           the model dimensions a check reads, and the report of a run that passed
   hf_tensors.py      the HF tensor names and shapes each architecture needs
   support.py         the support matrix: which releases can run together

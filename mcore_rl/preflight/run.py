@@ -7,12 +7,14 @@ layout on this platform (`check_expert_dispatch`)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Optional
 
 from mcore_rl.config import Config, ConfigError
 from mcore_rl.preflight.architectures import check_architecture
 from mcore_rl.preflight.engines import check_engine_capabilities, validate_rollout_tp
 from mcore_rl.preflight.layout import Layout, LayoutError, ModelDims, divisors, validate_layout
+from mcore_rl.preflight.node import check_allocator, installed_vllm
 from mcore_rl.preflight.placement import check_split
 
 
@@ -116,8 +118,9 @@ def check_expert_dispatch(layout: Layout, platform: Optional[str]) -> None:
 
 def check_before_build(cfg: Config, world_size: int, platform: Optional[str]) -> None:
     """What the trainer checks before it builds the actor, for launches without the pre-flight (plain torchrun
-    of `mcore-rl train`, launch/ scripts): the placement's split, the actor's layout (over the actor ranks when
-    separate), the expert dispatch and the token budget, as one-line config errors."""
+    of `mcore-rl train`, launch/ scripts): the allocator setting, the placement's split, the actor's layout (over
+    the actor ranks when separate), the expert dispatch and the token budget, as one-line config errors."""
+    check_allocator(cfg, platform, os.environ, installed_vllm())
     try:
         split, _ = check_split(cfg, world_size, cfg.model.path)
         actor_ranks = world_size if split is None else split.actor_ranks
