@@ -87,6 +87,35 @@ def rank_env(p: RankPlacement, world_size: int, master_addr: str, master_port: i
     return env
 
 
+# Every path of the config, resolved against the driver's working directory before the config is shipped: a rank
+# runs in Ray's working directory (a temp folder on another node), where a relative path names nothing.
+PATH_FIELDS = ("model.path", "data.train_path", "data.val_path", "trainer.run_dir", "rollout.rebuild_dir")
+
+
+def resolve_paths(cfg, base: str) -> list[str]:
+    """Make the config's relative paths absolute against `base` (in place); the keys changed."""
+    changed = []
+    for key in PATH_FIELDS + (() if cfg.checkpoint.resume in ("auto", "never") else ("checkpoint.resume",)):
+        section, name = key.split(".")
+        holder = getattr(cfg, section)
+        value = getattr(holder, name)
+        if value and not os.path.isabs(value):
+            setattr(holder, name, os.path.normpath(os.path.join(base, value)))
+            changed.append(key)
+    return changed
+
+
+def rank_failure(error: BaseException, rank: int) -> str:
+    """The launcher's last line for a rank that raised: the exception's last line and where it was raised."""
+    import traceback
+
+    cause = getattr(error, "cause", None) or error  # Ray wraps the rank's exception (RayTaskError.cause)
+    frames = traceback.extract_tb(cause.__traceback__)
+    where = f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    text = traceback.format_exception_only(type(cause), cause)[-1].strip()
+    return f"mcore-rl: error: rank {rank} failed: {text}{where}"
+
+
 def resolve_entry(entry: str):
     module, _, function = entry.partition(":")
     if not function:
@@ -156,6 +185,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        resolve_paths(cfg, os.getcwd())
         nnodes = args.nnodes or cfg.trainer.nnodes
         nproc = args.nproc_per_node or cfg.trainer.nproc
         cfg.trainer.nnodes, cfg.trainer.nproc = nnodes, nproc
@@ -206,14 +236,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         pending = [
             w.run.remote(rank_env(p, world, master_addr, master_port, accelerator), cfg, args.entry) for p, w in by_rank
         ]
+        rank_of = {ref: p.rank for ref, (p, _) in zip(pending, by_rank)}
         stop = request_stop_on_signals(cfg.trainer.run_dir)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
-            result = ray.get(done[0])  # raises the rank's exception; the finally below stops the other ranks
+            try:
+                result = ray.get(done[0])  # raises the rank's exception; the finally below stops the other ranks
+            except Exception as e:  # one rank failed: the rest would hang in collectives
+                print(f"ray_launch: a rank failed:\n{e}", file=sys.stderr)
+                print(rank_failure(e, rank_of[done[0]]), file=sys.stderr, flush=True)  # the last line: its cause
+                return 1
             if isinstance(result, str) and result.startswith("stopped: "):
                 print(f"ray_launch: {result[len('stopped: ') :]}", file=sys.stderr, flush=True)
-    except Exception as e:  # one rank failed: the rest would hang in collectives
-        print(f"ray_launch: a rank failed: {e}", file=sys.stderr)
+    except Exception as e:  # placing the ranks failed
+        print(f"ray_launch: error: {e}", file=sys.stderr)
         return 1
     finally:
         for w in workers:
