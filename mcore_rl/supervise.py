@@ -183,7 +183,8 @@ def reap_when_gone(worker: int, launcher: int, interval_s: float = REAPER_POLL_S
         if ready and os.read(sys.stdin.fileno(), 16).startswith(b"done"):
             return
         worker_gone = bool(ready) or os.getppid() != worker  # EOF without "done": the worker is dead
-        launcher_gone = launcher_start is not None and _process_start(launcher) != launcher_start
+        # a launcher gone before this reaper looked (launcher_start None) is gone too
+        launcher_gone = launcher > 0 and (launcher_start is None or _process_start(launcher) != launcher_start)
         if launcher_gone:
             remove_status_dir()
         if worker_gone or launcher_gone:

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -62,6 +63,7 @@ out, i = sys.argv[1], sys.argv[2]
 watch = die_with_launcher()
 helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 open(os.path.join(out, f"helper{i}"), "w").write(str(helper.pid))
+open(os.path.join(out, "status"), "w").write(os.environ["MCORE_RL_STATUS_FILE"])
 open(os.path.join(out, f"ready{i}"), "w").write(str(os.getpid()))
 while True:
     time.sleep(0.05)
@@ -81,11 +83,14 @@ def test_kill_9_of_the_launcher_takes_torchrun_the_workers_and_their_helpers(tmp
     pids = {p.pid for p in started}
     helpers = [int((tmp_path / f"helper{i}").read_text()) for i in range(2)]
     assert set(helpers) <= pids and len(started) >= 7  # torchrun, 2 workers, 2 reapers, 2 helpers
+    status_dir = Path((tmp_path / "status").read_text()).parent
+    assert status_dir.is_dir() and status_dir.name.startswith("mcore-rl-status-")
     sup.send_signal(signal.SIGKILL)
     sup.wait()
     try:
         _, alive = psutil.wait_procs(started, timeout=10)
         assert not alive, [(p.pid, p.cmdline()[:3]) for p in alive]
+        assert not status_dir.exists()  # the launcher's status folder went with the job (the workers' reapers)
     finally:
         for proc in started:
             try:
