@@ -141,9 +141,14 @@ class RankWorker:
 
         return free_port(host="")  # rank 0's node hosts the rendezvous: a port free on every interface
 
-    def run(self, env: dict, cfg, entry: str):
+    def run(self, env: dict, cfg, entry: str, nodes: int = 1):
         os.environ.update(env)  # before anything imports torch, initialises torch.distributed or the device
         from mcore_rl.safety import StopRequested
+
+        if nodes > 1:  # the collectives' interface: this node's route to MASTER_ADDR (as torchrun_multinode.sh)
+            from mcore_rl.platform.network import interface_env
+
+            os.environ.update(interface_env(env["MASTER_ADDR"], os.environ)[0])
 
         try:
             return resolve_entry(entry)(cfg)
@@ -233,8 +238,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"ray_launch: {world} ranks on {len({p.node_ip for p in placements})} node(s), master {master_addr}:{master_port}",
             flush=True,
         )
+        nodes = len({p.node_ip for p in placements})
         pending = [
-            w.run.remote(rank_env(p, world, master_addr, master_port, accelerator), cfg, args.entry) for p, w in by_rank
+            w.run.remote(rank_env(p, world, master_addr, master_port, accelerator), cfg, args.entry, nodes)
+            for p, w in by_rank
         ]
         rank_of = {ref: p.rank for ref, (p, _) in zip(pending, by_rank)}
         stop = request_stop_on_signals(cfg.trainer.run_dir)

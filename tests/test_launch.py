@@ -230,7 +230,9 @@ def test_a_workers_exception_is_the_last_console_line(launcher, tiny_model_dir, 
     )
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     raised_at = next(
-        i for i, line in enumerate(Path(failing_loss.__file__).read_text().splitlines(), 1) if "raise" in line
+        i
+        for i, line in enumerate(Path(failing_loss.__file__).read_text().splitlines(), 1)
+        if line.strip().startswith("raise ")
     )
     assert proc.returncode == 1, proc.stdout[-4000:]
     assert re.fullmatch(

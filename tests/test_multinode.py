@@ -18,6 +18,7 @@ import pytest
 from mcore_rl.run_dir import CheckpointManager, verify_checkpoint
 from tests.netns_hosts import TwoHosts, can_make_hosts
 from tests.torchrun_util import REPO
+from tests.workers.harness import read_results
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(can_make_hosts() is not None, reason=str(can_make_hosts()))]
 
@@ -206,3 +207,41 @@ def test_a_run_directory_that_is_not_shared_is_refused(hosts, tiny_model_dir, ta
             f"see the token rank 0 wrote"
         ), out[-3000:]
         assert "step 1/" not in out
+
+
+RAY_CONFIG = "platform: cpu\nmodel:\n  path: model\nrollout:\n  n: 2\ndata:\n  prompts_per_step: 2\n"
+
+
+def test_ray_head_on_one_host_and_a_worker_on_the_other(hosts, tiny_model_dir, tmp_path):
+    """launch/ray_launch.py with a Ray head on node 0 and a worker on node 1 (both started in `/`): one rank a node,
+    a gloo all-reduce across the hosts; the config's relative paths (model.path, trainer.run_dir) name the
+    driver's folders on the ranks too, not the folders of Ray's working directory."""
+    ray = str(Path(sys.executable).parent / "ray")
+    env = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    common = ["--num-cpus=1", "--disable-usage-stats", "--block"]
+    head = [ray, "start", "--head", "--node-ip-address=10.77.0.1", "--port=6379", "--include-dashboard=false"]
+    worker = [ray, "start", "--address=10.77.0.1:6379", "--node-ip-address=10.77.0.2"]
+    for i, cmd in enumerate((head, worker)):
+        out = open(logs / f"ray{i}.log", "w")
+        hosts.popen(i, cmd + common, stdout=out, stderr=subprocess.STDOUT, env=node_env(i, **env), cwd="/")
+        if i == 0:
+            time.sleep(5)  # the head's GCS first
+    (tmp_path / "model").symlink_to(tiny_model_dir)
+    (tmp_path / "c.yaml").write_text(RAY_CONFIG)
+    driver = [sys.executable, str(REPO / "launch" / "ray_launch.py"), "c.yaml", "--address", "10.77.0.1:6379"]
+    driver += ["--accelerator", "CPU", "--cpus-per-rank", "1", "--nnodes", "2", "--nproc-per-node", "1"]
+    driver += ["--entry", "tests.workers.ray_entry:run", "trainer.run_dir=run"]
+    got = hosts.popen(
+        0, driver, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=node_env(0, **env), cwd=tmp_path
+    )
+    out = got.communicate(timeout=300)[0]
+    assert got.returncode == 0, out[-4000:] + (logs / "ray1.log").read_text()[-2000:]
+    assert "ray_launch: 2 ranks on 2 node(s), master 10.77.0.1:" in out
+    results = read_results(tmp_path / "run" / "results", 2, out)
+    assert [r["sum"] for r in results] == [3.0, 3.0]  # 1 + 2 over the two hosts
+    assert [(r["env"]["RANK"], r["env"]["GROUP_RANK"], r["env"]["MASTER_ADDR"]) for r in results] == [
+        ("0", "0", "10.77.0.1"),
+        ("1", "1", "10.77.0.1"),
+    ]
