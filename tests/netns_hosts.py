@@ -101,6 +101,16 @@ class TwoHosts:
         self.procs.append(proc)
         return proc
 
+    def join(self, i: int, first: subprocess.Popen, cmd: list[str], cwd: str, **kwargs) -> subprocess.Popen:
+        """Run cmd on host i among the processes of `first` (started by `popen`): its pid namespace, mounts,
+        hostname and network (a Ray driver finds its node's raylet in the process list)."""
+        import psutil
+
+        init = psutil.Process(first.pid).children()[0].pid  # unshare's child: the pid namespace's init
+        proc = subprocess.Popen(["nsenter", "-t", str(init), "-a", f"--wd={cwd}", *cmd], **kwargs)
+        self.procs.append(proc)
+        return proc
+
     def kill_host(self, i: int) -> None:
         """kill -9 of everything on host i (the pid namespace's init: the kernel kills the rest)."""
         for pid in self.pids(i):

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -216,28 +218,16 @@ def test_ray_head_on_one_host_and_a_worker_on_the_other(hosts, tiny_model_dir, t
     """launch/ray_launch.py with a Ray head on node 0 and a worker on node 1 (both started in `/`): one rank a node,
     a gloo all-reduce across the hosts; the config's relative paths (model.path, trainer.run_dir) name the
     driver's folders on the ranks too, not the folders of Ray's working directory."""
-    ray = str(Path(sys.executable).parent / "ray")
-    env = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    common = ["--num-cpus=1", "--disable-usage-stats", "--block"]
-    head = [ray, "start", "--head", "--node-ip-address=10.77.0.1", "--port=6379", "--include-dashboard=false"]
-    worker = [ray, "start", "--address=10.77.0.1:6379", "--node-ip-address=10.77.0.2"]
-    for i, cmd in enumerate((head, worker)):
-        out = open(logs / f"ray{i}.log", "w")
-        hosts.popen(i, cmd + common, stdout=out, stderr=subprocess.STDOUT, env=node_env(i, **env), cwd="/")
-        if i == 0:
-            time.sleep(5)  # the head's GCS first
-    (tmp_path / "model").symlink_to(tiny_model_dir)
-    (tmp_path / "c.yaml").write_text(RAY_CONFIG)
-    driver = [sys.executable, str(REPO / "launch" / "ray_launch.py"), "c.yaml", "--address", "10.77.0.1:6379"]
-    driver += ["--accelerator", "CPU", "--cpus-per-rank", "1", "--nnodes", "2", "--nproc-per-node", "1"]
-    driver += ["--entry", "tests.workers.ray_entry:run", "trainer.run_dir=run"]
-    got = hosts.popen(
-        0, driver, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=node_env(0, **env), cwd=tmp_path
-    )
-    out = got.communicate(timeout=300)[0]
-    assert got.returncode == 0, out[-4000:] + (logs / "ray1.log").read_text()[-2000:]
+    folders: list[Path] = []
+    try:
+        head = start_ray(hosts, folders, tmp_path / "logs")
+        (tmp_path / "model").symlink_to(tiny_model_dir)
+        (tmp_path / "c.yaml").write_text(RAY_CONFIG)
+        out = ray_job(hosts, head, tmp_path)
+    finally:
+        hosts.close()  # Ray's processes first, then their folders
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
     assert "ray_launch: 2 ranks on 2 node(s), master 10.77.0.1:" in out
     results = read_results(tmp_path / "run" / "results", 2, out)
     assert [r["sum"] for r in results] == [3.0, 3.0]  # 1 + 2 over the two hosts
@@ -245,3 +235,41 @@ def test_ray_head_on_one_host_and_a_worker_on_the_other(hosts, tiny_model_dir, t
         ("0", "0", "10.77.0.1"),
         ("1", "1", "10.77.0.1"),
     ]
+
+
+RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def start_ray(hosts: TwoHosts, folders: list[Path], logs: Path) -> subprocess.Popen:
+    ray = str(Path(sys.executable).parent / "ray")
+    head = [ray, "start", "--head", "--node-ip-address=10.77.0.1", "--port=6379", "--include-dashboard=false"]
+    worker = [ray, "start", "--address=10.77.0.1:6379", "--node-ip-address=10.77.0.2"]
+    logs.mkdir()
+    head_proc = None
+    for i, cmd in enumerate((head, worker)):
+        # each host its own Ray folder (a short path: Ray's unix sockets live there)
+        folders.append(Path(tempfile.mkdtemp(prefix=f"mrl-ray{i}-")))
+        cmd += ["--num-cpus=1", "--disable-usage-stats", "--block", f"--temp-dir={folders[-1]}"]
+        log = logs / f"ray{i}.log"
+        started = hosts.popen(
+            i, cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=node_env(i, **RAY_ENV), cwd="/"
+        )
+        head_proc = head_proc or started
+        deadline = time.time() + 180
+        while "Ray runtime started" not in log.read_text():
+            assert time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+    return head_proc
+
+
+def ray_job(hosts: TwoHosts, head: subprocess.Popen, tmp_path: Path) -> str:
+    driver = [sys.executable, str(REPO / "launch" / "ray_launch.py"), "c.yaml", "--address", "10.77.0.1:6379"]
+    driver += ["--accelerator", "CPU", "--cpus-per-rank", "1", "--nnodes", "2", "--nproc-per-node", "1"]
+    driver += ["--entry", "tests.workers.ray_entry:run", "trainer.run_dir=run"]
+    env = node_env(0, **RAY_ENV)
+    got = hosts.join(
+        0, head, driver, str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    out = got.communicate(timeout=300)[0]
+    assert got.returncode == 0, out[-4000:]
+    return out
