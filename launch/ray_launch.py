@@ -106,14 +106,20 @@ def resolve_paths(cfg, base: str) -> list[str]:
 
 
 def rank_failure(error: BaseException, rank: int) -> str:
-    """The launcher's last line for a rank that raised: the exception's last line and where it was raised."""
+    """The launcher's last line for a rank that raised: the exception's last line and where it was raised. Made
+    in the rank (RankWorker.run), where the traceback is; the driver gets the exception without it."""
     import traceback
 
-    cause = getattr(error, "cause", None) or error  # Ray wraps the rank's exception (RayTaskError.cause)
-    frames = traceback.extract_tb(cause.__traceback__)
+    frames = traceback.extract_tb(error.__traceback__)
     where = f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
-    text = traceback.format_exception_only(type(cause), cause)[-1].strip()
+    text = traceback.format_exception_only(type(error), error)[-1].strip()
     return f"mcore-rl: error: rank {rank} failed: {text}{where}"
+
+
+def failure_line(error: BaseException, rank: int) -> str:
+    """The driver's last line for a failed rank: the line its rank made, when Ray kept it (RayTaskError.cause)."""
+    cause = getattr(error, "cause", None) or error
+    return getattr(cause, "launcher_line", None) or f"mcore-rl: error: rank {rank} failed: {cause}"
 
 
 def resolve_entry(entry: str):
@@ -154,6 +160,9 @@ class RankWorker:
             return resolve_entry(entry)(cfg)
         except StopRequested as e:  # stopped as asked (RUN_DIR/STOP, written by the driver on SIGTERM)
             return f"stopped: {e}"
+        except Exception as e:  # travels to the driver with the exception (its __dict__ is pickled)
+            e.launcher_line = rank_failure(e, int(env.get("RANK", "0")))
+            raise
 
 
 def parse_args(argv: Optional[Sequence[str]] = None):
@@ -251,7 +260,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 result = ray.get(done[0])  # raises the rank's exception; the finally below stops the other ranks
             except Exception as e:  # one rank failed: the rest would hang in collectives
                 print(f"ray_launch: a rank failed:\n{e}", file=sys.stderr)
-                print(rank_failure(e, rank_of[done[0]]), file=sys.stderr, flush=True)  # the last line: its cause
+                print(failure_line(e, rank_of[done[0]]), file=sys.stderr, flush=True)  # the last line: its cause
                 return 1
             if isinstance(result, str) and result.startswith("stopped: "):
                 print(f"ray_launch: {result[len('stopped: ') :]}", file=sys.stderr, flush=True)
