@@ -1,7 +1,8 @@
 """The multi-node launchers across two hosts: network namespaces on this machine (tests/netns_hosts.py), each with
 its own hostname, /etc/hosts, /dev/shm and process list, joined by a veth pair (10.77.0.1 / 10.77.0.2); the run
-directory on the shared disk. Node 1's hostname resolves to 127.0.1.1 (the Debian / Ubuntu default), where gloo
-bound a loopback address before the launcher named the interface. Each job: 2 nodes x 1 process, the demo preset
+directory on the shared disk. Each host's hostname resolves to 127.0.1.1 (the Debian / Ubuntu default): without
+GLOO_SOCKET_IFNAME gloo advertises that address and node 1 dies in connectFullMesh (`Connection refused,
+remote=[127.0.1.1]`; with node 0's hostname alone resolving there, too), so the launcher names the interface. Each job: 2 nodes x 1 process, the demo preset
 (configs/tiny/gspo_cpu.yaml) cut to a few small steps. Needs root (CI runs as root)."""
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def task(tmp_path_factory):
 
 @pytest.fixture
 def hosts():
-    with TwoHosts(loopback_hostname=(1,)) as made:
+    with TwoHosts(loopback_hostname=(0, 1)) as made:
         yield made
 
 
@@ -176,17 +177,17 @@ def on_host(hosts: TwoHosts, i: int, cmd: list[str], **extra) -> subprocess.Comp
 
 
 def test_the_interface_comes_from_the_route_and_a_loopback_master_is_refused(hosts, tiny_model_dir, task, tmp_path):
-    """Node 1's hostname resolves to 127.0.1.1: the interface and address come from its route to MASTER_ADDR
-    (the reference: `ip route get` from node 1), and MASTER_ADDR=node1 (a loopback address there) is refused in
-    one line before torchrun starts."""
-    probe = "from mcore_rl.platform.network import socket_interface as s; print(s('10.77.0.1'), s('node0'), sep='\\n')"
-    got = on_host(hosts, 1, [sys.executable, "-c", probe])
-    assert got.returncode == 0, got.stderr
-    route = on_host(hosts, 1, ["ip", "route", "get", "10.77.0.1"]).stdout.split()
-    expected = f"Route(interface='{route[route.index('dev') + 1]}', address='{route[route.index('src') + 1]}')"
-    assert got.stdout.splitlines() == [expected] * 2 and "veth1" in expected, (got.stdout, route)
-    got = on_host(hosts, 0, [sys.executable, "-c", probe])  # node 0's own address: its interface, not lo
-    assert got.stdout.splitlines() == ["Route(interface='veth0', address='10.77.0.1')"] * 2, got.stdout + got.stderr
+    """The hostnames resolve to 127.0.1.1: the interface and address come from the route to MASTER_ADDR (the
+    reference: `ip route get` on node 1; on node 0, MASTER_ADDR's own interface), and MASTER_ADDR=node1 (a loopback
+    address there) is refused in one line before torchrun starts."""
+    probe = "import sys; from mcore_rl.platform.network import socket_interface as s; print(s(sys.argv[1]))"
+    for i, master in ((1, "10.77.0.1"), (1, "node0"), (0, "10.77.0.1")):
+        got = on_host(hosts, i, [sys.executable, "-c", probe, master])
+        assert got.returncode == 0, got.stderr
+        route = on_host(hosts, i, ["ip", "route", "get", "10.77.0.1"]).stdout.split()
+        dev = route[route.index("dev") + 1] if i == 1 else "veth0"  # on node 0, `ip route get` says lo (local)
+        expected = f"Route(interface='{dev}', address='{route[route.index('src') + 1]}')"
+        assert got.stdout.strip() == expected and f"veth{i}" in expected, (got.stdout, route)
     cmd = ["bash", str(REPO / "launch" / "torchrun_multinode.sh"), PRESET]
     refused = on_host(hosts, 1, cmd + settings(tiny_model_dir, task, tmp_path / "run"), MASTER_ADDR="node1")
     assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
