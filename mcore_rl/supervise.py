@@ -228,18 +228,26 @@ def report_crash(exc: BaseException) -> None:
     report_to_launcher(1, f"mcore-rl: error: rank {rank} failed: {text}{where}", crash=True)
 
 
-def report_to_launcher(exit_code: int, line: str, crash: bool = False) -> None:
+def report_to_launcher(exit_code: int, line: str, crash: bool = False, over_crash: bool = False) -> None:
     """A worker's last word for the launcher (run_supervised): the first rank to report wins; a no-op
-    when not started by one."""
+    when not started by one. `crash`: an unexpected exception, often the echo of another rank's death (a reset
+    connection): a report with `over_crash` (a rank killed by a signal, mcore_rl.torchrun) replaces it."""
     path = os.environ.get(STATUS_FILE_ENV)
     if not path:
+        return
+    report = {"exit": int(exit_code), "line": line, "crash": crash, "at": time.time()}
+    if over_crash and (_read_report(Path(path)) or {}).get("crash"):
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(report, f)
+        os.replace(tmp, path)
         return
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError:  # another rank reported first (they stop for the same reason), or the launcher is gone
         return
     with os.fdopen(fd, "w") as f:
-        json.dump({"exit": int(exit_code), "line": line, "crash": crash, "at": time.time()}, f)
+        json.dump(report, f)
 
 
 def tell_launcher(exit_code: int, line: str) -> None:

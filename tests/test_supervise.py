@@ -241,3 +241,19 @@ def test_forked_workers_are_set_up_like_torchruns_command_and_end_with_its_statu
             "world": "2",
         }, seen
     assert (tmp_path / "torchrun.log").is_file() == (case == "fail")
+
+
+def test_a_rank_killed_by_a_signal_replaces_the_crash_it_caused(tmp_path, monkeypatch):
+    """A rank's unexpected exception is often the echo of another rank's death (a reset connection): the death's
+    line (mcore_rl.torchrun.report_signal_death) replaces a crash report, never a clear one; the first clear one wins."""
+    import json
+
+    from mcore_rl import supervise
+
+    for first, crash, expected in ((("reset by peer", 1), True, "killed"), (("disk full", 1), False, "disk full")):
+        status = tmp_path / f"{expected.replace(' ', '_')}.json"
+        monkeypatch.setenv(supervise.STATUS_FILE_ENV, str(status))
+        supervise.report_to_launcher(first[1], first[0], crash=crash)
+        supervise.report_to_launcher(137, "killed", over_crash=True)
+        supervise.report_to_launcher(1, "later")
+        assert json.loads(status.read_text())["line"] == expected
