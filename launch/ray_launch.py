@@ -91,6 +91,41 @@ def rank_env(
     return env
 
 
+# Every path of the config, resolved against the driver's working directory before the config is shipped: a rank
+# runs in Ray's working directory (a temp folder on another node), where a relative path names nothing.
+PATH_FIELDS = ("model.path", "data.train_path", "data.val_path", "trainer.run_dir", "rollout.rebuild_dir")
+
+
+def resolve_paths(cfg, base: str) -> list[str]:
+    """Make the config's relative paths absolute against `base` (in place); the keys changed."""
+    changed = []
+    for key in PATH_FIELDS + (() if cfg.checkpoint.resume in ("auto", "never") else ("checkpoint.resume",)):
+        section, name = key.split(".")
+        holder = getattr(cfg, section)
+        value = getattr(holder, name)
+        if value and not os.path.isabs(value):
+            setattr(holder, name, os.path.normpath(os.path.join(base, value)))
+            changed.append(key)
+    return changed
+
+
+def rank_failure(error: BaseException, rank: int) -> str:
+    """The launcher's last line for a rank that raised: the exception's last line and where it was raised. Made
+    in the rank (RankWorker.run), where the traceback is; the driver gets the exception without it."""
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    text = traceback.format_exception_only(type(error), error)[-1].strip()
+    return f"mcore-rl: error: rank {rank} failed: {text}{where}"
+
+
+def failure_line(error: BaseException, rank: int) -> str:
+    """The driver's last line for a failed rank: the line its rank made, when Ray kept it (RayTaskError.cause)."""
+    cause = getattr(error, "cause", None) or error
+    return getattr(cause, "launcher_line", None) or f"mcore-rl: error: rank {rank} failed: {cause}"
+
+
 def resolve_entry(entry: str):
     module, _, function = entry.partition(":")
     if not function:
@@ -116,14 +151,22 @@ class RankWorker:
 
         return free_port(host="")  # rank 0's node hosts the rendezvous: a port free on every interface
 
-    def run(self, env: dict, cfg, entry: str):
+    def run(self, env: dict, cfg, entry: str, nodes: int = 1):
         os.environ.update(env)  # before anything imports torch, initialises torch.distributed or the device
         from mcore_rl.safety import StopRequested
+
+        if nodes > 1:  # the collectives' interface: this node's route to MASTER_ADDR (as torchrun_multinode.sh)
+            from mcore_rl.platform.network import interface_env
+
+            os.environ.update(interface_env(env["MASTER_ADDR"], os.environ)[0])
 
         try:
             return resolve_entry(entry)(cfg)
         except StopRequested as e:  # stopped as asked (RUN_DIR/STOP, written by the driver on SIGTERM)
             return f"stopped: {e}"
+        except Exception as e:  # travels to the driver with the exception (its __dict__ is pickled)
+            e.launcher_line = rank_failure(e, int(env.get("RANK", "0")))
+            raise
 
 
 def parse_args(argv: Optional[Sequence[str]] = None):
@@ -160,6 +203,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        resolve_paths(cfg, os.getcwd())
         nnodes = args.nnodes or cfg.trainer.nnodes
         nproc = args.nproc_per_node or cfg.trainer.nproc
         cfg.trainer.nnodes, cfg.trainer.nproc = nnodes, nproc
@@ -210,18 +254,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from mcore_rl.platform.ascend_env import RunEnvironment
 
         run = RunEnvironment.of(cfg)
+        nodes = len({p.node_ip for p in placements})
         pending = [
-            w.run.remote(rank_env(p, world, master_addr, master_port, accelerator, run), cfg, args.entry)
+            w.run.remote(rank_env(p, world, master_addr, master_port, accelerator, run), cfg, args.entry, nodes)
             for p, w in by_rank
         ]
+        rank_of = {ref: p.rank for ref, (p, _) in zip(pending, by_rank)}
         stop = request_stop_on_signals(cfg.trainer.run_dir)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
-            result = ray.get(done[0])  # raises the rank's exception; the finally below stops the other ranks
+            try:
+                result = ray.get(done[0])  # raises the rank's exception; the finally below stops the other ranks
+            except Exception as e:  # one rank failed: the rest would hang in collectives
+                print(f"ray_launch: a rank failed:\n{e}", file=sys.stderr)
+                print(failure_line(e, rank_of[done[0]]), file=sys.stderr, flush=True)  # the last line: its cause
+                return 1
             if isinstance(result, str) and result.startswith("stopped: "):
                 print(f"ray_launch: {result[len('stopped: ') :]}", file=sys.stderr, flush=True)
-    except Exception as e:  # one rank failed: the rest would hang in collectives
-        print(f"ray_launch: a rank failed: {e}", file=sys.stderr)
+    except Exception as e:  # placing the ranks failed
+        print(f"ray_launch: error: {e}", file=sys.stderr)
         return 1
     finally:
         for w in workers:

@@ -8,7 +8,10 @@
 # platform's environment first (python -m mcore_rl.platform env PLATFORM CONFIG: on npu HCCL_CONNECT_TIMEOUT,
 # HCCL_EXEC_TIMEOUT, TASK_QUEUE_ENABLE, ...; docs/devices.md), NNODES (default 1), NODE_RANK (0), MASTER_ADDR (127.0.0.1), MASTER_PORT (29500),
 # NPROC_PER_NODE (8), PYTHON (python), MODEL_CONFIG (optional config.json for the pre-flight check when
-# model.path is not readable on this node), DRY_RUN=1 (print the torchrun command instead of running it).
+# model.path is not readable on this node), DRY_RUN=1 (print the launch command instead of running it),
+# GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME / HCCL_SOCKET_IFNAME / HCCL_IF_IP (default: the interface and address
+# of this node's route to MASTER_ADDR), MCORE_RL_NODE_TIMEOUT_S (15: a node silent this long is lost).
+# RUN_DIR (trainer.run_dir) must be one shared directory that every node sees (checked at start).
 # Every node first checks the config and the parallel layout for NNODES x NPROC_PER_NODE processes, so an
 # impossible layout fails in seconds on every node instead of after the model has loaded.
 set -euo pipefail
@@ -46,15 +49,16 @@ if [[ -n "${MODEL_CONFIG:-}" ]]; then CHECK+=(--model-config "$MODEL_CONFIG"); f
 if [[ "${DRY_RUN:-0}" != "1" ]]; then CHECK+=(--node); fi
 "${CHECK[@]}"
 
-CMD=("$PYTHON" -m torch.distributed.run
-     --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE"
-     --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"
-     -m mcore_rl.cli train "$CONFIG" "${OVERRIDES[@]}")
+CMD=("$PYTHON" -m mcore_rl.multinode
+     --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC_PER_NODE"
+     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
+     "$CONFIG" "${OVERRIDES[@]}")
 if [[ "${DRY_RUN:-0}" == "1" ]]; then
   if [[ -n "${PLATFORM_ENV:-}" ]]; then echo "$PLATFORM_ENV"; fi
   printf '%q ' "${CMD[@]}"; echo
   exit 0
 fi
-# Supervised: SIGTERM / SIGINT to this script's process reach every worker (they stop after the current
-# step), and processes the workers leave behind are stopped when torchrun exits (mcore_rl/supervise.py).
-exec "$PYTHON" -m mcore_rl.supervise "${CMD[@]}"
+# The same supervised torchrun as `mcore-rl train` (mcore_rl/multinode.py): SIGTERM / SIGINT reach every worker,
+# nothing is left running, the collectives' interface comes from the route to MASTER_ADDR, and the last line is
+# the reason a run failed: a rank's exception, or the node that went away (heartbeats in RUN_DIR/nodes).
+exec "${CMD[@]}"

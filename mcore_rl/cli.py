@@ -240,7 +240,7 @@ def cmd_train(args) -> int:
     check_paths(cfg)
     if inside_torchrun():
         from mcore_rl.safety import StopRequested, TrainingHalted
-        from mcore_rl.supervise import die_with_launcher, tell_launcher
+        from mcore_rl.supervise import die_with_launcher, report_crash, tell_launcher
         from mcore_rl.trainer import run
 
         watch = die_with_launcher()  # a kill -9 of `mcore-rl train` (or of torchrun) ends this worker too
@@ -253,6 +253,9 @@ def cmd_train(args) -> int:
             code = 0 if stopped else EXIT_BAD_INPUT if isinstance(e, ConfigError) else 1
             tell_launcher(128 + e.signum if stopped and e.signum else code, line)  # printed once, last
             return code
+        except Exception as e:  # a crash: its traceback stays above; the launcher's last line names it
+            report_crash(e)
+            raise
         finally:
             watch.release()
         return 0

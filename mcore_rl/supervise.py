@@ -29,12 +29,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 LAUNCHER_PID_ENV = "MCORE_RL_LAUNCHER_PID"  # the supervising process's pid, for the workers' reapers
+STATUS_DIR_PREFIX = "mcore-rl-status-"  # + the launcher's pid
 STATUS_FILE_ENV = "MCORE_RL_STATUS_FILE"  # where a worker leaves its stop / error line for the launcher
 REAPER_POLL_S = 0.1  # how soon a reaper sees its worker or the launcher gone
 
@@ -181,22 +183,71 @@ def reap_when_gone(worker: int, launcher: int, interval_s: float = REAPER_POLL_S
         if ready and os.read(sys.stdin.fileno(), 16).startswith(b"done"):
             return
         worker_gone = bool(ready) or os.getppid() != worker  # EOF without "done": the worker is dead
-        if worker_gone or (launcher_start is not None and _process_start(launcher) != launcher_start):
+        # a launcher gone before this reaper looked (launcher_start None) is gone too
+        launcher_gone = launcher > 0 and (launcher_start is None or _process_start(launcher) != launcher_start)
+        if launcher_gone:
+            remove_status_dir()
+        if worker_gone or launcher_gone:
             os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
-def report_to_launcher(exit_code: int, line: str) -> None:
+def remove_orphaned_status_dirs() -> None:
+    """Status folders of launchers that died without removing theirs (kill -9): the pid in the name is gone."""
+    import psutil
+
+    for folder in Path(tempfile.gettempdir()).glob(f"{_status_dir_prefix()}*-*"):
+        pid = folder.name[len(_status_dir_prefix()) :].split("-")[0]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _status_dir_prefix() -> str:
+    """mcore-rl-status-<pid namespace>-: pids name processes of this pid namespace only (containers share /tmp)."""
+    try:
+        space = os.readlink("/proc/self/ns/pid").split("[")[-1].rstrip("]")
+    except OSError:
+        space = "0"
+    return f"{STATUS_DIR_PREFIX}{space}-"
+
+
+def remove_status_dir() -> None:
+    """The launcher is gone (kill -9): its status folder goes with the job (called by the workers' reapers)."""
+    path = os.environ.get(STATUS_FILE_ENV, "")
+    if Path(path).parent.name.startswith(STATUS_DIR_PREFIX):
+        shutil.rmtree(Path(path).parent, ignore_errors=True)
+
+
+def report_crash(exc: BaseException) -> None:
+    """A worker's unexpected exception for the launcher's last line: its last line and where it was raised."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    text = (traceback.format_exception_only(type(exc), exc) or [type(exc).__name__])[-1].strip()
+    rank = os.environ.get("RANK", "?")
+    report_to_launcher(1, f"mcore-rl: error: rank {rank} failed: {text}{where}", crash=True)
+
+
+def report_to_launcher(exit_code: int, line: str, crash: bool = False, over_crash: bool = False) -> None:
     """A worker's last word for the launcher (run_supervised): the first rank to report wins; a no-op
-    when not started by one."""
+    when not started by one. `crash`: an unexpected exception, often the echo of another rank's death (a reset
+    connection): a report with `over_crash` (a rank killed by a signal, mcore_rl.torchrun) replaces it."""
     path = os.environ.get(STATUS_FILE_ENV)
     if not path:
+        return
+    report = {"exit": int(exit_code), "line": line, "crash": crash, "at": time.time()}
+    if over_crash and (_read_report(Path(path)) or {}).get("crash"):
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(report, f)
+        os.replace(tmp, path)
         return
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError:  # another rank reported first (they stop for the same reason), or the launcher is gone
         return
     with os.fdopen(fd, "w") as f:
-        json.dump({"exit": int(exit_code), "line": line}, f)
+        json.dump(report, f)
 
 
 def tell_launcher(exit_code: int, line: str) -> None:
@@ -260,14 +311,21 @@ def signal_workers(launcher_pid: int, signum: int) -> bool:
 
 
 def run_supervised(
-    cmd: Sequence[str], env: Optional[dict] = None, grace_s: float = 30.0, target: Optional[Callable[[], int]] = None
+    cmd: Sequence[str],
+    env: Optional[dict] = None,
+    grace_s: float = 30.0,
+    target: Optional[Callable[[], int]] = None,
+    on_start: Optional[Callable[[int], None]] = None,
+    explain: Optional[Callable[[Optional[dict], int], Optional[str]]] = None,
 ) -> int:
     """Run cmd to its end, passing SIGTERM/SIGINT on; then clean up what it left. Its exit status;
     128 + the signal's number when it died of one or was stopped by one passed on from here. With `target`
     (what cmd would run, importable in this process) the child is a fork of this process running it
-    (ForkedChild) instead of a new interpreter."""
+    (ForkedChild) instead of a new interpreter. `on_start(pid)` gets the child's pid; `explain(report, status)`
+    may replace the workers' line printed last (mcore_rl.multinode: a lost node)."""
     become_subreaper()
-    status_dir = Path(tempfile.mkdtemp(prefix="mcore-rl-status-"))
+    remove_orphaned_status_dirs()
+    status_dir = Path(tempfile.mkdtemp(prefix=f"{_status_dir_prefix()}{os.getpid()}-"))
     env = dict(os.environ if env is None else env)
     env[LAUNCHER_PID_ENV] = str(os.getpid())
     env[STATUS_FILE_ENV] = str(status_dir / "status.json")
@@ -277,6 +335,8 @@ def run_supervised(
     else:
         proc = subprocess.Popen(list(cmd), env=env, start_new_session=True, preexec_fn=_killed_with_parent(os.getpid()))
 
+    if on_start is not None:
+        on_start(proc.pid)
     received = []
     # Imported before the handlers are set: a second signal arriving while the first one's handler imported it
     # would find it half-initialized (Ctrl-C twice, quickly).
@@ -304,8 +364,11 @@ def run_supervised(
             print(f"mcore-rl: stopped {len(leftovers)} process(es) left behind by the run", file=sys.stderr)
         report = _read_report(status_dir / "status.json")
         shutil.rmtree(status_dir, ignore_errors=True)
-    if report is not None:  # the workers' reason, last: below torchrun's output and the leftovers line
-        print(report["line"], file=sys.stderr, flush=True)
+    line = report and report["line"]
+    if explain is not None:
+        line = explain(report, 128 - code if code < 0 else code)
+    if line:  # the workers' reason, last: below torchrun's output and the leftovers line
+        print(line, file=sys.stderr, flush=True)
     if received:  # stopped on request: say so in the status, like a process that a signal ended
         return 128 + received[0]
     code = 128 - code if code < 0 else code

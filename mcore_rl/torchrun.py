@@ -84,6 +84,7 @@ def report_signal_death(error, report: Path) -> None:
         f"out-of-memory killer (see dmesg), another process, or code running inside it (with reward.timeout_s = 0 "
         f"the reward function runs in the rank's own process: set reward.timeout_s > 0 to give it a worker); "
         f"torchrun's report: {report}; continue with checkpoint.resume=auto",
+        over_crash=True,  # the other ranks' errors (a reset connection) follow from this death
     )
 
 

@@ -2,8 +2,12 @@
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from tests.torchrun_util import REPO
 
@@ -48,13 +52,12 @@ def test_multinode_script_builds_torchrun_command():
     assert "OK:" in proc.stdout and "tp4 pp4 cp1 dp2 | ep8" in proc.stdout
     cmd = proc.stdout.strip().splitlines()[-1]
     for part in (
-        "-m torch.distributed.run",
+        "-m mcore_rl.multinode",  # the supervised torchrun of `mcore-rl train`, per node
         "--nnodes 4",
-        "--node_rank 2",
-        "--nproc_per_node 8",
-        "--master_addr 10.0.0.1",
-        "--master_port 29511",
-        "-m mcore_rl.cli train",
+        "--node-rank 2",
+        "--nproc-per-node 8",
+        "--master-addr 10.0.0.1",
+        "--master-port 29511",
         "algo.loss=sapo",
         "trainer.nnodes=4",
         "trainer.nproc=8",
@@ -81,8 +84,7 @@ def test_multinode_script_rejects_layout_on_every_node_before_torchrun():
     )
     assert proc.returncode == 2
     assert (
-        "ep*etp = 8*1 = 8 must divide tp*cp*dp = 4*1*1 = 4" in proc.stderr
-        and "torch.distributed.run" not in proc.stdout
+        "ep*etp = 8*1 = 8 must divide tp*cp*dp = 4*1*1 = 4" in proc.stderr and "mcore_rl.multinode" not in proc.stdout
     )
     proc = run_script(PRESETS / "npu32_tp4_pp4_ep8.yaml", NNODES=4, NODE_RANK=4)
     assert proc.returncode == 2 and "NODE_RANK=4 must lie in [0, NNODES=4)" in proc.stderr
@@ -199,3 +201,80 @@ def test_ray_rank_worker_sets_its_environment_before_torch():
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["True", "False", "False", "3,5"], proc.stdout
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    from mcore_rl.data.task import make_task_dataset
+
+    train, val = make_task_dataset(tmp_path_factory.mktemp("task"), train_size=64, val_size=8, seed=0)
+    return str(train), str(val)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["mcore-rl train", "torchrun_multinode.sh"])
+def test_a_workers_exception_is_the_last_console_line(launcher, tiny_model_dir, task, tmp_path):
+    """A rank that raises (a loss that fails on purpose, which the pre-flight cannot know): the last line on the
+    console is its exception and where it was raised, not only "a worker failed" (torchrun's table: the log)."""
+    from mcore_rl.platform import free_port
+    from tests import failing_loss
+
+    args = [
+        f"model.path={tiny_model_dir}",
+        f"data.train_path={task[0]}",
+        f"data.val_path={task[1]}",
+        f"trainer.run_dir={tmp_path / 'run'}",
+        "trainer.val_every=0",
+        "data.prompts_per_step=4",
+        "rollout.n=4",
+        "actor.parallel.micro_batch_size=4",
+        "algo.loss=tests.failing_loss:FailsOnPurpose",
+        "algo.agg_mode=token-mean",
+    ]
+    preset = str(REPO / "configs/tiny/gspo_cpu.yaml")
+    env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    if launcher == "mcore-rl train":
+        cmd = [sys.executable, "-m", "mcore_rl.cli", "train", preset, *args]
+    else:
+        cmd = ["bash", str(SCRIPT), preset, *args]
+        env.update(NNODES="1", NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
+    proc = subprocess.run(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO, timeout=300
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    raised_at = next(
+        i
+        for i, line in enumerate(Path(failing_loss.__file__).read_text().splitlines(), 1)
+        if line.strip().startswith("raise ")
+    )
+    assert proc.returncode == 1, proc.stdout[-4000:]
+    assert re.fullmatch(
+        rf"mcore-rl: error: rank [01] failed: ValueError: {failing_loss.MESSAGE} \(failing_loss.py:{raised_at}\)",
+        lines[-1],
+    ), lines[-6:]
+    assert "a worker failed; torchrun's report" in proc.stdout  # the table is in the log it names
+
+
+def test_ray_launch_resolves_the_configs_paths_before_shipping(tmp_path, monkeypatch):
+    """A Ray rank runs in Ray's working directory (another node's temp folder): every relative path of the config
+    is made absolute against the driver's directory first (the reference: os.path.abspath there)."""
+    from mcore_rl.config import load_config
+
+    rl = load_ray_launch()
+    keys = {
+        "model.path": "artifacts/tiny",
+        "data.train_path": "artifacts/task/train.parquet",
+        "data.val_path": "../val.parquet",
+        "trainer.run_dir": "runs/x",
+        "rollout.rebuild_dir": "scratch",
+        "checkpoint.resume": "runs/old",
+    }
+    cfg = load_config(REPO / "configs/tiny/gspo_cpu.yaml", [f"{k}={v}" for k, v in keys.items()])
+    monkeypatch.chdir(tmp_path)
+    assert sorted(rl.resolve_paths(cfg, os.getcwd())) == sorted(keys)
+    for key, value in keys.items():
+        section, name = key.split(".")
+        assert getattr(getattr(cfg, section), name) == os.path.abspath(value), key
+    assert rl.resolve_paths(cfg, "/elsewhere") == []  # absolute paths stay
+    kept = load_config(None, ["checkpoint.resume=auto", "data.train_path=/abs/train.parquet"])
+    assert rl.resolve_paths(kept, "/base") == ["trainer.run_dir"] and kept.checkpoint.resume == "auto"

@@ -34,7 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("actor", ("megatron",)),
     ("one step", ("step_data", "dynamic_sampling", "colocation")),
     ("loop", ("trainer", "plot")),
-    ("entry points", ("cli", "convert", "from_verl", "torchrun")),
+    ("entry points", ("cli", "convert", "from_verl", "torchrun", "multinode")),
 ]
 
 

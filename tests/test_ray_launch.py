@@ -17,6 +17,7 @@ from tests.torchrun_util import REPO  # noqa: E402
 from tests.workers.harness import read_results  # noqa: E402
 
 pytestmark = pytest.mark.slow
+ENTRY = REPO / "tests" / "workers" / "ray_entry.py"
 
 
 def launch(tmp_path, tiny_model_dir, entry, *overrides):
@@ -58,3 +59,7 @@ def test_ray_launch_stops_all_ranks_when_one_fails(tmp_path, tiny_model_dir):
     proc = launch(tmp_path, tiny_model_dir, "tests.workers.ray_entry:fail_on_rank1")
     assert proc.returncode == 1 and "rank 1 failed on purpose" in proc.stderr
     assert time.time() - start < 200
+    # the last line: the rank's exception and where it was raised (Ray's wrapped traceback stays above it)
+    raised_at = next(i for i, line in enumerate(ENTRY.read_text().splitlines(), 1) if "raise RuntimeError" in line)
+    last = [line for line in proc.stderr.splitlines() if line.strip()][-1]
+    assert last == f"mcore-rl: error: rank 1 failed: RuntimeError: rank 1 failed on purpose (ray_entry.py:{raised_at})"

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -62,6 +63,7 @@ out, i = sys.argv[1], sys.argv[2]
 watch = die_with_launcher()
 helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 open(os.path.join(out, f"helper{i}"), "w").write(str(helper.pid))
+open(os.path.join(out, "status"), "w").write(os.environ["MCORE_RL_STATUS_FILE"])
 open(os.path.join(out, f"ready{i}"), "w").write(str(os.getpid()))
 while True:
     time.sleep(0.05)
@@ -81,11 +83,14 @@ def test_kill_9_of_the_launcher_takes_torchrun_the_workers_and_their_helpers(tmp
     pids = {p.pid for p in started}
     helpers = [int((tmp_path / f"helper{i}").read_text()) for i in range(2)]
     assert set(helpers) <= pids and len(started) >= 7  # torchrun, 2 workers, 2 reapers, 2 helpers
+    status_dir = Path((tmp_path / "status").read_text()).parent
+    assert status_dir.is_dir() and status_dir.name.startswith("mcore-rl-status-")
     sup.send_signal(signal.SIGKILL)
     sup.wait()
     try:
         _, alive = psutil.wait_procs(started, timeout=10)
         assert not alive, [(p.pid, p.cmdline()[:3]) for p in alive]
+        assert not status_dir.exists()  # the launcher's status folder went with the job (the workers' reapers)
     finally:
         for proc in started:
             try:
@@ -236,3 +241,19 @@ def test_forked_workers_are_set_up_like_torchruns_command_and_end_with_its_statu
             "world": "2",
         }, seen
     assert (tmp_path / "torchrun.log").is_file() == (case == "fail")
+
+
+def test_a_rank_killed_by_a_signal_replaces_the_crash_it_caused(tmp_path, monkeypatch):
+    """A rank's unexpected exception is often the echo of another rank's death (a reset connection): the death's
+    line (mcore_rl.torchrun.report_signal_death) replaces a crash report, never a clear one; the first clear one wins."""
+    import json
+
+    from mcore_rl import supervise
+
+    for first, crash, expected in ((("reset by peer", 1), True, "killed"), (("disk full", 1), False, "disk full")):
+        status = tmp_path / f"{expected.replace(' ', '_')}.json"
+        monkeypatch.setenv(supervise.STATUS_FILE_ENV, str(status))
+        supervise.report_to_launcher(first[1], first[0], crash=crash)
+        supervise.report_to_launcher(137, "killed", over_crash=True)
+        supervise.report_to_launcher(1, "later")
+        assert json.loads(status.read_text())["line"] == expected

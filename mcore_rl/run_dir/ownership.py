@@ -273,4 +273,41 @@ def claim_run_dir_collective(cfg, resume: Optional[Checkpoint], log=None) -> Opt
     error = collectives.from_rank0(error)
     if error:
         raise ConfigError(error)
+    error = collectives.first_given(_not_shared(cfg.trainer.run_dir, collectives.from_rank0(_shared_token(cfg, rank))))
+    if error:
+        raise ConfigError(error)
     return lock
+
+
+SHARED_TOKEN = "nodes/shared-token"  # rank 0's token: every node's first rank must read it (one run directory)
+
+
+def _shared_token(cfg, rank: int) -> Optional[str]:
+    if rank != 0 or cfg.trainer.nnodes <= 1:
+        return None
+    import uuid
+
+    path = Path(cfg.trainer.run_dir) / SHARED_TOKEN
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = uuid.uuid4().hex
+    path.write_text(token)
+    return token
+
+
+def _not_shared(run_dir: str, token: Optional[str]) -> Optional[str]:
+    """On each node's first rank: why this node does not see rank 0's run directory, or None."""
+    import socket
+
+    if token is None or os.environ.get("LOCAL_RANK", "0") != "0":
+        return None
+    try:
+        seen = (Path(run_dir) / SHARED_TOKEN).read_text()
+    except OSError:
+        seen = None
+    if seen == token:
+        return None
+    return (
+        f"trainer.run_dir = {run_dir} is not the same directory on every node: {socket.gethostname()} does not see "
+        f"the token rank 0 wrote into {Path(run_dir) / SHARED_TOKEN}. Every node writes its shards of each "
+        f"checkpoint there: give the run a directory on a filesystem all nodes share (NFS, Lustre, ...)"
+    )
