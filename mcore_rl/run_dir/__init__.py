@@ -6,8 +6,20 @@ write failed; `ownership` keeps one run per run directory (its lock, another run
 pre-flight check of the directory. The names below are the package's interface.
 """
 
-from mcore_rl.run_dir.checkpoints import CheckpointManager, resolve_resume, resolve_verified_resume
-from mcore_rl.run_dir.checksums import TRUST_FLAG, file_crc32, file_owner, unverifiable, verify_checkpoint
+from mcore_rl.run_dir.checkpoints import (
+    CheckpointManager,
+    resolve_resume,
+    resolve_resume_checked,
+    resolve_verified_resume,
+)
+from mcore_rl.run_dir.checksums import (
+    TRUST_FLAG,
+    file_crc32,
+    file_owner,
+    file_problem,
+    unverifiable,
+    verify_checkpoint,
+)
 from mcore_rl.run_dir.errors import CheckpointWriteError, OutputWriteError, write_failure
 from mcore_rl.run_dir.layout import (
     ABANDONED,
@@ -50,10 +62,12 @@ __all__ = [
     "claim_run_dir_collective",
     "file_crc32",
     "file_owner",
+    "file_problem",
     "is_complete",
     "move_old_run",
     "ownership_problem",
     "resolve_resume",
+    "resolve_resume_checked",
     "resolve_verified_resume",
     "unverifiable",
     "verify_checkpoint",
