@@ -1,7 +1,8 @@
 """What a resumed run may change against the config its checkpoint was written with.
 
 Each checkpoint carries the resolved config of the run that wrote it (`config.yaml` in the checkpoint
-folder; older ones: the run directory's). Resuming compares it with the new config, key by key, and
+folder, checksummed with it and checked before it is parsed; older ones: the run directory's). Resuming
+compares it with the new config, key by key, and
 every difference falls into one class (RULES, first matching prefix wins):
 
   applied, and listed in the log:
