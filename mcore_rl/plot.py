@@ -28,6 +28,8 @@ GROUPS: tuple[tuple[str, str], ...] = (
     ("grad norm", r"grad_norm"),
     ("train / rollout mismatch", r"mismatch|is_weight"),
     ("seconds per phase", r"^time/"),  # metrics.PhaseTimer: time/rollout, time/update, time/sync, ...
+    ("prompt groups", r"^groups/"),  # all correct / all wrong: the groups without signal
+    ("engine vs actor log-prob gap", r"^sync/(verify|calibration)_\w*diff$"),  # nats, rollout/weight_sync.py
 )
 SKIP = {"step", "time"}
 
@@ -63,11 +65,11 @@ def group_metrics(keys) -> dict[str, list[str]]:
 def informative(
     series: dict[str, tuple[list[int], list[float]]],
 ) -> tuple[dict[str, tuple[list[int], list[float]]], dict[str, float]]:
-    """(the metrics the overview draws, the constant ones with their value). A metric with one value at every step
-    of the run (KL without a reference, clip fractions of 0, a constant lr, update_successful) draws a flat line
-    that says no more than its value, so it is named under the panels instead; its own PNG is written all the same.
-    A run of one step, or one where nothing changes, shows everything."""
-    constant = {key: ys[0] for key, (xs, ys) in series.items() if len(set(xs)) > 1 and len(set(ys)) == 1}
+    """(the metrics the overview draws, the constant ones with their value). A metric with one value all run (KL
+    without a reference, clip fractions of 0, a constant lr, update_successful; or one logged once, like the first
+    sync's calibration) draws a flat line or a dot that says no more than its value, so it is named under the
+    panels instead; its own PNG is written all the same. A run where nothing changes (one step) shows everything."""
+    constant = {key: ys[0] for key, (xs, ys) in series.items() if len(set(ys)) == 1}
     if len(constant) == len(series):
         return series, {}
     return {key: s for key, s in series.items() if key not in constant}, constant

@@ -335,7 +335,9 @@ def test_overview_draws_only_the_metrics_that_change(tmp_path):
     constant = {"train/kl_ref": 0.0, "train/clipfrac_upper": 0.0, "train/lr": 1e-3, "train/update_successful": 1.0}
     with MetricsLogger(tmp_path, cfg_for(tmp_path, "trainer.tensorboard=false"), rank=0, progress=False) as m:
         for step in range(1, 7):
-            m.log(step, {**{k: f(step) for k, f in changing.items()}, **constant})
+            once = {"sync/calibration_max_diff": 2e-7} if step == 1 else {}  # logged at the first sync only
+            m.log(step, {**{k: f(step) for k, f in changing.items()}, **constant, **once})
+    constant["sync/calibration_max_diff"] = 2e-7
     series = numeric_series(read_metrics(tmp_path))
     fig = overview_figure(series, "run")
     panels = sorted(ax.get_title() for ax in fig.axes if ax.axison)
