@@ -10,7 +10,7 @@ The actor's dist checkpoint is read by Megatron and torch: torch.distributed.che
 with a plain `pickle.load` (FileSystemReader.read_metadata, torch 2.13), and megatron-core 0.12.1 reads
 `actor/common.pt` with `torch.load(weights_only=False)` (0.16.1: weights_only=True with its own allowed classes).
 `check_pickles` reads both first, the metadata with an unpickler that builds only torch.distributed.checkpoint's
-classes, dtypes and sizes, and common.pt with weights_only=True: a file that needs anything else is refused before
+and Megatron's plain metadata classes, dtypes and sizes, and common.pt with weights_only=True: a file that needs anything else is refused before
 Megatron opens it. torch and numpy are imported in the functions: the pre-flight imports this package without them.
 """
 
@@ -66,23 +66,48 @@ def _refused(path: Path, why: str, whose: str = _OLD_STATE) -> ConfigError:
     )
 
 
+class _StandIn:
+    """What the check builds for a class it knows by name without importing its module (Megatron's)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def __setstate__(self, state) -> None:
+        pass
+
+
+def _plain_class(found) -> bool:
+    """A class whose construction from a pickle runs none of its own code but field assignments: a dataclass, an
+    enum, or one with object's __init__."""
+    import dataclasses
+    import enum
+
+    if not isinstance(found, type):
+        return False
+    return dataclasses.is_dataclass(found) or issubclass(found, enum.Enum) or found.__init__ is object.__init__
+
+
 def _metadata_unpickler(file):
-    """An unpickler that builds only what torch.distributed.checkpoint's metadata holds: its own classes (metadata,
-    planner, storage info), torch.Size, dtypes, layouts and memory formats."""
+    """An unpickler that builds only what torch.distributed.checkpoint's metadata holds: the plain classes of its
+    metadata, planner and filesystem modules, Megatron's save plan (megatron-core 0.12.1 writes MCoreSavePlan, a
+    dataclass; 0.16.1 keeps a stand-in of it), torch.Size, dtypes, layouts and memory formats."""
     import pickle
 
     import torch
 
-    dcp = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
+    dcp = {f"torch.distributed.checkpoint.{m}" for m in ("metadata", "planner", "filesystem")}
     plain = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
-    plain |= {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("pathlib", "PosixPath")}
+    plain |= {("pathlib", "PosixPath")}
+    megatron = {("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan")}
 
     class MetadataOnly(pickle.Unpickler):
         def find_class(self, module: str, name: str):
+            if (module, name) in megatron:
+                return _StandIn  # not imported here: the pre-flight runs without Megatron
             if (module, name) in plain:
                 return super().find_class(module, name)
             found = super().find_class(module, name) if module in dcp else getattr(torch, name, None)
-            if module in dcp and isinstance(found, type):
+            if module in dcp and _plain_class(found):
                 return found
             if module == "torch" and isinstance(found, (torch.dtype, torch.layout, torch.memory_format)):
                 return found
