@@ -58,6 +58,13 @@ _OLD_STATE = "a checkpoint written before trainer states became plain tensors do
 _NOT_WRITTEN_HERE = "neither Megatron, torch nor this project writes such a file: it was altered"
 
 
+def _unsupported(error: Exception) -> str:
+    """The line of torch's weights_only error that names the global (the rest is advice for torch.load's caller)."""
+    lines = [line.strip() for line in str(error).splitlines()]
+    found = next((line for line in lines if line.startswith("WeightsUnpickler error:")), lines[0] if lines else "")
+    return found.removeprefix("WeightsUnpickler error: ").split(" was not an allowed global")[0]
+
+
 def _refused(path: Path, why: str, whose: str = _OLD_STATE) -> ConfigError:
     return ConfigError(
         f"{path} holds Python objects that only a full unpickling reads ({why}), and unpickling runs any code the "
@@ -127,7 +134,7 @@ def read_state(path: Path, trust_pickle: bool, log=None) -> dict[str, Any]:
         return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as e:
         if not trust_pickle:
-            raise _refused(path, str(e).strip().splitlines()[0]) from None
+            raise _refused(path, _unsupported(e)) from None
     if log is not None:
         log.warning("%s read by a full unpickling, which can run code from the file (%s)", path, TRUST_PICKLE)
     return torch.load(path, weights_only=False)
@@ -150,7 +157,7 @@ def check_pickles(checkpoint: Path, trust_pickle: bool) -> None:
         try:
             torch.load(path, weights_only=True)
         except pickle.UnpicklingError as e:
-            raise _refused(path, str(e).strip().splitlines()[0], whose) from None
+            raise _refused(path, _unsupported(e), whose) from None
         except Exception:
             continue
     metadata = checkpoint / "actor" / ".metadata"
