@@ -17,6 +17,7 @@ Megatron opens it. torch and numpy are imported in the functions: the pre-flight
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +124,20 @@ def _metadata_unpickler(file):
     return MetadataOnly(file)
 
 
+@contextmanager
+def _torch_defaults_only():
+    """weights_only loads with torch's own allowed globals: megatron-core 0.16.1 adds numpy's and its own to the
+    process's list when imported, so the ranks would read what the pre-flight (no Megatron) refuses."""
+    import torch.serialization
+
+    added = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    try:
+        yield
+    finally:
+        torch.serialization.add_safe_globals(added)
+
+
 def read_state(path: Path, trust_pickle: bool, log=None) -> dict[str, Any]:
     """The trainer state at `path`, read with weights_only=True; a file that needs a full unpickling (an older
     checkpoint's) only with trust_pickle (a warning on `log`), else a ConfigError naming the key."""
@@ -131,7 +146,8 @@ def read_state(path: Path, trust_pickle: bool, log=None) -> dict[str, Any]:
     import torch
 
     try:
-        return torch.load(path, weights_only=True)
+        with _torch_defaults_only():
+            return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as e:
         if not trust_pickle:
             raise _refused(path, _unsupported(e)) from None
@@ -155,7 +171,8 @@ def check_pickles(checkpoint: Path, trust_pickle: bool) -> None:
     weights_only = [(p, _OLD_STATE) for p in sorted(checkpoint.glob("trainer_state_rank*.pt"))]
     for path, whose in [*weights_only, (checkpoint / "actor" / "common.pt", _NOT_WRITTEN_HERE)]:
         try:
-            torch.load(path, weights_only=True)
+            with _torch_defaults_only():
+                torch.load(path, weights_only=True)
         except pickle.UnpicklingError as e:
             raise _refused(path, _unsupported(e), whose) from None
         except Exception:
