@@ -222,13 +222,15 @@ def check_inputs(cfg: Config) -> PromptInputs:
 
 def check_resume(cfg: Config) -> None:
     """A resume whose config changes what the checkpoint cannot follow (world size, data, seed, model)
-    fails here, before any process starts (mcore_rl.preflight.resume_changes; the trainer logs the applied ones)."""
-    from mcore_rl.preflight.resume_changes import check_resume_changes
-    from mcore_rl.run_dir import resolve_resume
+    fails here, before any process starts (mcore_rl.preflight.resume_changes; the trainer logs the applied ones).
+    resume=auto compares with the checkpoint the ranks will take: one whose saved config is damaged is skipped."""
+    from mcore_rl.preflight.resume_changes import CONFIG_FILE, check_resume_changes
+    from mcore_rl.run_dir import check_pickles, resolve_resume_checked
 
-    resume = resolve_resume(cfg)
+    resume = resolve_resume_checked(cfg, files=(CONFIG_FILE,))
     if resume is not None:
         check_resume_changes(cfg, resume.path)
+        check_pickles(resume.path, cfg.checkpoint.trust_pickle)  # nothing in it can run code when unpickled
 
 
 def cmd_train(args) -> int:

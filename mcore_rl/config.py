@@ -166,6 +166,9 @@ class CheckpointConfig:
     move_old_run: bool = False  # a fresh start in a run_dir holding another run: move that run to previous_runs/
     # resume from a checkpoint without CHECKSUMS.json (written by hand or by another tool): loaded unverified
     trust_unverified: bool = False
+    # resume from a checkpoint whose trainer state only a full unpickling reads (written before the plain-tensor
+    # form): unpickling runs any code the file holds, so only for checkpoints from a trusted source (a warning)
+    trust_pickle: bool = False
 
 
 @dataclass

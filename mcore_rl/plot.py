@@ -1,7 +1,8 @@
 """PNG curves from a run's metrics.jsonl (matplotlib Agg: no display needed).
 
-`plot_run(run_dir)` writes RUN_DIR/plots/overview.png (one panel per metric group that exists in the run)
-and one PNG per numeric metric; it returns the paths written. `part=(i, n)`: this call writes the i-th of n
+`plot_run(run_dir)` writes RUN_DIR/plots/overview.png (one panel per metric group that changes over the run; the
+metrics constant for the whole run are named under the panels: `informative`) and one PNG per numeric metric, constant
+or not; it returns the paths written. `part=(i, n)`: this call writes the i-th of n
 shares (the trainer's ranks write the plots together: ~40 PNGs took one process 4-5 s of CPU at a run's end).
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import textwrap
 from pathlib import Path
 
 from mcore_rl.metrics import read_metrics
@@ -26,6 +28,8 @@ GROUPS: tuple[tuple[str, str], ...] = (
     ("grad norm", r"grad_norm"),
     ("train / rollout mismatch", r"mismatch|is_weight"),
     ("seconds per phase", r"^time/"),  # metrics.PhaseTimer: time/rollout, time/update, time/sync, ...
+    ("prompt groups", r"^groups/"),  # all correct / all wrong: the groups without signal
+    ("engine vs actor log-prob gap", r"^sync/(verify|calibration)_\w*diff$"),  # nats, rollout/weight_sync.py
 )
 SKIP = {"step", "time"}
 
@@ -58,6 +62,24 @@ def group_metrics(keys) -> dict[str, list[str]]:
     return dict(sorted(groups.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order else len(order), kv[0])))
 
 
+def informative(
+    series: dict[str, tuple[list[int], list[float]]],
+) -> tuple[dict[str, tuple[list[int], list[float]]], dict[str, float]]:
+    """(the metrics the overview draws, the constant ones with their value). A metric with one value all run (KL
+    without a reference, clip fractions of 0, a constant lr, update_successful; or one logged once, like the first
+    sync's calibration) draws a flat line or a dot that says no more than its value, so it is named under the
+    panels instead; its own PNG is written all the same. A run where nothing changes (one step) shows everything."""
+    constant = {key: ys[0] for key, (xs, ys) in series.items() if len(set(ys)) == 1}
+    if len(constant) == len(series):
+        return series, {}
+    return {key: s for key, s in series.items() if key not in constant}, constant
+
+
+def _constant_line(constant: dict[str, float], cols: int) -> str:
+    items = ", ".join(f"{key} {value:.4g}" for key, value in sorted(constant.items()))
+    return textwrap.fill(f"constant over the run (each in its own PNG): {items}", width=60 * cols)
+
+
 def _safe_name(key: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", key)
 
@@ -72,10 +94,12 @@ def _pyplot():
 
 
 def overview_figure(series: dict[str, tuple[list[int], list[float]]], title: str):
-    """One panel per metric group, the run's name above them (constrained layout keeps it clear of the
-    panels' titles, which tight_layout does not)."""
+    """One panel per group of the metrics that change over the run (`informative`), the constant ones named below
+    them, the run's name above them (constrained layout keeps it clear of the panels' titles, which tight_layout
+    does not)."""
     plt = _pyplot()
 
+    series, constant = informative(series)
     groups = group_metrics(series)
     cols = min(3, len(groups))
     rows = -(-len(groups) // cols)
@@ -92,6 +116,8 @@ def overview_figure(series: dict[str, tuple[list[int], list[float]]], title: str
     for ax in list(axes.flat)[len(groups) :]:
         ax.axis("off")
     fig.suptitle(title)
+    if constant:
+        fig.supxlabel(_constant_line(constant, cols), fontsize=8)
     return fig
 
 
@@ -138,7 +164,7 @@ def plot_run(
         plt.close(fig)
         written.append(path)
 
-    for key in share(sorted(series), len(group_metrics(series)), part):
+    for key in share(sorted(series), len(group_metrics(informative(series)[0])), part):
         xs, ys = series[key]
         fig, ax = plt.subplots(figsize=(6, 3.6))
         ax.plot(xs, ys, marker="." if len(xs) < 30 else None)

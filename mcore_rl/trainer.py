@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import signal
 import sys
 import time
@@ -41,7 +40,7 @@ from mcore_rl.algos import group_advantages
 from mcore_rl.batch import plan_mini_batches
 from mcore_rl.colocation import Colocation, Phase
 from mcore_rl.compat import describe_versions
-from mcore_rl.config import Config, save_config
+from mcore_rl.config import Config, ConfigError, save_config
 from mcore_rl.data import EpochSampler, PromptInputs, load_prompt_dataset
 from mcore_rl.dynamic_sampling import CapWarnings, collect, overlong_filtered, round_seed, single_round
 from mcore_rl.metrics import MetricsLogger, PhaseTimer, SampleLog
@@ -66,8 +65,13 @@ from mcore_rl.run_dir import (
     Checkpoint,
     CheckpointManager,
     OutputWriteError,
+    check_pickles,
     claim_run_dir_collective,
+    read_state,
     resolve_verified_resume,
+    rng_state,
+    set_rng_state,
+    state_file,
     write_failure,
 )
 from mcore_rl.run_dir.errors import disk_full_error
@@ -84,16 +88,6 @@ from mcore_rl.step_data import ExchangeStats, dp_ranks, exchange_meta, first_rew
 from mcore_rl.supervise import tell_launcher
 
 log = logging.getLogger("mcore_rl.trainer")
-
-
-def _rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
 
 
 class Trainer:
@@ -494,10 +488,10 @@ class Trainer:
             state = {
                 "step": self.step,
                 "sampler": self.sampler.state_dict(),
-                "rng": _rng_state(),
+                "rng": rng_state(),  # tensors and plain types: read back with weights_only=True
                 "skips": self.skips.state_dict(),
             }
-            torch.save(state, tmp_dir / f"trainer_state_rank{self.rank}.pt")
+            torch.save(state, state_file(tmp_dir, self.rank))
             if self.rank == 0:  # what a resume compares its config with (mcore_rl.preflight.resume_changes)
                 save_config(self.cfg, tmp_dir / CONFIG_FILE)
 
@@ -508,25 +502,26 @@ class Trainer:
     def _load(self, path: Path) -> None:
         self.colocation.ensure_actor_state()  # loaded into the actor on the device; a sync hands over afterwards
         saved_world = Checkpoint(self.step, Path(path)).meta.get("world_size")
-        state_file = Path(path) / f"trainer_state_rank{self.rank}.pt"
+        own_state = state_file(path, self.rank)
         if saved_world is not None and saved_world != self.world:
             raise RuntimeError(
                 f"{path} was written by {saved_world} processes, this run has {self.world}: resume with "
                 f"trainer.nproc x trainer.nnodes = {saved_world}"
             )
-        if not state_file.exists():
-            raise FileNotFoundError(
-                f"{state_file} is missing: the checkpoint {path} is incomplete; resume from another"
-            )
+        if not own_state.exists():
+            raise FileNotFoundError(f"{own_state} is missing: the checkpoint {path} is incomplete; resume from another")
         try:
+            check_pickles(path, self.cfg.checkpoint.trust_pickle)  # unpickling the files runs no code from them
+            state = read_state(own_state, self.cfg.checkpoint.trust_pickle, log)
             self.actor.load_checkpoint(str(Path(path) / "actor"))
-            state = torch.load(state_file, weights_only=False)
+        except ConfigError:
+            raise
         except Exception as e:  # name the checkpoint: torch's own messages ("zip archive corrupted") do not
             raise RuntimeError(f"cannot load checkpoint {path}: {type(e).__name__}: {e}") from e
         self.colocation.weights_replaced()
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
-        _set_rng_state(state["rng"])
+        set_rng_state(state["rng"])
         if "skips" in state:
             self.skips.load_state_dict(state["skips"])
         if self.rank == 0:

@@ -21,7 +21,7 @@ from mcore_rl.metrics import (
     progress_line,
     read_metrics,
 )
-from mcore_rl.plot import group_metrics, overview_figure, plot_run
+from mcore_rl.plot import group_metrics, numeric_series, overview_figure, plot_run
 from tests.torchrun_util import REPO
 
 LOGGING_CHILD = r"""
@@ -325,3 +325,32 @@ def test_overview_title_clears_the_panels():
 def test_plot_empty_run_errors(tmp_path):
     with pytest.raises(ValueError, match="no numeric metrics"):
         plot_run(tmp_path)
+
+
+def test_overview_draws_only_the_metrics_that_change(tmp_path):
+    """Issue 34 (12): a third of a run's 31 overview panels were flat lines (KL 0 without a reference, clip
+    fractions 0, a constant lr, update_successful). The overview draws the metrics that change; the constant ones
+    are named under its panels with their value, and every metric keeps its own PNG."""
+    changing = {"reward/mean": lambda s: s / 6, "train/grad_norm": lambda s: 1 / s, "time/update": lambda s: 0.1 * s}
+    constant = {"train/kl_ref": 0.0, "train/clipfrac_upper": 0.0, "train/lr": 1e-3, "train/update_successful": 1.0}
+    with MetricsLogger(tmp_path, cfg_for(tmp_path, "trainer.tensorboard=false"), rank=0, progress=False) as m:
+        for step in range(1, 7):
+            once = {"sync/calibration_max_diff": 2e-7} if step == 1 else {}  # logged at the first sync only
+            m.log(step, {**{k: f(step) for k, f in changing.items()}, **constant, **once})
+    constant["sync/calibration_max_diff"] = 2e-7
+    series = numeric_series(read_metrics(tmp_path))
+    fig = overview_figure(series, "run")
+    panels = sorted(ax.get_title() for ax in fig.axes if ax.axison)
+    assert panels == ["grad norm", "reward", "seconds per phase"]  # GROUPS' titles of the three changing metrics
+    footer = fig._supxlabel.get_text().replace("\n", " ")
+    assert all(f"{key} {value:.4g}" in footer for key, value in constant.items()), footer
+    assert not any(key in footer for key in changing)
+    names = {p.name for p in plot_run(tmp_path)}
+    assert names == {"overview.png", *(f"{k.replace('/', '_')}.png" for k in [*changing, *constant])}
+    from mcore_rl.plot import informative
+
+    one_step = {key: ([1], ys[:1]) for key, (xs, ys) in series.items()}  # nothing changes yet: all of them
+    assert informative(one_step) == (one_step, {})
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)

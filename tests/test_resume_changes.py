@@ -17,15 +17,15 @@ from tests.torchrun_util import REPO
 PRESET = REPO / "configs/tiny/gspo_cpu.yaml"
 
 
-def _saved_run(run_dir: Path, *overrides: str) -> Path:
-    """A run directory with one published checkpoint written by the config PRESET + overrides."""
+def _saved_run(run_dir: Path, *overrides: str, step: int = 4, state: bytes = b"state") -> Path:
+    """A run directory with a published checkpoint at `step` written by the config PRESET + overrides."""
     cfg = load_config(PRESET, [f"trainer.run_dir={run_dir}", *overrides])
 
     def write(tmp: Path) -> None:
-        (tmp / "trainer_state_rank0.pt").write_bytes(b"state")
+        (tmp / "trainer_state_rank0.pt").write_bytes(state)
         save_config(cfg, tmp / CONFIG_FILE)
 
-    return CheckpointManager(run_dir).save(4, write, meta={"world_size": 2}).path
+    return CheckpointManager(run_dir, keep_last=5).save(step, write, meta={"world_size": 2}).path
 
 
 # applied: (class, overrides) - each changes only settings the checkpoint's state does not depend on
@@ -123,3 +123,30 @@ def test_train_refuses_before_any_process_starts(tmp_path, tiny_model_dir, overr
     assert f"resuming from {ckpt}" in errors[0] and override.split("=")[0] in errors[0]
     assert "process(es) on" not in proc.stdout  # torchrun was never started
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_a_damaged_saved_config_is_checked_before_it_is_parsed(tmp_path):
+    """Issue 34 (3): step_4's config.yaml overwritten with text that is no YAML made resume=auto stop on a 6-line
+    YAML error in the pre-flight, though step_2 verifies and docs/reliability.md promises the fallback. The
+    checksum is checked before the config is parsed: auto compares with step_2 (the one the ranks take), an
+    explicit step_4 is one line naming the file."""
+    from mcore_rl.cli import check_resume
+
+    run = tmp_path / "run"
+    older = _saved_run(run, "data.seed=3", step=2)  # a refused difference tells which one was compared
+    newest = _saved_run(run, "data.seed=3", step=4)
+    (newest / CONFIG_FILE).write_text("model: {path: [unclosed\n  - : :\n")
+    auto = load_config(PRESET, [f"trainer.run_dir={run}", "data.seed=3", "actor.optim.lr=5e-4"])
+    check_resume(auto)  # the pre-flight passes: step_2's config, with an applied change
+    from mcore_rl.run_dir import resolve_resume_checked
+
+    assert resolve_resume_checked(auto, files=(CONFIG_FILE,)).path == older
+    with pytest.raises(ConfigError) as err:  # and it is step_2's config it compares with
+        check_resume(load_config(PRESET, [f"trainer.run_dir={run}"]))
+    assert f"Set data.seed=3 as saved in {older / CONFIG_FILE}" in str(err.value)
+    explicit = load_config(PRESET, [f"trainer.run_dir={run}", "data.seed=3", f"checkpoint.resume={newest}"])
+    with pytest.raises(ConfigError) as err:
+        check_resume(explicit)
+    msg = str(err.value)
+    assert "\n" not in msg and f"checkpoint {newest} is damaged: {newest / CONFIG_FILE} has " in msg, msg
+    assert "checkpoint.resume=auto takes the newest that verifies" in msg

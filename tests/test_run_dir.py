@@ -280,6 +280,38 @@ def test_resuming_from_an_older_checkpoint_abandons_the_newer_ones(tmp_path):
     assert auto.step == 6 and (auto.path / "weights.bin").read_text() == "second line 6"
 
 
+def test_branching_keeps_the_abandoned_lines_metrics_and_export(tmp_path, caplog):
+    """Issue 34 (4): resume=step_4 on a finished 6-step run deleted metrics.jsonl's lines 5-6 of the abandoned line
+    and let the new line overwrite its export RUN_DIR/hf. Both go beside the abandoned step_6, the log line says
+    where, and the new line's metrics.jsonl continues after step 4."""
+    import json
+    import logging
+
+    from mcore_rl.metrics import MetricsLogger
+    from mcore_rl.run_dir import ABANDONED, claim_run_dir
+
+    run = tmp_path / "run"
+    manager = CheckpointManager(run, keep_last=3)
+    for step in (2, 4, 6):
+        manager.save(step, write_payload(f"first line {step}"))
+    lines = [json.dumps({"step": step, "reward/mean": step / 10}) for step in range(1, 7)]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    (run / "hf").mkdir()
+    (run / "hf" / "model.safetensors").write_bytes(b"weights of step 6")
+    cfg = _cfg(run, f"checkpoint.resume={manager.step_dir(4)}", "trainer.tensorboard=false")
+    with caplog.at_level(logging.WARNING):
+        claim_run_dir(cfg, resolve_resume(cfg), logging.getLogger("test")).release()
+    MetricsLogger(run, cfg, rank=0, start_step=4, progress=False).close()  # what the resumed trainer opens
+    abandoned = manager.root / ABANDONED
+    assert (abandoned / "step_00000006.metrics.jsonl").read_text() == "\n".join(lines[4:]) + "\n"
+    assert (abandoned / "step_00000006.hf" / "model.safetensors").read_bytes() == b"weights of step 6"
+    assert not (run / "hf").exists()  # the new line's export cannot overwrite it
+    assert (run / "metrics.jsonl").read_text() == "\n".join(lines[:4]) + "\n"
+    (said,) = [r.getMessage() for r in caplog.records if "abandons" in r.getMessage()]
+    assert f"metrics of steps 5-6 moved from metrics.jsonl to {abandoned / 'step_00000006.metrics.jsonl'}" in said
+    assert f"Hugging Face export moved to {abandoned / 'step_00000006.hf'}" in said and "step_00000006" in said
+
+
 # ---------------------------------------------------------------- checksums
 def _damage(path: Path, how: str) -> None:
     if how == "truncated":

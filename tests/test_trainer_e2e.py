@@ -643,3 +643,68 @@ def test_a_response_cut_at_max_new_tokens_has_no_eos_is_truncated_and_penalised(
         assert r["response/length_max"] == max_new
         # the registered loss trained both mini-batches: its flag covers every valid token, no clip was applied
         assert r["train/reinforce_tokens"] == pytest.approx(1.0, abs=1e-6) and "train/clipfrac_upper" not in r
+
+
+QUIET = dict(capture_output=True, text=True, cwd=REPO, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def _folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_branching_keeps_the_abandoned_line_and_a_damaged_newest_config_falls_back(tiny_model_dir, task, tmp_path):
+    """Issue 34 on a real 6-step run. (10) every rank's trainer state reads with weights_only=True. (4) resuming
+    from step_4 with another lr trains a new line; the abandoned line's metrics lines 5-6 and its export are kept,
+    byte for byte, beside its step_6, and the log line says where (they used to be deleted and overwritten). (3) the
+    new line's step_6/config.yaml overwritten with text that is no YAML: resume=auto falls back to step_4, which
+    verifies, and names the file (it used to stop in the pre-flight on a 6-line YAML error)."""
+    from mcore_rl.run_dir import ABANDONED
+
+    run = tmp_path / "run"
+    six = {"trainer.steps": 6, "checkpoint.keep_last": 3}
+    run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, run, **six))
+    ckpts = run / "checkpoints"
+    for rank in (0, 1):  # plain tensors and types: no code can run from the file
+        state = torch.load(ckpts / "step_00000006" / f"trainer_state_rank{rank}.pt", weights_only=True)
+        assert state["step"] == 6 and torch.is_tensor(state["rng"]["numpy"]["keys"])
+    first_lines = (run / "metrics.jsonl").read_text().splitlines()
+    first_export = _folder_bytes(run / "hf")
+    assert [json.loads(line)["step"] for line in first_lines] == [1, 2, 3, 4, 5, 6]
+
+    branch = {**six, "checkpoint.resume": ckpts / "step_00000004", "actor.optim.lr": 5e-4}
+    out = run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, run, **branch))
+    kept = ckpts / ABANDONED
+    said = next((x for x in out.splitlines() if "abandons a newer line of training" in x), out[-3000:])
+    assert f"metrics of steps 5-6 moved from metrics.jsonl to {kept / 'step_00000006.metrics.jsonl'}" in said, said
+    assert f"Hugging Face export moved to {kept / 'step_00000006.hf'}" in said, said
+    assert (kept / "step_00000006.metrics.jsonl").read_text().splitlines() == first_lines[4:]
+    assert _folder_bytes(kept / "step_00000006.hf") == first_export
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and rows[:4] == [json.loads(x) for x in first_lines[:4]]
+    assert rows[4]["train/lr"] == 5e-4 and _folder_bytes(run / "hf") != first_export  # the new line's own
+
+    damaged = ckpts / "step_00000006" / "config.yaml"
+    not_yaml = "model: {path: [unclosed\n  - : :\n"
+    damaged.write_text(not_yaml)
+    out = run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, run, **six))
+    assert f"checkpoint {damaged.parent} skipped: {damaged} has " in out, out[-3000:]
+    assert f"resumed from {ckpts / 'step_00000004'} at step 4" in out, out[-3000:]
+    assert (kept / "step_00000006.1" / "config.yaml").read_text() == not_yaml  # kept as it was, out of auto's way
+
+    # (10) torch.distributed.checkpoint unpickles actor/.metadata with a plain pickle.load: one altered to run code,
+    # its checksum updated (checksums prove integrity, not origin), is refused before any process starts.
+    import pickle
+
+    from mcore_rl.run_dir import CHECKSUMS, file_crc32
+    from tests.test_trainer_state import _RunsCode
+
+    newest, marker = ckpts / "step_00000006", tmp_path / "code_ran"
+    metadata = newest / "actor" / ".metadata"
+    metadata.write_bytes(pickle.dumps((pickle.loads(metadata.read_bytes()), _RunsCode(marker))))
+    manifest = json.loads((newest / CHECKSUMS).read_text())
+    manifest["actor/.metadata"] = {"size": metadata.stat().st_size, "crc32": file_crc32(metadata)}
+    (newest / CHECKSUMS).write_text(json.dumps(manifest))
+    proc = subprocess.run(train_cmd("gspo_cpu.yaml", overrides(tiny_model_dir, task, run, **six)), **QUIET)
+    assert proc.returncode == 2 and not marker.exists(), proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"mcore-rl: error: {metadata} holds Python objects")
+    assert "checkpoint.trust_pickle=true" in proc.stderr and "process(es) on" not in proc.stdout

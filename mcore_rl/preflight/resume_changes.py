@@ -1,7 +1,8 @@
 """What a resumed run may change against the config its checkpoint was written with.
 
 Each checkpoint carries the resolved config of the run that wrote it (`config.yaml` in the checkpoint
-folder; older ones: the run directory's). Resuming compares it with the new config, key by key, and
+folder, checksummed with it and checked before it is parsed; older ones: the run directory's). Resuming
+compares it with the new config, key by key, and
 every difference falls into one class (RULES, first matching prefix wins):
 
   applied, and listed in the log:
@@ -155,14 +156,24 @@ def check_resume_changes(cfg, ckpt_path: Path) -> list[Change]:
     one (or an unreadable saved config). No saved config at all (written by hand): nothing to compare."""
     import yaml
 
+    from mcore_rl.run_dir.checksums import file_problem
+
     path = saved_config_path(Path(ckpt_path))
     if path is None:
         _check_world(cfg, Path(ckpt_path))
         return []
+    own = path == Path(ckpt_path) / CONFIG_FILE  # checksummed with the checkpoint; the run directory's is not
+    damaged = file_problem(Path(ckpt_path), CONFIG_FILE) if own else None  # before it is parsed: no YAML error
+    if damaged:
+        raise ConfigError(
+            f"checkpoint {ckpt_path} is damaged: {damaged}; resume from another checkpoint (checkpoint.resume=auto "
+            f"takes the newest that verifies)"
+        )
     try:
         saved = yaml.safe_load(path.read_text())
     except (OSError, ValueError, yaml.YAMLError) as e:
-        raise ConfigError(f"{path} (the config checkpoint {ckpt_path} was written with) is unreadable: {e}") from None
+        why = " ".join(str(e).split())  # YAML's own message spans several lines
+        raise ConfigError(f"{path} (the config checkpoint {ckpt_path} was written with) is unreadable: {why}") from None
     found = changes(saved if isinstance(saved, dict) else {}, config_to_dict(cfg))
     refused = [c for c in found if not c.rule.applied and c.saved is not None]
     if refused:

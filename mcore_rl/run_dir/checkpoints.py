@@ -21,7 +21,14 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from mcore_rl.config import ConfigError
-from mcore_rl.run_dir.checksums import TRUST_FLAG, checksum_share, marker_problem, unverifiable, verify_checkpoint
+from mcore_rl.run_dir.checksums import (
+    TRUST_FLAG,
+    checksum_share,
+    file_problem,
+    marker_problem,
+    unverifiable,
+    verify_checkpoint,
+)
 from mcore_rl.run_dir.errors import CheckpointWriteError, checkpoint_write_error
 from mcore_rl.run_dir.layout import (
     CHECKSUMS,
@@ -193,6 +200,20 @@ def resolve_resume(cfg) -> Optional[Checkpoint]:
             f"with one: use auto, never, or the path of a checkpoints/step_N directory"
         )
     return newest
+
+
+def resolve_resume_checked(cfg, files: tuple[str, ...] = ()) -> Optional[Checkpoint]:
+    """resolve_resume for the pre-flight, which reads no weights: resume=auto takes the newest complete checkpoint
+    whose marker is sound, whose manifest is there (or checkpoint.trust_unverified) and whose `files` (small ones, to
+    be parsed: its config) match their checksums; None when none does (the ranks then say why each failed). The
+    ranks verify every file of the one they load (resolve_verified_resume)."""
+    if cfg.checkpoint.resume != "auto":
+        return resolve_resume(cfg)
+    for ckpt in reversed(CheckpointManager(cfg.trainer.run_dir).complete()):
+        unsure = unverifiable(ckpt) and not cfg.checkpoint.trust_unverified
+        if not (marker_problem(ckpt.path) or unsure or any(file_problem(ckpt.path, f) for f in files)):
+            return ckpt
+    return None
 
 
 def resolve_verified_resume(cfg, log=None) -> Optional[Checkpoint]:

@@ -45,19 +45,32 @@ def checksum_share(directory: Path, rank: int, world: int) -> dict[str, dict]:
     }
 
 
+def _mismatch(path: Path, want: dict) -> Optional[str]:
+    if not path.is_file():
+        return f"{path} is missing"
+    if path.stat().st_size != want["size"]:
+        return f"{path} has {path.stat().st_size} bytes, {want['size']} were written (truncated?)"
+    if file_crc32(path) != want["crc32"]:
+        return f"{path} fails its checksum (crc32 {file_crc32(path)}, written {want['crc32']})"
+    return None
+
+
 def _verify_share(directory: Path, manifest: dict[str, dict], rank: int, world: int) -> list[str]:
-    problems = []
-    for rel, want in sorted(manifest.items()):
-        if file_owner(rel, world) != rank:
-            continue
-        path = directory / rel
-        if not path.is_file():
-            problems.append(f"{path} is missing")
-        elif path.stat().st_size != want["size"]:
-            problems.append(f"{path} has {path.stat().st_size} bytes, {want['size']} were written (truncated?)")
-        elif file_crc32(path) != want["crc32"]:
-            problems.append(f"{path} fails its checksum (crc32 {file_crc32(path)}, written {want['crc32']})")
-    return problems
+    found = (
+        _mismatch(directory / rel, want) for rel, want in sorted(manifest.items()) if file_owner(rel, world) == rank
+    )
+    return [problem for problem in found if problem]
+
+
+def file_problem(directory: Path, relpath: str) -> Optional[str]:
+    """Why one file of a checkpoint is not the one written (missing, truncated, another checksum), or None: checked
+    before the file is parsed (its config). None too where the manifest is missing or unreadable or does not list the
+    file: verify_checkpoint judges the checkpoint as a whole."""
+    try:
+        want = json.loads((directory / CHECKSUMS).read_text())[relpath]
+        return _mismatch(directory / relpath, want)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def marker_problem(path: Path) -> Optional[str]:

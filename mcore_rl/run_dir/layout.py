@@ -6,7 +6,9 @@ RUN_DIR/.lock                       "pid host start-time" of the run holding the
 RUN_DIR/checkpoints/step_00000020/  a complete checkpoint: payload + CHECKSUMS.json + COMPLETE marker (last)
 RUN_DIR/checkpoints/step_00000030.tmp/  a checkpoint being written (or left by a crash; never read)
 RUN_DIR/checkpoints/latest          name of the newest published checkpoint (atomically replaced)
-RUN_DIR/checkpoints/abandoned/      checkpoints newer than the one a run resumed from
+RUN_DIR/hf/                         the trained model as a Hugging Face folder (checkpoint.save_hf)
+RUN_DIR/checkpoints/abandoned/      checkpoints newer than the one a run resumed from, and beside the newest of
+                                    them (step_N.metrics.jsonl, step_N.hf/) that line's metrics and export
 RUN_DIR/previous_runs/<time>/       an older run moved aside (checkpoint.move_old_run)
 """
 
@@ -26,6 +28,7 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 LOCK_FILE = ".lock"  # RUN_DIR/.lock: "pid host start-time" of the run holding it
 PREVIOUS_RUNS = "previous_runs"  # RUN_DIR/previous_runs/<time>/: an older run moved aside (move_old_run)
 ABANDONED = "abandoned"  # RUN_DIR/checkpoints/abandoned/: checkpoints newer than the one a run resumed from
+EXPORT_DIR = "hf"  # RUN_DIR/hf: the Hugging Face export of the trained model
 
 
 @dataclass(frozen=True)

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from mcore_rl.config import ConfigError
+from mcore_rl.metrics import METRICS_FILE
 from mcore_rl.run_dir.checkpoints import CheckpointManager, dist_rank_and_barrier, resolve_resume
 from mcore_rl.run_dir.checksums import unverifiable
 from mcore_rl.run_dir.layout import (
     ABANDONED,
+    EXPORT_DIR,
     LOCK_FILE,
     POINTER,
     PREVIOUS_RUNS,
@@ -161,20 +165,67 @@ def move_old_run(run_dir: str | os.PathLike) -> Path:
     return target
 
 
-def abandon_newer(manager: CheckpointManager, resume: Checkpoint) -> list[Path]:
+@dataclass(frozen=True)
+class AbandonedLine:
+    """Where the line of training a resume from an older checkpoint leaves behind was moved (nothing is deleted)."""
+
+    checkpoints: list[Path]
+    metrics: Optional[Path] = None  # its metrics.jsonl lines after the resumed step
+    metric_steps: tuple[int, ...] = ()
+    export: Optional[Path] = None  # its Hugging Face export, RUN_DIR/hf
+
+    def describe(self, resumed: str) -> str:
+        said = [f"the newer {', '.join(p.name for p in self.checkpoints)} moved to {self.checkpoints[0].parent}"]
+        if self.metrics is not None:
+            steps = self.metric_steps
+            said.append(f"its metrics of steps {steps[0]}-{steps[-1]} moved from metrics.jsonl to {self.metrics}")
+        if self.export is not None:
+            said.append(f"its Hugging Face export moved to {self.export}")
+        return f"resuming from {resumed} abandons a newer line of training, kept: {'; '.join(said)}"
+
+
+def _split_metrics(run_dir: Path, after_step: int, target: Path) -> tuple[int, ...]:
+    """Copy the metrics.jsonl lines of steps after `after_step` to `target`; the steps copied. metrics.jsonl itself
+    is cut when the resumed run opens it (metrics.MetricsLogger), after the checkpoints have been moved."""
+    source = run_dir / METRICS_FILE
+    if not source.is_file():
+        return ()
+    lines, steps = [], []
+    for line in source.read_text(errors="replace").splitlines():
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue  # a line torn by a crash
+        if isinstance(step, int) and step > after_step:
+            lines.append(line)
+            steps.append(step)
+    if lines:
+        write_atomic(target, "\n".join(lines) + "\n")
+    return tuple(steps)
+
+
+def abandon_newer(manager: CheckpointManager, resume: Checkpoint) -> Optional[AbandonedLine]:
     """Move complete checkpoints newer than `resume` (an abandoned line of training) to checkpoints/abandoned/,
-    so that resume=auto can never pick them up after this run continued from an older one."""
-    moved = []
-    for ckpt in manager.complete():
-        if ckpt.step > resume.step:
-            target = _unique(manager.root / ABANDONED / ckpt.path.name)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.rename(ckpt.path, target)
-            moved.append(target)
-    if moved:
-        fsync_dir(manager.root)
-        write_atomic(manager.root / POINTER, resume.path.name + "\n")
-    return moved
+    so that resume=auto can never pick them up after this run continued from an older one; that line's metrics
+    (the metrics.jsonl lines after the resumed step) and its Hugging Face export go beside its newest checkpoint.
+    Order for a crash at any moment: the metrics copied, the export moved, then the checkpoints."""
+    newer = [ckpt for ckpt in manager.complete() if ckpt.step > resume.step]
+    if not newer:
+        return None
+    targets = [_unique(manager.root / ABANDONED / ckpt.path.name) for ckpt in newer]
+    targets[0].parent.mkdir(parents=True, exist_ok=True)
+    run_dir, newest = manager.root.parent, targets[-1]
+    metrics = _unique(newest.with_name(f"{newest.name}.{METRICS_FILE}"))
+    steps = _split_metrics(run_dir, resume.step, metrics)
+    export = None
+    if (run_dir / EXPORT_DIR).is_dir():
+        export = _unique(newest.with_name(f"{newest.name}.{EXPORT_DIR}"))
+        os.rename(run_dir / EXPORT_DIR, export)
+    for ckpt, target in zip(newer, targets):
+        os.rename(ckpt.path, target)
+    fsync_dir(manager.root)
+    write_atomic(manager.root / POINTER, resume.path.name + "\n")
+    return AbandonedLine(targets, metrics if steps else None, steps, export)
 
 
 def claim_run_dir(cfg, resume: Optional[Checkpoint], log=None) -> RunLock:
@@ -195,10 +246,9 @@ def claim_run_dir(cfg, resume: Optional[Checkpoint], log=None) -> RunLock:
             if log:
                 log.warning("moved the previous run in %s to %s (checkpoint.move_old_run=true)", run_dir, moved)
         elif resume is not None and _inside(resume.path, run_dir / "checkpoints"):
-            manager = CheckpointManager(run_dir)
-            for path in abandon_newer(manager, resume):
-                if log:
-                    log.warning("resuming from %s: the newer %s was moved to %s", resume.path.name, path.name, path)
+            abandoned = abandon_newer(CheckpointManager(run_dir), resume)
+            if abandoned and log:
+                log.warning("%s", abandoned.describe(resume.path.name))
     except BaseException:
         lock.release()
         raise
