@@ -516,9 +516,37 @@ def _check_combinations(cfg: Config) -> list[str]:
     return warnings
 
 
+def _check_placement(r: RolloutConfig) -> None:
+    """rollout.placement's own rules (the split against the world and the devices: mcore_rl.preflight)."""
+    if r.placement == "colocated":
+        _require(
+            r.ranks is None,
+            f"rollout.ranks = {r.ranks} splits off rollout ranks, which only rollout.placement=separate has: remove it "
+            f"or set rollout.placement=separate",
+        )
+        _require(
+            r.max_staleness in (None, 0),
+            f"rollout.max_staleness = {r.max_staleness}: a colocated run generates with the newest weights (0); "
+            f"generating ahead needs rollout.placement=separate",
+        )
+        return
+    _require(r.ranks is None or r.ranks >= 1, f"rollout.ranks = {r.ranks}: give at least 1 (or null: half the world)")
+    _require(
+        r.max_staleness in (None, 0, 1),
+        f"rollout.max_staleness = {r.max_staleness}: the separate placement generates at most one step ahead; use 1 "
+        f"(one-step off-policy) or 0 (waits: exactly the colocated run)",
+    )
+    _require(
+        r.engine == "embedded",
+        f"rollout.placement=separate runs the embedded engine (rollout.engine = {r.engine} is colocated only so far): "
+        f"set rollout.engine=embedded or rollout.placement=colocated",
+    )
+
+
 def validate_config(cfg: Config) -> list[str]:
     """Raise ConfigError on a bad value or an impossible combination; return non-fatal warnings."""
     _check_choices(cfg)
+    _check_placement(cfg.rollout)
     warnings = check_algo(cfg.algo)
     _check_ranges(cfg)
     return warnings + _check_combinations(cfg)

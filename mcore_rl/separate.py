@@ -245,7 +245,8 @@ class SeparatePlacement(Placement):
         ahead = self.ahead
         start = {
             "first": step + 1 + (ahead is not None),
-            "synced": max(step - 1, 0),
+            "resumed": step > 0,  # the resume's sync of the checkpoint's weights comes first (its own session)
+            "synced": step,
             "sampler": ahead.sampler_state if ahead is not None else sampler_state,
             "unit": unit,
         }
@@ -352,6 +353,8 @@ class RolloutWorker:
 
     def run(self) -> None:
         start = self._handshake()
+        if start["resumed"]:
+            self._serve()
         self.synced = start["synced"]
         self.inputs.sampler.load_state_dict(start["sampler"])
         recorder = RecordingRounds(self.source)

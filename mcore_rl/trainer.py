@@ -104,7 +104,8 @@ class Trainer:
         self.platform = get_platform(cfg.platform)
         self.platform.init_distributed()
         self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
+        self.world = dist.get_world_size()  # the actor's ranks (separate placement: the rollout ranks are not in it)
+        self.job_world = int(os.environ.get("WORLD_SIZE", self.world))  # every rank torchrun started
         self.run_dir = Path(cfg.trainer.run_dir)
         check_before_build(cfg, self.world, self.platform.name)  # plain torchrun launches skip the pre-flight
         resume = self._claim_run_dir()
@@ -437,7 +438,7 @@ class Trainer:
             if self.rank == 0:  # what a resume compares its config with (mcore_rl.preflight.resume_changes)
                 save_config(self.cfg, tmp_dir / CONFIG_FILE)
 
-        ckpt = self.ckpt.save(self.step, write, meta={"step": self.step})
+        ckpt = self.ckpt.save(self.step, write, meta={"step": self.step, "world_size": self.job_world})
         if self.rank == 0:
             log.info("saved checkpoint %s", ckpt.path)
 
@@ -445,9 +446,9 @@ class Trainer:
         self.placement.ensure_actor_state()  # loaded into the actor on the device; a sync hands over afterwards
         saved_world = Checkpoint(self.step, Path(path)).meta.get("world_size")
         state_file = Path(path) / f"trainer_state_rank{self.rank}.pt"
-        if saved_world is not None and saved_world != self.world:
+        if saved_world is not None and saved_world != self.job_world:
             raise RuntimeError(
-                f"{path} was written by {saved_world} processes, this run has {self.world}: resume with "
+                f"{path} was written by {saved_world} processes, this run has {self.job_world}: resume with "
                 f"trainer.nproc x trainer.nnodes = {saved_world}"
             )
         if not state_file.exists():

@@ -260,3 +260,23 @@ def test_an_empty_run_dir_is_refused(run_dir):
 
     with pytest.raises(ConfigError, match="trainer.run_dir = .* is empty: .* set it, e.g. trainer.run_dir=runs/my_run"):
         load_config(None, [f"trainer.run_dir={run_dir}"])
+
+
+@pytest.mark.parametrize(
+    "overrides, fix",
+    [
+        (("rollout.ranks=1",), "rollout.placement=separate"),
+        (("rollout.max_staleness=1",), "needs rollout.placement=separate"),
+        (("rollout.placement=separate", "rollout.max_staleness=2"), "at most one step ahead"),
+        (("rollout.placement=separate", "rollout.ranks=0"), "at least 1"),
+        (("rollout.placement=separate", "rollout.engine=vllm"), "set rollout.engine=embedded"),
+    ],
+)
+def test_placement_value_rules_name_the_fix(overrides, fix):
+    assert fix in error(*overrides)
+
+
+def test_separate_placement_defaults_accepted():
+    for overrides in (["rollout.placement=separate"], ["rollout.placement=separate", "rollout.max_staleness=0"]):
+        cfg = load_config(None, overrides)
+        assert cfg.rollout.placement == "separate"
