@@ -16,7 +16,9 @@ samples of its share, as `batch.split_for_rank` of the whole batch would cut it 
 docs/architecture.md, "Per-rank step data"). Groups need no cross-rank gather for advantages: every rank
 has every sample's reward and validity from the metadata.
 
-Who holds the device - the engine (rollout) or the actor (training) - is mcore_rl.colocation's: the step asks for
+What depends on rollout.placement - who holds the device, how weights reach the engine, when generation for the next
+step starts - is mcore_rl.placement's (separate: mcore_rl.separate, where the rollout ranks run their own loop).
+Colocated, who holds the device - the engine (rollout) or the actor (training) - is mcore_rl.colocation's: the step asks for
 a phase, a checkpoint, load or export for the actor's state, and the sync runs inside the hand-over (with
 actor.offload: the engine's weights woken, the sync, the actor's state to the host, the KV cache woken). The
 reference model is on the host except during its own pass.

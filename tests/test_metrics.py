@@ -276,6 +276,7 @@ TRAINER_RECORD = {
     **dict.fromkeys(("response/length_mean", "response/length_max", "response/clip_ratio"), 3.0),
     **dict.fromkeys(("perf/step_data_bytes", "perf/tokens_per_s", "perf/rollout_tokens_per_s"), 900.0),
     "perf/step_seconds": 1.25,
+    **dict.fromkeys(("train/staleness_max", "train/staleness_mean"), 0.0),
     **dict.fromkeys(
         ("time/rollout", "time/to_training", "time/old_logprob", "time/ref_logprob", "time/update", "time/sync"), 0.2
     ),
