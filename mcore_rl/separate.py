@@ -261,6 +261,7 @@ class SeparatePlacement(Placement):
         start = time.perf_counter()
         samples = None
         if self.link is not None:
+            self.link.end()  # the session before this step (a resume's sync too) ends before the next one starts
             samples, self.ahead = (self.ahead if self.ahead is not None else self._receive()), None
         box = [samples]
         dist.broadcast_object_list(box, src=0)  # every actor rank runs the same rounds

@@ -135,21 +135,21 @@ class Bridge:
 
     def object(self, value: Any = None, *, from_actor: bool) -> Any:
         """`value` from the sending side to every bridge rank (pickled; tensors inside go along as bytes)."""
-        root = self._root(from_actor)
+        root, device = self._root(from_actor), self.device  # NCCL / HCCL move device tensors only
         if self._sends(from_actor):
             buf = io.BytesIO()
             pickle.dump(value, buf, protocol=pickle.HIGHEST_PROTOCOL)
-            data = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
-            size = torch.tensor([data.numel()], dtype=torch.int64)
+            data = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8).to(device)
+            size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
         else:
-            size = torch.zeros(1, dtype=torch.int64)
+            size = torch.zeros(1, dtype=torch.int64, device=device)
         self._broadcast(size, root)
         if not self._sends(from_actor):
-            data = torch.empty(int(size[0]), dtype=torch.uint8)
+            data = torch.empty(int(size[0]), dtype=torch.uint8, device=device)
         self._broadcast(data, root)
         if self._sends(from_actor):
             return value
-        return pickle.loads(data.numpy().tobytes())
+        return pickle.loads(data.cpu().numpy().tobytes())
 
     def tensors(self, header: list, flat: Optional[torch.Tensor], *, from_actor: bool) -> torch.Tensor:
         """A bucket's bytes (one flat uint8 tensor on the bridge's device) after its header object was sent."""
