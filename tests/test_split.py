@@ -89,3 +89,47 @@ def test_a_dead_rollout_rank_is_named_on_the_actor():
     lost = res[0].get("lost", res[0].get("error", ""))
     assert "rollout ranks 2..2 (global) stopped answering" in lost, lost
     assert "\n" not in lost
+
+
+def test_role_split_arithmetic():
+    from mcore_rl.platform.split import RoleSplit
+
+    roles = [RoleSplit(r, 5, 3) for r in range(5)]
+    assert [(s.role, s.role_rank, s.role_world, s.bridge_rank) for s in roles] == [
+        ("actor", 0, 3, 0),
+        ("actor", 1, 3, None),
+        ("actor", 2, 3, None),
+        ("rollout", 0, 2, 1),
+        ("rollout", 1, 2, 2),
+    ]
+    assert roles[0].describe_rollout() == "rollout ranks 3..4 (global)"
+
+
+def test_split_sizes_and_staleness_defaults():
+    from mcore_rl.config import RolloutConfig
+    from mcore_rl.separate import resolved_staleness, split_sizes
+
+    assert split_sizes(RolloutConfig(placement="separate"), 4) == 2  # rollout.ranks None: half the world
+    assert split_sizes(RolloutConfig(placement="separate", ranks=1), 2) == 1
+    with pytest.raises(ValueError, match="set rollout.ranks between 1 and 1"):
+        split_sizes(RolloutConfig(placement="separate", ranks=2), 2)
+    assert resolved_staleness(RolloutConfig(placement="separate")) == 1
+    assert resolved_staleness(RolloutConfig(placement="separate", max_staleness=0)) == 0
+    assert resolved_staleness(RolloutConfig()) == 0
+
+
+def test_a_bucket_survives_the_byte_stream_whatever_its_dtypes():
+    """Tensors of 2-, 4- and 8-byte types packed back to back (odd element counts: offsets not aligned to the next
+    tensor's element size) come out equal, with their shapes."""
+    from mcore_rl.separate import _bucket_header, _bucket_tensors
+
+    bucket = [
+        ("h", torch.tensor([1.5, -2.0, 3.25], dtype=torch.bfloat16)),
+        ("f", torch.randn(3, 5)),
+        ("i", torch.arange(7, dtype=torch.int64).reshape(7, 1)),
+        ("s", torch.tensor([[1, 2, 3]], dtype=torch.int16)),
+    ]
+    flat = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for _, t in bucket])
+    out = _bucket_tensors(_bucket_header(bucket), flat)
+    assert [n for n, _ in out] == [n for n, _ in bucket]
+    assert all(t.dtype == u.dtype and torch.equal(t, u) for (_, t), (_, u) in zip(bucket, out))
