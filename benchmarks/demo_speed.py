@@ -21,7 +21,11 @@ Runs, back to back in one invocation and so under the same machine load:
      gradient clip, GSPO's sequence-level ratio with the preset's clip range, one optimizer step per mini-batch
      (algo.mini_batches: TRL's steps_per_generation, its old log-probs then from the generating policy), no KL;
      the preset's overlong penalty (reward.overlong_buffer / overlong_penalty) added to the reward the same way,
-     from the completion's token count, <|im_end|> included as in mcore-rl's response lengths);
+     from the completion's token count, <|im_end|> included as in mcore-rl's response lengths); configured as
+     its users would for a 260k-parameter model, without gradient checkpointing (TRL 1.16's GRPOConfig turns it
+     on by default), and without the MoE load-balancing loss, as mcore-rl's Qwen3-MoE (mbridge:
+     moe_router_load_balancing_type "none"; TRL would add the model config's router_aux_loss_coef): every
+     GRPOConfig argument is printed before the run, and what the built trainer does ("TRL as run") after;
   2. `mcore-rl train PRESET` (torchrun, the preset's own layout; extra key=value overrides are applied).
 Each run is stopped as soon as the mean reward of the last `window` steps reaches `threshold` (or after
 max-steps), or with --steps N at the end of step N (a step: one batch of prompts x samples, i.e. algo.mini_batches
@@ -112,9 +116,21 @@ def trl_worker(spec: dict) -> None:
 
     model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
-    a = spec["algo"]
-    config = GRPOConfig(
-        output_dir=spec["out_dir"],
+    config = GRPOConfig(output_dir=spec["out_dir"], **trl_settings(spec))
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data, processing_class=tokenizer)
+    trainer.add_callback(Report())
+    effective = trl_effective(trainer, model)
+    print("SETTINGS " + json.dumps(effective), flush=True)
+    if effective["gradient_checkpointing"] or effective["aux_loss_enabled"]:
+        raise SystemExit(f"the TRL baseline must run without gradient checkpointing and auxiliary loss: {effective}")
+    trainer.train()
+
+
+def trl_settings(spec: dict) -> dict:
+    """GRPOConfig's arguments (but output_dir) for the demo's task, as TRL's users would set them for a 260k-parameter
+    model and with mcore-rl's objective; the launcher prints every one."""
+    a, mini = spec["algo"], spec["mini_batches"]
+    return dict(
         use_cpu=True,
         seed=spec["seed"],
         max_steps=spec["max_steps"] * mini,
@@ -139,15 +155,33 @@ def trl_worker(spec: dict) -> None:
         importance_sampling_level="sequence" if a["loss"] == "gspo" else "token",
         loss_type="grpo",  # per-sequence token mean, then the batch mean (seq-mean-token-mean)
         scale_rewards="group",  # (R - group mean) / group std, like adv_estimator=grpo
+        # TRL 1.16's GRPOConfig turns it on by default (trl/trainer/base_config.py); nothing to save on a tiny model
+        gradient_checkpointing=False,
+        # mbridge builds Qwen3-MoE with moe_router_load_balancing_type "none", so mcore-rl's loss has no load-balancing
+        # term; unset, TRL 1.16 takes the model config's router_aux_loss_coef (0.001 in the tiny models) and adds it
+        router_aux_loss_coef=0.0,
         logging_steps=1,
         save_strategy="no",
         report_to="none",
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data, processing_class=tokenizer)
-    trainer.add_callback(Report())
-    trainer.train()
+
+
+def trl_effective(trainer, model) -> dict:
+    """What the TRL run does, read back from the trainer and model it built (and the versions)."""
+    import torch
+    import transformers
+    import trl
+
+    return {
+        "gradient_checkpointing": bool(trainer.args.gradient_checkpointing or model.is_gradient_checkpointing),
+        "aux_loss_enabled": bool(trainer.aux_loss_enabled),
+        "router_aux_loss_coef": trainer.router_aux_loss_coef,
+        "trl": trl.__version__,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+    }
 
 
 # ---- the launcher (runs in mcore-rl's venv) -----------------------------------------------------------------
@@ -232,9 +266,12 @@ def run_trl(spec: dict, goal: Goal, python: Path) -> dict:
         env=env,
         cwd=REPO,
     )
-    steps, tail = [], []
+    steps, tail, effective = [], [], {}
     for line in proc.stdout:
         tail = (tail + [line])[-40:]
+        if line.startswith("SETTINGS "):
+            effective = json.loads(line[len("SETTINGS ") :])
+            print(f"TRL as run: {_settings_text(effective)}", flush=True)
         if line.startswith("STEP "):
             _, step, reward, stamp = line.split()
             steps.append((int(step), float(reward), float(stamp)))
@@ -243,7 +280,11 @@ def run_trl(spec: dict, goal: Goal, python: Path) -> dict:
     _stop(proc)
     if not steps:
         raise SystemExit("TRL run produced no steps:\n" + "".join(tail))
-    return _summary("trl", launched, steps, goal)
+    return dict(_summary("trl", launched, steps, goal), settings=effective)
+
+
+def _settings_text(settings: dict) -> str:
+    return ", ".join(f"{key}={value}" for key, value in settings.items())
 
 
 def run_mcore(preset: str, overrides: list[str], run_dir: Path, goal: Goal, repo: Path = REPO) -> dict:
@@ -370,12 +411,14 @@ def main() -> None:
             if args.only != "trl":
                 before = _load()
                 run_dir = Path(tmp) / f"mcore_{seed}"
+                print(f"mcore-rl train {args.preset} {' '.join(overrides)}", flush=True)
                 pair["mcore"] = run_mcore(args.preset, overrides, run_dir, goal, Path(args.mcore_repo).resolve())
                 print(_line(pair["mcore"], before, _load(), goal), flush=True)
             if args.only != "mcore":
                 before = _load()
                 threads = args.trl_threads or cfg.trainer.nproc
                 spec = trl_spec(cfg, seed, str(Path(tmp) / f"trl_{seed}"), max_steps, threads)
+                print(f"TRL GRPOConfig: {_settings_text(trl_settings(spec))}; torch threads {threads}", flush=True)
                 pair["trl"] = run_trl(spec, goal, Path(args.trl_python))
                 print(_line(pair["trl"], before, _load(), goal), flush=True)
             if len(pair) == 2:

@@ -66,7 +66,11 @@ def assign_ranks(infos: Sequence[tuple[str, Sequence[str]]]) -> list[RankPlaceme
     return [placements[i] for i in range(len(infos))]
 
 
-def rank_env(p: RankPlacement, world_size: int, master_addr: str, master_port: int, accelerator: str) -> dict[str, str]:
+def rank_env(
+    p: RankPlacement, world_size: int, master_addr: str, master_port: int, accelerator: str, run=None
+) -> dict[str, str]:
+    """The rank's environment; `run` (mcore_rl.platform.RunEnvironment of the config): the Ascend variables the
+    run's config decides (HCCL_EXEC_TIMEOUT, TASK_QUEUE_ENABLE, trainer.deterministic's)."""
     env = {
         "RANK": str(p.rank),
         "WORLD_SIZE": str(world_size),
@@ -80,9 +84,9 @@ def rank_env(p: RankPlacement, world_size: int, master_addr: str, master_port: i
     if accelerator in VISIBLE_DEVICES_ENV and p.visible_devices:
         env[VISIBLE_DEVICES_ENV[accelerator]] = ",".join(p.visible_devices)
     if accelerator == "NPU":  # the Ascend environment of mcore_rl.platform (docs/devices.md); a driver value wins
-        from mcore_rl.platform import ASCEND_ENV
+        from mcore_rl.platform.ascend_env import ascend_environment
 
-        env.update({k: os.environ.get(k, v) for k, v in ASCEND_ENV.items()})
+        env.update({k: os.environ.get(k, v) for k, v in ascend_environment(run).items()})
     env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
     return env
 
@@ -203,8 +207,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"ray_launch: {world} ranks on {len({p.node_ip for p in placements})} node(s), master {master_addr}:{master_port}",
             flush=True,
         )
+        from mcore_rl.platform.ascend_env import RunEnvironment
+
+        run = RunEnvironment.of(cfg)
         pending = [
-            w.run.remote(rank_env(p, world, master_addr, master_port, accelerator), cfg, args.entry) for p, w in by_rank
+            w.run.remote(rank_env(p, world, master_addr, master_port, accelerator, run), cfg, args.entry)
+            for p, w in by_rank
         ]
         stop = request_stop_on_signals(cfg.trainer.run_dir)
         while pending:

@@ -5,8 +5,8 @@
 #     launch/torchrun_multinode.sh configs/qwen3_30b_a3b/npu32_tp4_pp4_ep8.yaml [key=value ...]
 #
 # Environment: PLATFORM (cpu|cuda|npu; default: npu where torch_npu is installed, else none) exports that
-# platform's environment first (python -m mcore_rl.platform env: HCCL_CONNECT_TIMEOUT, VLLM_ASCEND_ENABLE_NZ
-# on npu; docs/devices.md), NNODES (default 1), NODE_RANK (0), MASTER_ADDR (127.0.0.1), MASTER_PORT (29500),
+# platform's environment first (python -m mcore_rl.platform env PLATFORM CONFIG: on npu HCCL_CONNECT_TIMEOUT,
+# HCCL_EXEC_TIMEOUT, TASK_QUEUE_ENABLE, ...; docs/devices.md), NNODES (default 1), NODE_RANK (0), MASTER_ADDR (127.0.0.1), MASTER_PORT (29500),
 # NPROC_PER_NODE (8), PYTHON (python), MODEL_CONFIG (optional config.json for the pre-flight check when
 # model.path is not readable on this node), DRY_RUN=1 (print the torchrun command instead of running it).
 # Every node first checks the config and the parallel layout for NNODES x NPROC_PER_NODE processes, so an
@@ -28,11 +28,6 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 if [[ -z "${PLATFORM:-}" ]] && "$PYTHON" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch_npu") is None)' 2>/dev/null; then
   PLATFORM=npu
 fi
-if [[ -n "${PLATFORM:-}" ]]; then
-  PLATFORM_ENV=$("$PYTHON" -m mcore_rl.platform env "$PLATFORM")
-  eval "$PLATFORM_ENV"
-fi
-
 if (( NODE_RANK < 0 || NODE_RANK >= NNODES )); then
   echo "torchrun_multinode.sh: NODE_RANK=$NODE_RANK must lie in [0, NNODES=$NNODES): give each node its own rank" >&2
   exit 2
@@ -40,8 +35,15 @@ fi
 
 # The run's world comes from the environment; record it in the config so the saved config matches the run.
 OVERRIDES=("$@" "trainer.nnodes=$NNODES" "trainer.nproc=$NPROC_PER_NODE")
+if [[ -n "${PLATFORM:-}" ]]; then  # with the config: also what it decides (HCCL_EXEC_TIMEOUT, TASK_QUEUE_ENABLE, ...)
+  PLATFORM_ENV=$("$PYTHON" -m mcore_rl.platform env "$PLATFORM" "$CONFIG" "${OVERRIDES[@]}")
+  eval "$PLATFORM_ENV"
+fi
 CHECK=("$PYTHON" -m mcore_rl.cli check "$CONFIG" "${OVERRIDES[@]}" --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE")
 if [[ -n "${MODEL_CONFIG:-}" ]]; then CHECK+=(--model-config "$MODEL_CONFIG"); fi
+# --node: this node runs the job, so its allocator setting and free disk are checked too (not for a dry run,
+# which may print the command on another machine)
+if [[ "${DRY_RUN:-0}" != "1" ]]; then CHECK+=(--node); fi
 "${CHECK[@]}"
 
 CMD=("$PYTHON" -m torch.distributed.run

@@ -161,4 +161,17 @@ def check_algo(a: AlgoConfig) -> list[str]:
             f"algo.rollout_is=icepop needs rollout_is_low < 1 < rollout_is_high, got [{a.rollout_is_low}, {a.rollout_is_high}]",
         )
     spec = LOSSES.get(a.loss)
-    return spec.check(a) if spec is not None else []
+    return (spec.check(a) if spec is not None else []) + _no_effect_without_dynamic_sampling(a)
+
+
+def _no_effect_without_dynamic_sampling(a: AlgoConfig) -> list[str]:
+    """dynamic sampling's own keys set while it is off: a warning each (like other keys without effect)."""
+    if a.dynamic_sampling:
+        return []
+    defaults = AlgoConfig()
+    return [
+        f"algo.{key} = {getattr(a, key)} has no effect without algo.dynamic_sampling: remove it, or set "
+        f"algo.dynamic_sampling=true"
+        for key in ("dynamic_sampling_max_rounds", "dynamic_sampling_at_cap")
+        if getattr(a, key) != getattr(defaults, key)
+    ]

@@ -6,7 +6,8 @@ into micro-batches. Normalisation counts are taken from the unsplit mini-batch (
 the loss and gradient do not depend on the split.
 
 Per-token tensors follow Megatron's label convention: column t holds quantities of token t + 1
-(the token predicted from the prefix up to t); so `loss_mask[:, -1]` is always 0.
+(the token predicted from the prefix up to t); so `loss_mask[:, -1]` is 0 unless the targets are given
+(`MicroBatch.labels`: a context-parallel rank's part of the sequences, whose last token may be mid-response).
 Routes (`routed_experts`) are the exception: row t holds the experts of token t itself.
 
 Two ways to cut a rank's share into micro-batches (`split_for_rank`):
@@ -116,7 +117,9 @@ class MicroBatch:
             raise ValueError(
                 f"MicroBatch.routed_experts has shape {tuple(self.routed_experts.shape)}, expected {shape} + (layers, k)"
             )
-        if self.loss_mask is not None and bool(self.loss_mask[:, -1].any()):
+        # Only the shifted tokens leave the last position without a target: a context-parallel rank's row (labels
+        # taken before the split) ends inside a sequence, often inside its response.
+        if self.labels is None and self.loss_mask is not None and bool(self.loss_mask[:, -1].any()):
             raise ValueError(
                 "loss_mask[:, -1] is set, but the last position has no next token: shift the response mask "
                 "left by one so that position t marks tokens[:, t + 1]"

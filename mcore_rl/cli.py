@@ -26,6 +26,7 @@ from mcore_rl.models.tiny import ARCHS
 from mcore_rl.preflight.check import describe_run, model_dims
 from mcore_rl.preflight.inputs import check_run_inputs, check_tokenizer
 from mcore_rl.preflight.layout import Layout, LayoutError
+from mcore_rl.preflight.node import check_node, rebuild_bytes
 from mcore_rl.preflight.run import validate_run
 from mcore_rl.run_dir import OutputWriteError, check_run_dir, write_failure
 
@@ -105,29 +106,53 @@ def cmd_check(args) -> int:
     world, nnodes, nproc = _world(args, cfg)
     layout = preflight(cfg, world, args.model_config)
     stack = check_stack(cfg, cfg.platform, getattr(args, "version_of", None))
+    if getattr(args, "node", False):  # this node runs the job (launch/torchrun_multinode.sh): its env and disk
+        check_node(cfg, None if cfg.platform == "auto" else cfg.platform, model_dims(cfg, args.model_config))
     print(f"OK: {args.config}")
     print(describe_run(cfg, layout, nnodes, nproc))
     print(describe_versions())
     print("\n".join(stack.lines()))
+    print("\n".join(_environment_lines(cfg)))
     return 0
 
 
+def _environment_lines(cfg: Config) -> list[str]:
+    """The collective timeout and the environment in force on the run's platform (auto: this machine's)."""
+    from mcore_rl.platform.ascend_env import RunEnvironment, describe_environment
+
+    platform = cfg.platform if cfg.platform != "auto" else _resolve_platform(cfg)
+    return describe_environment(platform, RunEnvironment.of(cfg), os.environ)
+
+
 def cmd_plan(args) -> int:
-    """The per-rank memory plan by phase (same inputs as `check`); exit 1 when it does not fit the device."""
+    """The per-rank memory plan by phase (same inputs as `check`; per role in the separate placement); exit 1
+    when it does not fit the device. --from-run: the split of the separate placement from a run's times."""
     from mcore_rl.preflight.memory_plan import plan_memory
 
     cfg = load_config(args.config, args.overrides)
     world, nnodes, nproc = _world(args, cfg)
     dims = model_dims(cfg, args.model_config)
-    layout = validate_run(cfg, world, dims)
     if args.device_memory is not None and not (0 < args.device_memory < math.inf):  # NaN fails both
         raise ConfigError(
             f"--device-memory = {args.device_memory} must be a finite number of GiB > 0, e.g. --device-memory 80"
         )
+    if args.from_run is not None:
+        from mcore_rl.preflight.split_plan import split_report
+
+        print(f"plan --from-run: {args.config} on {nnodes} node(s) x {nproc} processes")
+        print(split_report(args.from_run, cfg, world, dims, args.device_memory))
+        return 0
+    layout = validate_run(cfg, world, dims)
     plan = plan_memory(cfg, layout, dims, args.device_memory)
     print(f"plan: {args.config}")
     print(describe_run(cfg, layout, nnodes, nproc))
     print(plan.table())
+    rebuild = rebuild_bytes(cfg, dims)
+    if rebuild:
+        print(
+            f"disk: needs {rebuild / 1e9:.1f} GB free per node at rollout.rebuild_dir ({cfg.rollout.rebuild_dir or 'null: TMPDIR'}) "
+            f"for the rebuild fallback's Hugging Face folder (rollout.verify_fallback=rebuild)"
+        )
     return 1 if plan.fits is False else 0
 
 
@@ -239,6 +264,7 @@ def cmd_train(args) -> int:
     platform = _resolve_platform(cfg)
     layout = preflight(cfg, cfg.trainer.nproc, platform=platform)
     check_stack(cfg, platform, args.version_of)
+    check_node(cfg, platform, model_dims(cfg))
     check_run_inputs(cfg)
     from mcore_rl.preflight.memory_plan import checkpoint_bytes
 
@@ -263,6 +289,9 @@ def cmd_train(args) -> int:
     print(f"mcore-rl: {cfg.trainer.nproc} process(es) on {platform}: {' '.join(cmd[1:])}", flush=True)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # without it every rank spins all cores (0.5 s stalls on small CPUs)
+    from mcore_rl.platform import Platform, RunEnvironment
+
+    Platform(platform).apply_environment(env, RunEnvironment.of(cfg))  # NPU: before torch_npu starts in a rank
     env[CONFIG_WARNED_ENV] = "1"  # the config's warnings were printed here: rank 0 need not repeat them
     if cfg.rollout.placement == "separate":  # a dead rank's report names its role (mcore_rl.torchrun.rank_role)
         from mcore_rl.separate import split_sizes
@@ -367,9 +396,21 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--nnodes", type=int)
             p.add_argument("--nproc-per-node", type=int)
             p.add_argument("--model-config", help="the model's config.json (default: model.path/config.json)")
+        if name == "check":
+            p.add_argument(
+                "--node",
+                action="store_true",
+                help="this node runs the job: also check its allocator settings and free disk (launch/ scripts)",
+            )
         if name == "plan":
             p.add_argument(
                 "--device-memory", type=float, help="device memory in GiB (e.g. 64, 80, 141) for the verdict"
+            )
+            p.add_argument(
+                "--from-run",
+                metavar="RUN_DIR",
+                help="a colocated run's folder: print the actor / rollout split of the separate placement that "
+                "balances the roles on CONFIG's cluster, from the run's measured phase times",
             )
         p.set_defaults(func=func)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import math
 import os
 import re
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
@@ -186,6 +187,12 @@ class TrainerConfig:
     # rank 0 writes the first N of its scored samples of every rollout round to RUN_DIR/samples.jsonl: the
     # response with its special tokens, length, finish reason, task reward and overlong penalty (0: off)
     sample_log: int = 0
+    # how long a collective may wait (the process group's timeout, and HCCL_EXEC_TIMEOUT on NPU); null: derived
+    # from rollout.max_new_tokens (collective_timeout_minutes below, docs/devices.md "Collective timeout")
+    collective_timeout_minutes: Optional[float] = None
+    # Ascend: deterministic matmuls and HCCL reductions, so the engine's log-probs match training's
+    # (mcore_rl.platform.ascend_env.DETERMINISTIC_ENV; docs/devices.md); no effect on cpu / cuda
+    deterministic: bool = False
 
 
 @dataclass
@@ -414,6 +421,11 @@ def _check_ranges(cfg: Config) -> None:
     }
     for key, v in positive.items():
         _require(v > 0, f"{key} = {v} must be > 0")
+    timeout = cfg.trainer.collective_timeout_minutes
+    _require(
+        timeout is None or timeout > 0,
+        f"trainer.collective_timeout_minutes = {timeout} must be > 0, or null to derive it from rollout.max_new_tokens",
+    )
     for key in ("verify_tolerance", "verify_high_tolerance"):
         v = getattr(r, key)
         _require(v is None or v > 0, f"rollout.{key} = {v} must be > 0, or null for the model dtype's default")
@@ -447,6 +459,26 @@ def _no_effect_with_embedded(r: RolloutConfig) -> list[str]:
         f"actor's own weights and layout, without a KV cache pool): remove it, or set rollout.engine=vllm"
         for key in ("tp", "gpu_memory_utilization", "kv_cache_gb")
         if getattr(r, key) != getattr(defaults, key)
+    ]
+
+
+def _overlong_rules(cfg: Config) -> list[str]:
+    """The penalty's buffer lies within the response budget (`rewards.overlong.OverlongPenalty` refuses it on
+    every rank otherwise); overlong filtering with a budget of one token keeps almost nothing: the stop token
+    counts toward rollout.max_new_tokens (a response is cut when its last token is not a stop token), so only
+    a response that is the stop token alone, an empty answer, is not masked."""
+    buffer, budget = cfg.reward.overlong_buffer, cfg.rollout.max_new_tokens
+    _require(
+        buffer <= budget,
+        f"reward.overlong_buffer = {buffer} exceeds rollout.max_new_tokens = {budget}: the penalty's buffer is the "
+        f"last tokens of the response budget; set reward.overlong_buffer to at most {budget} (0: off)",
+    )
+    if not (cfg.algo.overlong_filtering and budget == 1):
+        return []
+    return [
+        "algo.overlong_filtering with rollout.max_new_tokens = 1 masks every response but an empty one: a response "
+        "is cut (and masked) unless its last token is a stop token, which counts toward max_new_tokens; raise "
+        "rollout.max_new_tokens to the answer's length + 1, or set algo.overlong_filtering=false"
     ]
 
 
@@ -509,6 +541,7 @@ def _check_combinations(cfg: Config) -> list[str]:
         f"working directory; set it, e.g. trainer.run_dir=runs/my_run",
     )
     warnings += _no_effect_with_embedded(r)
+    warnings += _overlong_rules(cfg)
     _require(
         re.fullmatch(r"task|math|[\w.]+:\w+", cfg.reward.fn) is not None,
         f"reward.fn = {cfg.reward.fn!r}: use 'task', 'math' or 'package.module:function'",
@@ -518,29 +551,35 @@ def _check_combinations(cfg: Config) -> list[str]:
 
 def _check_placement(r: RolloutConfig) -> None:
     """rollout.placement's own rules (the split against the world and the devices: mcore_rl.preflight)."""
-    if r.placement == "colocated":
-        _require(
-            r.ranks is None,
-            f"rollout.ranks = {r.ranks} splits off rollout ranks, which only rollout.placement=separate has: remove it "
-            f"or set rollout.placement=separate",
-        )
+    if r.placement == "colocated":  # rollout.ranks there has no effect: a warning of the pre-flight's
         _require(
             r.max_staleness in (None, 0),
             f"rollout.max_staleness = {r.max_staleness}: a colocated run generates with the newest weights (0); "
             f"generating ahead needs rollout.placement=separate",
         )
         return
-    _require(r.ranks is None or r.ranks >= 1, f"rollout.ranks = {r.ranks}: give at least 1 (or null: half the world)")
     _require(
         r.max_staleness in (None, 0, 1),
         f"rollout.max_staleness = {r.max_staleness}: the separate placement generates at most one step ahead; use 1 "
         f"(one-step off-policy) or 0 (waits: exactly the colocated run)",
     )
-    _require(
-        r.engine == "embedded",
-        f"rollout.placement=separate runs the embedded engine (rollout.engine = {r.engine} is colocated only so far): "
-        f"set rollout.engine=embedded or rollout.placement=colocated",
-    )
+
+
+# The collective timeout when trainer.collective_timeout_minutes is null. After each rollout every rank waits in
+# a collective for the slowest replica, so the timeout must outlast one replica's longest generation: this many
+# minutes for everything else (loading, a checkpoint save, a rebuild), plus SECONDS_PER_RESPONSE_TOKEN for each
+# token of the longest response - an assumed worst decode rate of 10 tokens/s per sequence (a full batch on a slow
+# eager engine; docs/devices.md "Collective timeout").
+BASE_COLLECTIVE_MINUTES = 30.0
+SECONDS_PER_RESPONSE_TOKEN = 0.1
+
+
+def collective_timeout_minutes(cfg: Config) -> float:
+    """trainer.collective_timeout_minutes, or when null the derived value (whole minutes)."""
+    if cfg.trainer.collective_timeout_minutes is not None:
+        return float(cfg.trainer.collective_timeout_minutes)
+    decode_minutes = cfg.rollout.max_new_tokens * SECONDS_PER_RESPONSE_TOKEN / 60
+    return BASE_COLLECTIVE_MINUTES + float(math.ceil(decode_minutes))
 
 
 def validate_config(cfg: Config) -> list[str]:

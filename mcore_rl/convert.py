@@ -20,7 +20,7 @@ from mcore_rl.config import Config, ConfigError, ModelConfig, ParallelConfig
 from mcore_rl.models.hf_io import DTYPES
 from mcore_rl.platform import get_platform
 from mcore_rl.preflight.inputs import check_model_type, check_weights
-from mcore_rl.preflight.layout import LayoutError, validate_layout
+from mcore_rl.preflight.layout import LayoutError, ModelDims, validate_layout
 
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
@@ -81,6 +81,68 @@ def check_args(args: argparse.Namespace) -> None:
     if args.max_shard_gb <= 0:
         raise ConvertError(f"--max-shard-gb = {args.max_shard_gb} must be > 0")
     _check_model_and_layout(args)
+    if args.direction == "mcore-to-hf":
+        _check_checkpoint_matches(args.ckpt, args.hf)
+
+
+def checkpoint_dims(ckpt: str) -> dict[str, int]:
+    """The model sizes a Megatron dist checkpoint's tensor metadata (`.metadata`, global shapes) shows: layers
+    (the stacked layer axis), hidden size and vocabulary rows (the embedding; padded), routed experts (the
+    router's rows; 0 without a router), the dense MLP's size (its gated fc1 holds 2 x intermediate_size rows)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        tensors = FileSystemReader(ckpt).read_metadata().state_dict_metadata
+    except Exception as e:  # noqa: BLE001 - torch raises what its reader met (OSError, pickle errors ...)
+        raise ConvertError(
+            f"--ckpt {ckpt}: its tensor metadata (.metadata) is unreadable ({type(e).__name__}: {e}): give a "
+            f"checkpoints/step_N/actor folder or an hf-to-mcore output"
+        ) from None
+    # the sharded tensors' own keys (Megatron's), the same in a training checkpoint and an hf-to-mcore output
+    shapes = {key: tuple(meta.size) for key, meta in tensors.items() if getattr(meta, "size", None) is not None}
+    embedding = shapes.get("embedding.word_embeddings.weight")
+    qkv = shapes.get("decoder.layers.self_attention.linear_qkv.weight")
+    if embedding is None or qkv is None:
+        raise ConvertError(
+            f"--ckpt {ckpt} holds no GPT model (no embedding or attention weights): give the actor's folder"
+        )
+    router = shapes.get("decoder.layers.mlp.router.weight")
+    dims = {"num_hidden_layers": qkv[0], "hidden_size": embedding[1], "num_experts": router[1] if router else 0}
+    dense_fc1 = shapes.get("decoder.layers.mlp.linear_fc1.weight")
+    if dense_fc1 is not None:
+        dims["intermediate_size"] = dense_fc1[1] // 2
+    return {**dims, "vocab_rows": embedding[0]}
+
+
+def _check_checkpoint_matches(ckpt: str, hf: str) -> None:
+    """--hf's config.json describes the model in --ckpt: a MoE checkpoint with a dense config (or other sizes)
+    would fail in the load with a KeyError or a shape error; say which field differs first."""
+    dims = ModelDims.from_hf(hf)
+    config = {
+        "num_hidden_layers": dims.num_layers,
+        "hidden_size": dims.hidden,
+        "num_experts": dims.num_experts,
+        "intermediate_size": dims.ffn_hidden_size,
+    }
+    found = checkpoint_dims(ckpt)
+    experts = found["num_experts"], config["num_experts"]
+    if experts[0] != experts[1]:
+        held, given = (f"a MoE model ({n} routed experts)" if n else "a dense model (no experts)" for n in experts)
+        raise ConvertError(
+            f"--ckpt {ckpt} holds {held}, but --hf {hf}/config.json describes {given}: give the --hf folder of the "
+            f"model the checkpoint was trained from"
+        )
+    for field, value in found.items():
+        if field in config and config[field] != value:
+            raise ConvertError(
+                f"--ckpt {ckpt} holds a model with {field} = {value}, but --hf {hf}/config.json has {field} = "
+                f"{config[field]}: give the --hf folder of the model the checkpoint was trained from"
+            )
+    if found["vocab_rows"] < dims.vocab_size:  # the checkpoint's rows are the vocabulary padded up
+        raise ConvertError(
+            f"--ckpt {ckpt} has an embedding of {found['vocab_rows']} rows, but --hf {hf}/config.json has "
+            f"vocab_size = {dims.vocab_size}: give the --hf folder of the model the checkpoint was trained from"
+        )
 
 
 def _check_model_and_layout(args: argparse.Namespace) -> None:

@@ -42,13 +42,13 @@ import torch.distributed as dist
 from mcore_rl.algos import group_advantages
 from mcore_rl.batch import plan_mini_batches
 from mcore_rl.compat import describe_versions
-from mcore_rl.config import Config, save_config
+from mcore_rl.config import Config, ConfigError, save_config
 from mcore_rl.data import PromptInputs
 from mcore_rl.dynamic_sampling import overlong_filtered
 from mcore_rl.generation import StepGenerator, build_engine, load_step_inputs, validation_examples
 from mcore_rl.metrics import MetricsLogger, PhaseTimer, SampleLog
 from mcore_rl.placement import ColocatedPlacement, Phase, Placement
-from mcore_rl.platform import collectives, get_platform
+from mcore_rl.platform import RunEnvironment, collectives, get_platform
 from mcore_rl.platform.library_warnings import quiet_startup, verbose_requested
 from mcore_rl.platform.split import init_split
 from mcore_rl.plot import plot_run
@@ -71,6 +71,7 @@ from mcore_rl.run_dir import (
     resolve_verified_resume,
     write_failure,
 )
+from mcore_rl.run_dir.errors import disk_full_error
 from mcore_rl.safety import (
     STOP_FILE,
     Interrupted,
@@ -104,12 +105,12 @@ class Trainer:
         self.stop_signals = StopSignals(Path(cfg.trainer.run_dir) / STOP_FILE, at_once=self._stop_at_once)
         self.stop_signals.install()
         self.platform = get_platform(cfg.platform)
-        self.platform.init_distributed()
+        self.platform.init_distributed(RunEnvironment.of(cfg))  # the collective timeout, HCCL's env (NPU)
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()  # the actor's ranks (separate placement: the rollout ranks are not in it)
         self.job_world = int(os.environ.get("WORLD_SIZE", self.world))  # every rank torchrun started
         self.run_dir = Path(cfg.trainer.run_dir)
-        check_before_build(cfg, self.world, self.platform.name)  # plain torchrun launches skip the pre-flight
+        check_before_build(cfg, self.job_world, self.platform.name)  # plain torchrun launches skip the pre-flight
         resume = self._claim_run_dir()
         # Cheap, rank-local work first so bad data or reward functions fail before Megatron starts.
         self._load_inputs(inputs)
@@ -567,6 +568,11 @@ def run(cfg: Config, inputs: "PromptInputs | None" = None) -> None:
         trainer.fit()
     except Interrupted:
         raise _interrupted(cfg, trainer) from None
+    except OSError as e:  # a full disk outside the checkpoint's own writes (metrics.jsonl ...): named, no traceback
+        full = disk_full_error(e, cfg.trainer.run_dir)
+        if full is None:
+            raise
+        raise full from None
     finally:
         StopSignals().ignore()  # the run is over: a later Ctrl-C would only interrupt the exit
         if trainer is not None and trainer.run_lock is not None:
@@ -580,11 +586,19 @@ def start_processes(cfg: Config):
     platform = get_platform(cfg.platform)
     if cfg.rollout.placement != "separate":
         return None
+    if cfg.rollout.engine != "embedded":  # before any process group or model: the check is free
+        raise ConfigError(
+            f"rollout.placement=separate runs the embedded engine so far (rollout.engine = {cfg.rollout.engine}: the "
+            f"weights across the split reach vLLM through no transfer path yet): set rollout.engine=embedded or "
+            f"rollout.placement=colocated"
+        )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     actor_ranks = split_sizes(cfg.rollout, world)
-    platform.apply_environment()
+    run = RunEnvironment.of(cfg)
+    platform.apply_environment(run=run)
     platform.set_device()
-    _, bridge = init_split(platform.name, platform.dist_backend, platform.device, actor_ranks, timedelta(minutes=30))
+    timeout = timedelta(minutes=run.collective_timeout_minutes)
+    _, bridge = init_split(platform.name, platform.dist_backend, platform.device, actor_ranks, timeout)
     return bridge
 
 

@@ -362,3 +362,30 @@ def test_convert_help_is_the_converters(capsys):
     assert main(["convert", "--help"]) == 0
     out = capsys.readouterr().out
     assert "hf-to-mcore" in out and "--max-shard-gb" in out
+
+
+def test_check_and_train_refuse_sequences_beyond_the_models_positions(tmp_path, tiny_model_dir):
+    """rollout.max_new_tokens = 1000 on the tiny model of 512 positions passed the pre-flight and every rank then
+    died in the engine; `check` and `train` refuse it in one line naming the largest budget that fits, and the
+    trainer's own check (plain torchrun launches) does too."""
+    positions = json.loads((Path(tiny_model_dir) / "config.json").read_text())["max_position_embeddings"]
+    args = sapo_preset_args(tmp_path, tiny_model_dir)
+    prompt_len = 64
+    room = positions - prompt_len
+    for proc in (
+        cli("check", *args, "rollout.max_new_tokens=1000"),
+        cli("train", *args, "rollout.max_new_tokens=1000"),
+    ):
+        assert one_line_error(proc) == (
+            f"mcore-rl: error: data.max_prompt_len + rollout.max_new_tokens = {prompt_len} + 1000 = "
+            f"{prompt_len + 1000} exceeds the model's max_position_embeddings = {positions} (config.json): lower "
+            f"rollout.max_new_tokens to at most {room}"
+        )
+    assert not (tmp_path / "run").exists()
+    assert cli("check", *args, f"rollout.max_new_tokens={room}").returncode == 0
+    assert "lower data.max_prompt_len" in one_line_error(cli("check", *args, f"data.max_prompt_len={positions}"))
+    from mcore_rl.config import ConfigError, load_config
+    from mcore_rl.preflight.run import check_before_build
+
+    with pytest.raises(ConfigError, match=f"exceeds the model's max_position_embeddings = {positions}"):
+        check_before_build(load_config(args[0], [*args[1:], f"rollout.max_new_tokens={room + 1}"]), 2, "cpu")

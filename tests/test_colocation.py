@@ -4,9 +4,11 @@ beside an awake engine in the trainer's real sync (tests/workers/wake_order.py),
 
 import dataclasses
 import gc
+import types
 import weakref
 
 import pytest
+import torch
 
 from mcore_rl.colocation import Colocation, ColocationError, Phase
 from mcore_rl.platform import Platform
@@ -23,18 +25,28 @@ class Recording(Platform):
         super().empty_cache()
 
 
+@dataclasses.dataclass(frozen=True)
+class SyncRecording(Recording):
+    """Records `synchronize` too (without calling the device's: there is none here)."""
+
+    def synchronize(self) -> None:
+        self.events.append("synchronize")
+
+
 @pytest.mark.parametrize(
     "name, events",
     [
-        ("cuda", ["cycle alive", "empty_cache", "cycle gone"]),  # no CUDA here: torch's empty_cache is a no-op
-        ("cpu", ["cycle alive", "empty_cache", "cycle alive"]),  # nothing cached, no engine sleeps: no collection
+        # no CUDA here: the device's synchronize is recorded, not called; torch's empty_cache is a no-op
+        ("cuda", ["cycle alive", "synchronize", "empty_cache", "cycle gone"]),
+        # nothing cached, no engine sleeps: no collection; the CPU's synchronize does nothing
+        ("cpu", ["cycle alive", "synchronize", "empty_cache", "cycle alive"]),
     ],
 )
 def test_release_cache_collects_cycles_before_emptying_the_cache(name, events):
     class Cycle:
         pass
 
-    platform = Recording(name)
+    platform = SyncRecording(name)
     a, b = Cycle(), Cycle()
     a.other, b.other = b, a  # unreachable once dropped, but freed only by the collector
     alive = weakref.ref(a)
@@ -47,6 +59,23 @@ def test_release_cache_collects_cycles_before_emptying_the_cache(name, events):
     finally:
         gc.enable()
     assert platform.events == events
+
+
+@pytest.mark.parametrize("name", ["cuda", "npu"])
+def test_release_cache_synchronises_the_device_before_emptying_its_cache(name, monkeypatch):
+    """The device module's calls in order, through recording stand-ins of torch.cuda's / torch.npu's functions."""
+    calls = []
+    device = types.SimpleNamespace(
+        synchronize=lambda: calls.append("synchronize"), empty_cache=lambda: calls.append("empty_cache")
+    )
+    if name == "cuda":
+        monkeypatch.setattr(torch.cuda, "synchronize", device.synchronize)
+        monkeypatch.setattr(torch.cuda, "empty_cache", device.empty_cache)
+    else:
+        monkeypatch.setattr(torch, "npu", device, raising=False)
+    monkeypatch.setattr(gc, "collect", lambda: calls.append("collect"))
+    Platform(name).release_cache()
+    assert calls == ["collect", "synchronize", "empty_cache"]
 
 
 @pytest.mark.slow

@@ -197,3 +197,38 @@ def test_mbridge_imports_only_the_models_bridge(tiny_model_dir):
     assert out["bridge"] == "Qwen3MoEBridge" and out["registered"] == ["qwen2_moe", "qwen3_moe"], out
     assert out["heavy"] == [], out
     assert out["after"]["llama"] == "LLaMABridge" and out["after"]["same_class"] and out["after"]["count"] > 2, out
+
+
+def test_moe_forward_with_only_what_cuda_without_te_gets(tiny_model_dir, tmp_path):
+    """The tiny Qwen3-MoE through Megatron with the CPU adaptation's device routing alone and the compatibility
+    shims (tests/workers/cuda_without_te_moe.py), the process a CUDA machine without Transformer Engine runs
+    (the GPU smoke suite's): logits and the routers' gradients equal Hugging Face's. megatron-core >= 0.13 reads
+    an unbound `te_general_gemm` in the router's gating without TE (NameError) unless compat shims it."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.torchrun_util import REPO, run_worker
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, hf.config.vocab_size, (2, 12), generator=g)
+    probe = torch.randn(2, 12, hf.config.vocab_size, generator=g)
+    logits = hf(tokens).logits
+    (logits * probe).sum().backward()
+    ref = tmp_path / "ref.pt"
+    torch.save({"tokens": tokens, "probe": probe}, ref)
+
+    (got,) = run_worker(
+        REPO / "tests" / "workers" / "cuda_without_te_moe.py", 1, torchrun=False, model_dir=tiny_model_dir, ref=ref
+    ).results
+    needs_shim = compat_megatron.version() >= Version("0.13")  # TE is never installed here
+    assert ("te_general_gemm without TE" in got["shims"]) == needs_shim, got
+    assert got["te_general_gemm"] == ("None" if needs_shim else "'undefined'"), got
+    # no CPU speed-up: Megatron imported with its torch.compile'd fusions, as on CUDA
+    assert got["jit_fuser_compiles"] and got["dynamo_loaded"], got
+    assert got["spec"] == "SegmentDotProductAttention", got  # the local spec CUDA builds without TE
+    megatron = torch.load(got["out"])
+    torch.testing.assert_close(megatron["logits"], logits.detach(), rtol=0, atol=1e-4)
+    layers = hf.model.layers
+    assert sorted(megatron["router_grads"]) == list(range(len(layers)))
+    for i, grad in megatron["router_grads"].items():
+        torch.testing.assert_close(grad, layers[i].mlp.gate.weight.grad, rtol=1e-4, atol=1e-5)

@@ -14,6 +14,7 @@ from mcore_rl.config import (
     save_config,
     validate_config,
 )
+from tests.torchrun_util import REPO
 
 
 def write(tmp_path, text: str):
@@ -265,11 +266,8 @@ def test_an_empty_run_dir_is_refused(run_dir):
 @pytest.mark.parametrize(
     "overrides, fix",
     [
-        (("rollout.ranks=1",), "rollout.placement=separate"),
         (("rollout.max_staleness=1",), "needs rollout.placement=separate"),
         (("rollout.placement=separate", "rollout.max_staleness=2"), "at most one step ahead"),
-        (("rollout.placement=separate", "rollout.ranks=0"), "at least 1"),
-        (("rollout.placement=separate", "rollout.engine=vllm"), "set rollout.engine=embedded"),
     ],
 )
 def test_placement_value_rules_name_the_fix(overrides, fix):
@@ -280,3 +278,43 @@ def test_separate_placement_defaults_accepted():
     for overrides in (["rollout.placement=separate"], ["rollout.placement=separate", "rollout.max_staleness=0"]):
         cfg = load_config(None, overrides)
         assert cfg.rollout.placement == "separate"
+
+
+def test_an_overlong_buffer_beyond_the_response_budget_is_refused():
+    """reward.overlong_buffer = 20 with max_new_tokens = 14 passed the pre-flight and every rank then died in
+    OverlongPenalty's own check; it is one config error naming the largest buffer that fits."""
+    from mcore_rl.rewards.overlong import OverlongPenalty
+
+    preset = str(REPO / "configs/tiny/gspo_multitoken_cpu.yaml")
+    with pytest.raises(
+        ConfigError, match=r"^reward.overlong_buffer = 20 exceeds rollout.max_new_tokens = 14: .* at most 14"
+    ):
+        load_config(preset, ["reward.overlong_buffer=20"])
+    with pytest.raises(ValueError):  # the reference: the penalty the workers build refuses the same pair
+        OverlongPenalty(14, 20, 1.0)
+    OverlongPenalty(14, 14, 1.0)
+    assert load_config(preset, ["reward.overlong_buffer=14"]).reward.overlong_buffer == 14
+
+
+def test_overlong_filtering_with_a_one_token_budget_warns():
+    """The stop token counts toward rollout.max_new_tokens: with 1, every response but the stop token alone is
+    cut, and overlong filtering masks ~99% of the one-token preset's samples; that is a warning with the fix."""
+    preset = str(REPO / "configs/tiny/gspo_cpu.yaml")
+    warned = validate_config(load_config(preset, ["algo.overlong_filtering=true"], validate=False))
+    assert any(w.startswith("algo.overlong_filtering with rollout.max_new_tokens = 1 masks") for w in warned), warned
+    for args in (["algo.overlong_filtering=false"], ["algo.overlong_filtering=true", "rollout.max_new_tokens=2"]):
+        assert not any("overlong_filtering" in w for w in validate_config(load_config(preset, args, validate=False)))
+
+
+def test_dynamic_sampling_keys_without_dynamic_sampling_warn_that_they_have_no_effect():
+    keys = ["algo.dynamic_sampling_max_rounds=3", "algo.dynamic_sampling_at_cap=error"]
+    warned = validate_config(load_config(None, keys, validate=False))
+    for key in keys:
+        name, value = key.split("=")
+        assert any(w.startswith(f"{name} = {value} has no effect without algo.dynamic_sampling") for w in warned), (
+            key,
+            warned,
+        )
+    on = validate_config(load_config(None, ["algo.dynamic_sampling=true", *keys], validate=False))
+    assert not any("no effect" in w for w in on)
+    assert not any("no effect" in w for w in validate_config(load_config(None, [], validate=False)))

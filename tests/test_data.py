@@ -159,3 +159,27 @@ def test_sampler_refuses_a_different_dataset_or_seed():
         EpochSampler(num_examples=8, batch_size=3, seed=11).load_state_dict(state)
     with pytest.raises(ValueError, match="saved seed=11"):
         EpochSampler(num_examples=7, batch_size=3, seed=12).load_state_dict(state)
+
+
+def test_rows_pythons_parser_cannot_hold_are_skipped_as_malformed(tmp_path, tokenizer, caplog):
+    """A line of 100,000 nested '[' raised RecursionError and a 5,000-digit integer "Exceeds the limit (4300
+    digits)" naming neither file nor row, and the whole file was refused: each is one malformed row, counted and
+    shown as the example like any other, and the good rows are kept."""
+    deep = "[" * 100_000
+    huge = json.dumps(row("big")).replace('"1"', "1" + "0" * 4_999)
+    rows = [deep, row("abc"), huge, row("hello")]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(RecursionError):  # the reference: the parser itself cannot hold these lines
+        json.loads(deep)
+    with pytest.raises(ValueError, match="4300 digits"):
+        json.loads(huge)
+    with caplog.at_level(logging.INFO, logger="mcore_rl.data.dataset"):
+        ds = load_prompt_dataset(path, tokenizer, max_prompt_len=30)
+    s = ds.summary
+    assert (s.rows, s.kept, s.malformed) == (4, 2, 2) and [e.index for e in ds] == [1, 3]
+    assert s.malformed_example == "row 0: not readable JSON (nested deeper than the parser's recursion limit)"
+    assert "2 malformed rows skipped" in caplog.text
+    only_huge = write_jsonl(tmp_path / "h.jsonl", [huge, row("abc")])
+    assert load_prompt_dataset(only_huge, tokenizer, max_prompt_len=30).summary.malformed_example == (
+        "row 0: not readable JSON (Exceeds the limit (4300 digits) for integer string conversion)"
+    )

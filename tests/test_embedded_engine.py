@@ -200,3 +200,52 @@ def test_make_engine_and_noop_sleep(tiny_model_dir, caplog):
     assert sum("no-ops" in r.message for r in caplog.records) == 1
     with pytest.raises(ValueError, match="rollout.engine='sglang'"):
         make_engine(RolloutConfig(engine="sglang"), tiny_model_dir)
+
+
+def padded_vocab_model(src: str, out, extra: int = 32) -> str:
+    """The tiny model with its vocabulary padded by `extra` rows beyond the tokenizer's 128 ids (config vocab_size
+    160), as Qwen3's 151,936 rows pad its 151,669 tokens. The padded output rows are long random directions, so the
+    model itself puts nearly all its probability on them."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    out = Path(out)
+    shutil.copytree(src, out)
+    weights = load_file(out / "model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    for name, scale in (("model.embed_tokens.weight", 0.02), ("lm_head.weight", 100.0)):
+        w = weights[name]
+        weights[name] = torch.cat([w, scale * torch.randn(extra, w.shape[1], generator=gen, dtype=w.dtype)])
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["vocab_size"] += extra
+    (out / "config.json").write_text(json.dumps(config))
+    return str(out)
+
+
+def test_padded_vocabulary_ids_are_never_sampled(tiny_model_dir, tmp_path, prompts):
+    """Issue 31 defect 8: ids above the tokenizer's are masked before sampling (and before the returned log-probs,
+    as vLLM's allowed_token_ids masks them); the reference is the HF model's logits cut to the tokenizer's ids."""
+    path = padded_vocab_model(tiny_model_dir, tmp_path / "padded")
+    engine = EmbeddedEngine(path, return_routed_experts=False, share_weights=False)
+    assert (engine.config.vocab_size, len(engine.tokenizer)) == (160, 128)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        first = hf(torch.tensor([prompts[0]])).logits[0, -1]
+    assert torch.softmax(first, -1)[128:].sum() > 0.99  # unmasked, a draw would almost surely be a padded id
+    for temperature in (1.0, 0.0):
+        groups = engine.generate(prompts, 4, SamplingParams(temperature=temperature, max_new_tokens=6, seed=3))
+        for prompt, group in zip(prompts, groups):
+            for s in group:
+                assert max(s.response_ids) < 128, s.response_ids
+                with torch.no_grad():
+                    logits = hf(torch.tensor([s.prompt_ids + s.response_ids])).logits[0, :, :128].float()
+                ref = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1]
+                ref = ref.gather(-1, torch.tensor(s.response_ids)[:, None]).squeeze(-1)
+                assert (s.logprobs - ref).abs().max().item() <= 1e-4
+                if temperature == 0:
+                    assert s.response_ids[0] == int(logits[len(prompt) - 1].argmax())
+    assert engine.sampled_vocab == 128

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -277,6 +278,51 @@ def test_convert_of_another_architecture(capsys, tmp_path, tiny_model_dir):
         line = one_error_line(capsys, argv, prog="mcore-rl convert")
         assert f"--hf {llama}: model_type 'llama' is not supported" in line
     assert not (tmp_path / "out").exists()
+
+
+def test_convert_to_hf_with_another_architectures_config(capsys, tmp_path, tiny_model_dir, tiny_dense_dirs):
+    """`convert mcore-to-hf` of a MoE checkpoint with a dense model's --hf died in the load with a KeyError
+    traceback (the dense MLP's weights are not in the checkpoint): the checkpoint's tensor metadata is compared
+    with config.json first, and the line names the field that differs, with both values from the two sources."""
+    ckpts = {}
+    for name, hf in (("moe", tiny_model_dir), ("dense", tiny_dense_dirs["qwen3"])):
+        ckpts[name] = tmp_path / name
+        argv = ["convert", "hf-to-mcore", "--hf", hf, "--out", ckpts[name], "--platform", "cpu"]
+        proc = subprocess.run(
+            [sys.executable, "-m", "mcore_rl.cli", *map(str, argv)], capture_output=True, text=True, cwd=REPO
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    moe_config = json.loads((Path(tiny_model_dir) / "config.json").read_text())
+    experts = moe_config["num_local_experts"]
+    out = tmp_path / "out"
+
+    def refused(ckpt, hf) -> str:
+        argv = ["convert", "mcore-to-hf", "--ckpt", str(ckpt), "--hf", str(hf), "--out", str(out)]
+        return one_error_line(capsys, argv, prog="mcore-rl convert")
+
+    dense = tiny_dense_dirs["qwen3"]
+    assert refused(ckpts["moe"], dense) == (
+        f"mcore-rl convert: error: --ckpt {ckpts['moe']} holds a MoE model ({experts} routed experts), but --hf "
+        f"{dense}/config.json describes a dense model (no experts): give the --hf folder of the model the "
+        f"checkpoint was trained from"
+    )
+    assert (
+        f"holds a dense model (no experts), but --hf {tiny_model_dir}/config.json describes a MoE model ({experts}"
+        in (refused(ckpts["dense"], tiny_model_dir))
+    )
+    deeper = tmp_path / "deeper"
+    shutil.copytree(tiny_model_dir, deeper)
+    (deeper / "config.json").write_text(json.dumps({**moe_config, "num_hidden_layers": 4}))
+    layers = moe_config["num_hidden_layers"]
+    assert (
+        f"holds a model with num_hidden_layers = {layers}, but --hf {deeper}/config.json has num_hidden_layers = 4"
+        in (refused(ckpts["moe"], deeper))
+    )
+    assert not out.exists()
+    from mcore_rl.convert import check_args, parse_args
+
+    for name, hf in (("moe", tiny_model_dir), ("dense", dense)):  # each checkpoint with its own config passes
+        check_args(parse_args(["mcore-to-hf", "--ckpt", str(ckpts[name]), "--hf", str(hf), "--out", str(out)]))
 
 
 # ---------------------------------------------------------------- rewards

@@ -110,6 +110,33 @@ def test_disk_full_while_writing(tiny_model_dir, task, tmp_path, tmpfs, where, s
         assert (run / "hf" / "model.safetensors").is_file() and f"mcore-rl plot {run}" in line
 
 
+def test_disk_filling_during_the_run_is_named(tiny_model_dir, task, tmp_path, tmpfs):
+    """The run directory's disk fills after step 2's checkpoint (another writer takes the rest): the next write,
+    TensorBoard's events or metrics.jsonl, ended the run with "a worker failed" and a traceback in the log; the
+    last line now names the run directory, "No space left on device" and the checkpoint, which verifies."""
+    run = tmpfs(tmp_path / "run", "16m")
+    cmd = train_cmd(tiny_model_dir, task, run, **{"trainer.steps": 8})
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    deadline = time.time() + 300
+    while not (run / "checkpoints" / "step_00000002").is_dir():
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-4000:]
+        time.sleep(0.05)
+    with open(run / "filler", "wb", buffering=0) as f, pytest.raises(OSError):  # the disk fills
+        while True:
+            f.write(b"\0" * 65536)
+    out, _ = proc.communicate(timeout=600)
+    line = last_line(out)
+    assert proc.returncode == 1, out[-6000:]
+    assert line.startswith("mcore-rl: error: the run stopped: a write failed ([Errno 28] No space left on device: "), (
+        out[-6000:]
+    )
+    newest = CheckpointManager(run).latest()
+    assert (
+        newest.step == 2 and not verify_checkpoint(newest) and f"the newest checkpoint {newest.path} is intact" in line
+    )
+
+
 def test_ctrl_c_twice_during_a_save_prints_the_stop_line(tiny_model_dir, task, tmp_path):
     """Ctrl-C twice used to print KeyboardInterrupt tracebacks from inside the checkpoint writer (and torchrun's
     SignalException); the checkpoint being written was never published, which still holds."""

@@ -626,3 +626,62 @@ def test_bad_source_is_one_error_line(tmp_path, capsys):
     (tmp_path / "s.sh").write_text("echo nothing here\n")
     assert cli_main(["from-verl", str(tmp_path / "s.sh")]) == 2
     assert "no verl trainer command found" in capsys.readouterr().err
+
+
+def test_a_binary_file_or_a_folder_is_one_error_line(tmp_path, capsys):
+    """A binary file gave a UnicodeDecodeError traceback and a folder "does not exist": each is named for what
+    it is."""
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(bytes([0x80, 0xFF, 0x00, 0x41]))
+    with pytest.raises(UnicodeDecodeError):  # the reference: the bytes are not UTF-8 text
+        binary.read_text(encoding="utf-8")
+    assert cli_main(["from-verl", str(binary)]) == 2
+    assert capsys.readouterr().err == (
+        f"mcore-rl: error: {binary}: not a text file (byte 0x80 at offset 0 is not UTF-8): give the launch "
+        f"script (a shell script), or the command line in quotes\n"
+    )
+    nul = tmp_path / "nul.sh"
+    nul.write_bytes(b"ABC\x00DEF")
+    assert cli_main(["from-verl", str(nul)]) == 2
+    assert f"{nul}: not a text file (a NUL byte at offset 3)" in capsys.readouterr().err
+    assert cli_main(["from-verl", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        f"mcore-rl: error: {tmp_path}: this is a directory: give the launch script inside it (e.g. {tmp_path}/run.sh)\n"
+    )
+
+
+UNSET_SCRIPT = (
+    "MODEL=$MODEL_DIR/Qwen3-8B\n"
+    "ray job submit --address=$RAY_ADDRESS -- python3 -m verl.trainer.main_ppo trainer.nnodes=1 "
+    "trainer.n_gpus_per_node=8 actor_rollout_ref.rollout.n=4 data.train_batch_size=8 "
+    "actor_rollout_ref.actor.ppo_mini_batch_size=8 actor_rollout_ref.rollout.name=vllm "
+    "actor_rollout_ref.model.path=$MODEL data.train_files=${TRAIN_FILE} trainer.project_name=${PROJECT:-demo}\n"
+)
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="bash is the reference")
+def test_an_unset_variable_in_a_value_is_named_and_strict_refuses(tmp_path, capsys):
+    """An unset $VAR made model.path empty and the conversion exited 0 without a word: the trainer's values
+    that read an unset variable (also through an assignment) name it; --strict exits 1. A default form
+    (${PROJECT:-demo}) and a wrapper's argument (ray's --address) are not the trainer's unset values."""
+    script = tmp_path / "run.sh"
+    script.write_text(UNSET_SCRIPT)
+    shim = 'ray() { while [ "$1" != -- ]; do shift; done; shift; "$@"; }\npython3() { printf \'%s\\0\' "$@"; }\n'
+    (tmp_path / "bash.sh").write_text(shim + UNSET_SCRIPT)
+    proc = subprocess.run(["bash", str(tmp_path / "bash.sh")], capture_output=True, env={"PATH": "/usr/bin:/bin"})
+    bash_argv = proc.stdout.decode().split("\0")[:-1]
+    assert "actor_rollout_ref.model.path=/Qwen3-8B" in bash_argv and "data.train_files=" in bash_argv
+    shell = read_script(UNSET_SCRIPT)
+    assert shell.argv[shell.argv.index("python3") + 1 :] == bash_argv  # expanded as bash does, and said so
+    assert shell.unset_reads == {"MODEL_DIR": 1, "TRAIN_FILE": 2}
+    out = tmp_path / "p.yaml"
+    qwen = str(CONFIGS / "qwen3_8b" / "config.json")
+    assert cli_main(["from-verl", str(script), "--out", str(out), "--model-config", qwen]) == 0
+    notes = capsys.readouterr().out.split("notes (")[1]
+    for name, line in (("MODEL_DIR", 1), ("TRAIN_FILE", 2)):
+        assert f"line {line}: ${name} is not set in the script (an environment variable is not read here)" in notes
+    assert "RAY_ADDRESS" not in notes and "PROJECT" not in notes
+    assert cli_main(["from-verl", str(script), "--out", str(out), "--model-config", qwen, "--strict"]) == 1
+    script.write_text("MODEL_DIR=/models\nTRAIN_FILE=/data/train.parquet\n" + UNSET_SCRIPT)
+    assert read_script(script.read_text()).unset_reads == {}
+    assert cli_main(["from-verl", str(script), "--out", str(out), "--model-config", qwen, "--strict"]) == 0

@@ -67,6 +67,8 @@ def test_multinode_script_exports_the_ascend_environment():
     proc = run_script(PRESETS / "npu16_tp4_ep4.yaml", NNODES=2, NPROC_PER_NODE=8, DRY_RUN=1, PLATFORM="npu")
     assert proc.returncode == 0, proc.stderr
     assert "export VLLM_ASCEND_ENABLE_NZ=0" in proc.stdout and "export HCCL_CONNECT_TIMEOUT=1800" in proc.stdout
+    # and what the config decides: 4,096-token responses -> 37 min collective timeout; an eager engine
+    assert "export HCCL_EXEC_TIMEOUT=2220" in proc.stdout and "export TASK_QUEUE_ENABLE=2" in proc.stdout
     proc = run_script(
         PRESETS / "npu16_tp4_ep4.yaml", NNODES=2, NPROC_PER_NODE=8, DRY_RUN=1, PLATFORM="npu", HCCL_CONNECT_TIMEOUT=900
     )
@@ -84,6 +86,17 @@ def test_multinode_script_rejects_layout_on_every_node_before_torchrun():
     )
     proc = run_script(PRESETS / "npu32_tp4_pp4_ep8.yaml", NNODES=4, NODE_RANK=4)
     assert proc.returncode == 2 and "NODE_RANK=4 must lie in [0, NNODES=4)" in proc.stderr
+
+
+def test_multinode_script_checks_the_node_before_torchrun():
+    """Not a dry run: every node's check also takes --node, so an allocator setting vLLM's sleep mode asserts on
+    stops the node with one error line, before torchrun starts."""
+    proc = run_script(
+        PRESETS / "npu16_tp4_ep4.yaml", NNODES=2, NPROC_PER_NODE=8, PYTORCH_NPU_ALLOC_CONF="expandable_segments:True"
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "mcore-rl: error: PYTORCH_NPU_ALLOC_CONF='expandable_segments:True'" in proc.stderr
+    assert "torch.distributed.run" not in proc.stdout
 
 
 def test_assign_ranks_contiguous_per_node_ordered_by_device():

@@ -25,6 +25,7 @@ QWEN = ModelDims(
     head_dim=128,
     ffn_hidden_size=6144,
     model_type="qwen3_moe",
+    max_positions=40960,  # the published model's max_position_embeddings
 )
 DENSE = ModelDims(num_layers=4, num_attention_heads=8, num_query_groups=8, num_experts=0, vocab_size=1000, hidden=64)
 
@@ -278,7 +279,9 @@ def test_every_real_model_preset_valid_at_its_world_size(preset):
     cfg = load_config(preset)
     world = cfg.trainer.nnodes * cfg.trainer.nproc
     lay = validate_run(cfg, world, preset.parent / "config.json")
-    assert lay.world_size == world and lay.tp * lay.pp * lay.cp * lay.dp == world
+    # separate placement: the actor's layout spans the world less the rollout ranks
+    assert lay.world_size + lay.rollout_ranks == world and lay.tp * lay.pp * lay.cp * lay.dp == lay.world_size
+    assert lay.rollout_ranks == (cfg.rollout.ranks if cfg.rollout.placement == "separate" else 0)
     assert (lay.tp * lay.cp * lay.dp) % (lay.ep * lay.etp) == 0
 
 

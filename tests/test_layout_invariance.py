@@ -1,7 +1,8 @@
 """Layout invariance of grpo / gspo / sapo in real multi-process Megatron runs (gloo, tiny MoE).
 
-One fixed global batch (8 sequences, one with a single response token; old log-probs perturbed so
-ratios are away from 1 and the clip / dual-clip / IS / KL / entropy paths are hit). The world-1,
+One fixed global batch (8 sequences of 3-6 prompt and 1-10 response tokens: one response of a single token, two
+cut at the budget, one of them filling its row; old log-probs perturbed so ratios are away from 1 and the clip /
+dual-clip / IS / KL / entropy paths are hit). The world-1,
 one-micro-batch run (TP1 x DP1) is the reference. Each 2-process layout below combines factors to
 save wall time: TP2(+SP) x 4 micro-batches, EP2 x DP2, PP2 x 2 micro-batches. Compared: the global
 loss (relative difference <= 1e-5) and the one-step Adam update of ALL 69 parameters by their HF
@@ -19,7 +20,9 @@ per-rank step data (each rank receives only its DP rank's samples through the re
 all-gathered path: identical micro-batches, loss and update within the tolerances above.
 
 Context parallelism against the same reference: CP2 x EP2 (world 2, with the GSPO reduction's counter-check),
-and CP2 x TP2 (+SP) x EP2 and CP2 x PP2 x EP2 in ONE world-4 job (the worker runs the layouts in turn).
+and CP2 x TP2 (+SP) x EP2 and CP2 x PP2 x EP2 in ONE world-4 job (the worker runs the layouts in turn). In every CP
+layout CP rank 1's part of a micro-batch ends inside a response (the padded rows' last one, and a packed row at CP2's
+multiple: tests/test_context_parallel.py checks the batch has it), the case the multi-token preset crashed on.
 """
 
 import time

@@ -129,6 +129,9 @@ def test_every_preset_fits_the_devices_it_names(preset):
     for gib in _named_devices(preset):
         plan = plan_memory(cfg, lay, dims, device_gib=gib)
         assert plan.fits, f"{preset.name} does not fit {gib} GiB:\n{plan.table()}"
+        if cfg.rollout.placement == "separate":  # each role on its own ranks: both plans fit, neither holds the other
+            assert plan.actor.fits and plan.rollout.fits and lay.rollout_ranks == cfg.rollout.ranks
+            assert "rollout" not in {p.name for p in plan.actor.phases} and plan.rollout.state.params == 0
 
 
 @pytest.mark.parametrize("preset", DEVICE_PRESETS, ids=lambda p: f"{p.parent.name}/{p.stem}")
@@ -140,10 +143,14 @@ def test_device_presets_size_micro_batches_by_tokens(preset):
     assert "micro_batch_size" not in preset.read_text(), (
         f"{preset.name}: micro_batch_size is unused with a token budget"
     )
-    # the four Qwen3-30B-A3B presets, the two dense ones and the reference runs' presets (docs/from-verl.md)
-    assert len(DEVICE_PRESETS) >= 8 and {"npu32_tp4_pp4_ep8_reference", "npu16_gspo_reference"} <= {
-        p.stem for p in DEVICE_PRESETS
-    }
+    # the Qwen3-30B-A3B presets (two of them in the separate placement), the two dense ones and the reference
+    # runs' presets (docs/from-verl.md)
+    assert len(DEVICE_PRESETS) >= 10 and {
+        "npu32_tp4_pp4_ep8_reference",
+        "npu16_gspo_reference",
+        "npu32_separate_tp4_ep4",
+        "gpu8_separate_tp2_ep4",
+    } <= {p.stem for p in DEVICE_PRESETS}
 
 
 def test_plan_cli_prints_phases_and_verdict(tmp_path):
@@ -232,3 +239,26 @@ def test_the_npu_long_response_preset_needs_its_cp():
     assert with_cp.fits and not plan.fits
     assert plan.phase("update").total > 64 * 2**30 > with_cp.phase("update").total
     assert any(" cp2 " in lever or " cp4 " in lever for lever in plan.levers), plan.levers
+
+
+@pytest.mark.parametrize(
+    "field, value, least",
+    [("num_hidden_layers", 0, 1), ("hidden_size", -2048, 1), ("vocab_size", 0, 1), ("num_experts", -1, 0)],
+)
+def test_plan_refuses_a_model_config_with_impossible_sizes(tmp_path, field, value, least):
+    """0 layers or a negative hidden size gave a plan that "fits" (negative GiB) and vocab_size 0 a
+    ZeroDivisionError: the model config's sizes are checked before any planning, in one line naming the field."""
+    config = json.loads(QWEN_JSON.read_text())
+    config[field] = value
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps(config))
+    preset = QWEN_JSON.parent / "gpu8_tp2_ep8.yaml"
+    for command in (["plan", "--device-memory", 141], ["check"]):
+        proc = cli(*command, preset, "--model-config", bad)
+        errors = [l for l in proc.stderr.splitlines() if l.startswith("mcore-rl: error:")]
+        assert proc.returncode == 2 and len(errors) == 1, proc.stdout + proc.stderr
+        assert errors[0] == (
+            f"mcore-rl: error: {bad}: {field} = {value} must be an integer >= {least}: fix the config.json (or "
+            f"restore it from the model's release)"
+        )
+        assert "Traceback" not in proc.stderr and "verdict" not in proc.stdout

@@ -13,7 +13,6 @@ SITES = [
     "rotary",
     "streams",
     "clip_grads",
-    "router_gemm",
     "split_sizes",
     "eager_fusions",
     "checkpoint_writer",
@@ -71,9 +70,13 @@ def test_megatron_subgroups_inherit_the_default_backend(tmp_path):
 def test_ascend_environment_is_set_once_and_user_values_win():
     env = {"HCCL_CONNECT_TIMEOUT": "600"}
     applied = Platform("npu").apply_environment(env)
-    assert (
-        applied == {"VLLM_ASCEND_ENABLE_NZ": "0", "HCCL_CONNECT_TIMEOUT": "600"} and env["VLLM_ASCEND_ENABLE_NZ"] == "0"
-    )
+    assert applied == {
+        "VLLM_ASCEND_ENABLE_NZ": "0",
+        "HCCL_CONNECT_TIMEOUT": "600",
+        "HCCL_BUFFSIZE": "256",
+        "CPU_AFFINITY_CONF": "1",
+    }
+    assert env["VLLM_ASCEND_ENABLE_NZ"] == "0"
     assert Platform("cuda").apply_environment({}) == {}
 
 
@@ -92,6 +95,20 @@ def site_outcome():
     """Every site's outcome from one plain-python world-1 process (the patches stay out of pytest)."""
     (outcome,) = run_worker(REPO / "tests" / "workers" / "actor_platform_sites.py", 1, torchrun=False).results
     return outcome
+
+
+def test_cpu_adaptation_mode_comes_from_the_environment(monkeypatch):
+    """MCORE_RL_CPU_ADAPT: unset or "all" - routing and speed-ups; "routing" - the routing alone (the GPU rehearsal);
+    anything else is refused naming the choices."""
+    from mcore_rl.platform import cpu_adapt
+
+    monkeypatch.delenv(cpu_adapt.MODE_ENV, raising=False)
+    assert cpu_adapt.mode() == "all"
+    monkeypatch.setenv(cpu_adapt.MODE_ENV, "routing")
+    assert cpu_adapt.mode() == "routing"
+    monkeypatch.setenv(cpu_adapt.MODE_ENV, "fast")
+    with pytest.raises(ValueError, match=r"MCORE_RL_CPU_ADAPT='fast' is not one of all, routing"):
+        cpu_adapt.mode()
 
 
 def test_every_site_was_checked(site_outcome):
@@ -147,9 +164,29 @@ def test_packed_attention_of_the_platforms_here():
     assert [Platform(n).packed_attention for n in ("cpu", "cuda", "npu")] == ["segments", "segments", "thd-ends"]
 
 
+def mindspeed_2_2_hand_off(packed_seq_params) -> list:
+    """MindSpeed 2.2.0's flash-attention adaptor (`dot_product_attention_forward_impl`, TND): actual_seq_qlen is
+    `packed_seq_params.cu_seqlens_q.tolist()` (docs/devices.md, "Packed micro-batches")."""
+    return packed_seq_params.cu_seqlens_q.tolist()
+
+
+def mindspeed_26_hand_off(packed_seq_params) -> list:
+    """MindSpeed 26.0.0 / 26.1.0's MindSpeedTEDotProductAttention: every PackedSeqParams field as a keyword to its
+    TE-style DotProductAttention.forward, whose thd check and core-attention call take cu_seqlens_q / _kv only;
+    backend.FlashAttention then passes `cu_seqlens_q.tolist()` as actual_seq_qlen (docs/devices.md)."""
+    import dataclasses
+
+    kwargs = {f.name: getattr(packed_seq_params, f.name) for f in dataclasses.fields(packed_seq_params)}
+    q, kv = kwargs["cu_seqlens_q"], kwargs["cu_seqlens_kv"]
+    assert kwargs["qkv_format"] == "thd", "26.x takes the TND path for qkv_format thd only"
+    assert q is not None and kv is not None and q.shape == kv.shape and q.dim() == kv.dim() == 1, "26.x's thd assert"
+    return q if isinstance(q, list) else q.tolist()
+
+
 def test_npu_fused_attention_gets_end_offsets_and_rope_the_bounds():
-    """npu_fusion_attention's actual_seq_qlen is the cumulative ends (lengths 2 2 2 2 2 -> 2 4 6 8 10); MindSpeed's
-    adaptor hands it cu_seqlens_q.tolist(); Megatron's RoPE reads cu_seqlens_q_padded (set) as [0, ends]."""
+    """npu_fusion_attention's actual_seq_qlen is the cumulative ends (lengths 2 2 2 2 2 -> 2 4 6 8 10); MindSpeed
+    hands it cu_seqlens_q.tolist() through 2.2.0's adaptor and through 26.x's MindSpeedTEDotProductAttention alike;
+    Megatron's RoPE reads cu_seqlens_q_padded (set) as [0, ends]."""
     from mcore_rl.megatron.attention_inputs import model_inputs, packed_seq_params
     from mcore_rl.platform import npu_actual_seq_len
 
@@ -177,6 +214,9 @@ def test_npu_fused_attention_gets_end_offsets_and_rope_the_bounds():
     mb = MicroBatch(torch.zeros(1, 10, dtype=torch.long), seq_lengths=lengths)
     mask, extra = model_inputs(mb, Platform("npu").packed_attention)
     assert mask is None and extra["packed_seq_params"].cu_seqlens_q.tolist() == [2, 4, 6, 8, 10]
+    # what reaches the op, by MindSpeed release: the ends (not Megatron's [0, ...]) either way
+    for hand_off in (mindspeed_2_2_hand_off, mindspeed_26_hand_off):
+        assert hand_off(extra["packed_seq_params"]) == [2, 4, 6, 8, 10], hand_off.__name__
     _, cuda = model_inputs(mb, "thd")  # CUDA with TE: Megatron's own convention, no padded copies
     assert cuda["packed_seq_params"].cu_seqlens_q.tolist() == [0, 2, 4, 6, 8, 10]
     assert cuda["packed_seq_params"].cu_seqlens_q_padded is None

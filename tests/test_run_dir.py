@@ -383,6 +383,49 @@ def small_filesystem(tmp_path):
         subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
+def test_a_full_disk_outside_a_checkpoint_write_is_named(small_filesystem, tmp_path):
+    """A disk that filled during the run failed the next metrics.jsonl write: the run ended with "a worker failed"
+    and a traceback in the log; `disk_full_error` (the trainer's run() raises it) names the path, "No space left
+    on device" and the newest checkpoint, which verifies. Other errors stay as they are."""
+    import errno
+
+    import torch
+
+    from mcore_rl.metrics import MetricsLogger
+    from mcore_rl.run_dir import verify_checkpoint
+    from mcore_rl.run_dir.errors import disk_full_error
+
+    run = (small_filesystem or tmp_path) / "run"
+    manager = CheckpointManager(run, keep_last=1)
+    manager.save(1, lambda tmp: torch.save({"w": torch.ones(50_000)}, tmp / "state.pt"))
+    logger = MetricsLogger(run, _cfg(run, "trainer.tensorboard=false"), rank=0, progress=False)
+    logger.log(1, {"loss": 1.0})
+    if small_filesystem is None:  # not root: the error a full disk gives a flush (no file named), injected
+        failure = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    else:
+        with (
+            open(run / "filler", "wb", buffering=0) as f,
+            pytest.raises(OSError) as filled,
+        ):  # what fills the disk mid-run
+            while True:
+                f.write(b"\0" * 65536)
+        assert filled.value.errno == errno.ENOSPC
+        with pytest.raises(OSError) as err:  # the file's last page fills first: a few steps more
+            for step in range(2, 1000):
+                logger.log(step, {"loss": 0.5, "note": "x" * 512})
+        failure = err.value
+    assert failure.errno == errno.ENOSPC and failure.filename is None  # the reference: the OS's own error
+    error = disk_full_error(failure, run)
+    message = str(error)
+    assert message.startswith(f"the run stopped: a write failed ([Errno 28] No space left on device: {run}, ")
+    assert f"the newest checkpoint {manager.step_dir(1)} is intact" in message and "checkpoint.resume=auto" in message
+    assert not verify_checkpoint(manager.latest())  # what the line says is intact, is
+    named = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(run / "samples.jsonl"))
+    assert f"No space left on device: {run / 'samples.jsonl'}, " in str(disk_full_error(named, run))
+    assert disk_full_error(OSError(errno.EACCES, "Permission denied"), run) is None
+    assert disk_full_error(error, run) is None  # already the one line
+
+
 def test_disk_full_names_the_os_error_and_keeps_the_previous_checkpoint(small_filesystem, tmp_path):
     """torch.save on a full disk said only "enforce fail at inline_container.cc ... unexpected pos"."""
     import errno

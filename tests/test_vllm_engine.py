@@ -95,6 +95,36 @@ def test_bad_layout_is_rejected_before_start(tiny_model_dir):
         VllmEngine(tiny_model_dir, VllmSettings.of(RolloutConfig(tp=3)))
 
 
+def test_padded_vocabulary_ids_are_never_sampled(tiny_model_dir, tmp_path):
+    """Issue 31 defect 8: a tiny model padded to 160 output rows for 128 tokenizer ids, whose padded rows take
+    nearly all of the probability (tests/test_embedded_engine.py), samples only the tokenizer's ids through
+    allowed_token_ids; its log-probs are those of the HF model's logits cut to the tokenizer's ids. Started and
+    closed before the module's engine (one vLLM engine at a time in this process)."""
+    from tests.test_embedded_engine import padded_vocab_model
+
+    path = padded_vocab_model(tiny_model_dir, tmp_path / "padded")
+    settings = VllmSettings.of(RolloutConfig(tp=1), dtype="float32", max_model_len=256, reload="in_place")
+    eng = VllmEngine(path, settings)
+    try:
+        out = eng.generate(PROMPTS, n=4, params=SamplingParams(temperature=1.0, max_new_tokens=6, seed=5))
+    finally:
+        eng.close()
+    samples = [s for g in out for s in g]
+    assert all(max(s.response_ids) < 128 for s in samples), [s.response_ids for s in samples]
+    assert eng.vocab_size == 160 and eng._allowed == list(range(128))
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        first = model(torch.tensor([PROMPTS[0]])).logits[0, -1]
+        assert torch.softmax(first, -1)[128:].sum() > 0.99  # unmasked, a draw would almost surely be padded
+        for s in samples:
+            ids = torch.tensor([s.prompt_ids + s.response_ids])
+            ref = torch.log_softmax(model(ids).logits[0, :-1, :128].float(), -1)
+            ref = ref.gather(-1, ids[0, 1:, None])[len(s.prompt_ids) - 1 :, 0]
+            assert (s.logprobs - ref).abs().max().item() < 0.01
+
+
 def test_generate_n_samples_stop_tokens_and_seed(engine):
     # 20 stop ids + EOS of the tiny model's 128 (near-uniform sampling): a sample reaches the length limit with
     # p ~ 0.35, so 12 samples show both ends on any vLLM's sampler stream (40 ids: all 12 stopped on 0.31, seed 11)

@@ -46,6 +46,16 @@ Upstream defects worked around (`apply_shims`, called once per process before Me
     `exchange_utils`) calls `np.product`, removed in numpy 2; distributed-optimizer checkpoints fail.
     The shim gives those three modules a numpy namespace that also has `product` (= `numpy.prod`);
     numpy itself is not changed. Ascend images with numpy 1.26 never need it.
+  * `te_general_gemm` (megatron-core >= 0.13 without Transformer Engine, on every platform): `moe_utils` binds
+    `te_general_gemm` only inside `try: import transformer_engine` (0.16.1 lines 22-39), but
+    `RouterGatingLinearFunction.forward` / `backward` read it unguarded (`if te_general_gemm is not None`, 0.16.1
+    lines 1192 / 1225), and `TopKRouter.gating` calls it on every MoE forward: `NameError: name
+    'te_general_gemm' is not defined` on CUDA without TE (the GPU smoke machine) as on CPU. Read in the 0.13.1,
+    0.14.0, 0.15.0 and 0.16.1 wheels; 0.12.1 has no such name. The shim binds it to None in `moe_utils`, so the
+    plain torch matmul path runs (what the guard meant); with TE installed the name exists and nothing changes.
+
+Which library each shim is keyed on, never the device: a platform without the library gets the shim (the CPU
+adaptation, mcore_rl/platform/cpu_adapt.py, holds device routing and CPU speed-ups only; its docstring says why).
 
 Left behind by `parallel_state.destroy_model_parallel` (`destroy_model_parallel` clears them too):
   * the embedding / position-embedding groups' rank lists: `initialize_model_parallel` sets them only on ranks
@@ -287,6 +297,11 @@ _SHIMS = types.MappingProxyType(
             "megatron-core < 0.16 with numpy >= 2",
             "dist_checkpointing calls np.product, removed in numpy 2 (distributed-optimizer checkpoints)",
         ),
+        "te_general_gemm": Shim(
+            "te_general_gemm without TE",
+            "megatron-core >= 0.13 without Transformer Engine",
+            "the MoE router's gating reads te_general_gemm, bound only when TE imports (NameError on every forward)",
+        ),
     }
 )
 
@@ -296,6 +311,7 @@ def _needed() -> dict[str, bool]:
         "write_item": _before("0.13") and _write_item_needs_format(),
         "fp8": _before("0.13") and _te_absent(),
         "np_product": _before("0.16") and _numpy_lacks_product(),
+        "te_general_gemm": at_least(_DISTRIBUTION, "0.13") and _te_absent(),
     }
 
 
@@ -372,6 +388,13 @@ def _shim_numpy_product() -> None:
             module.np = _NumpyWithProduct(numpy)
 
 
+def _shim_te_general_gemm() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # TE imported after all, or set already: leave it
+        moe_utils.te_general_gemm = None
+
+
 def apply_shims() -> None:
     """Install the upstream-defect shims the installed versions need (see the module docstring).
     Idempotent; call once per process before Megatron builds models or checkpoints."""
@@ -382,3 +405,5 @@ def apply_shims() -> None:
         _shim_fp8_quantize()
     if needed["np_product"]:
         _shim_numpy_product()
+    if needed["te_general_gemm"]:
+        _shim_te_general_gemm()

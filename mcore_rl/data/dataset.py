@@ -130,14 +130,25 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, Any]]:
                     continue
                 if not line.strip():
                     continue
-                try:
-                    yield i, json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield i, ValueError(f"not valid JSON ({e})")
+                yield i, _parse_line(line)
     else:
         raise ValueError(
             f"dataset {path}: unknown file type {path.suffix!r}; use .parquet or .jsonl (one JSON object per line)"
         )
+
+
+def _parse_line(line: str) -> Any:
+    """One JSON line, or the Exception that says why it is not one: like a syntax error, a line Python's parser
+    cannot hold (nested deeper than its recursion limit, an integer beyond its digit limit) is one malformed row,
+    not the end of the file."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        return ValueError(f"not valid JSON ({e})")
+    except RecursionError:
+        return ValueError("not readable JSON (nested deeper than the parser's recursion limit)")
+    except ValueError as e:  # "Exceeds the limit (4300 digits) for integer string conversion: ..."
+        return ValueError(f"not readable JSON ({str(e).split(':')[0]})")
 
 
 class DatasetFileError(ValueError):

@@ -10,7 +10,7 @@ Pure Python: no torch, no process started. The rules are in docs/from-verl.md.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence, get_type_hints
 
@@ -42,20 +42,42 @@ class Converted:
     source: str  # the script's path, or "command line"
     line: int  # the trainer command's line in the script
     shell_notes: list[str]
+    unset: list[str] = field(default_factory=list)  # variables the trainer command read unset (expanded to "")
 
 
 def convert_launch(source: str, positional: Sequence[str] = ()) -> Converted:
     """A script file (or the command line itself, when `source` is no file) -> the conversion."""
     path = Path(source)
-    if "\n" not in source and len(source) < 4096 and " " not in source.strip() and path.is_file():
-        text, name = path.read_text(), str(path)
-    elif "\n" not in source and " " not in source.strip():
+    one_word = "\n" not in source and " " not in source.strip()
+    if one_word and len(source) < 4096 and (path.is_file() or path.is_dir()):
+        text, name = _script_text(path), str(path)
+    elif one_word:
         raise ShellError(f"{source} does not exist: give the launch script's path, or the command line in quotes")
     else:
         text, name = source, "command line"
     shell = read_script(text, tuple(positional), script_name=name)
     command = parse_command(_after_trainer(shell.argv))
-    return Converted(convert(command), name, shell.line, shell.notes)
+    return Converted(convert(command), name, shell.line, shell.notes + shell.unset_notes(), shell.unset)
+
+
+def _script_text(path: Path) -> str:
+    """The launch script's text; a folder or a file that is not text is refused by name."""
+    if path.is_dir():
+        raise ShellError(f"this is a directory: give the launch script inside it (e.g. {path}/run.sh)")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ShellError(
+            f"not a text file (byte 0x{raw[e.start]:02x} at offset {e.start} is not UTF-8): give the "
+            f"launch script (a shell script), or the command line in quotes"
+        ) from None
+    if "\0" in text:
+        raise ShellError(
+            f"not a text file (a NUL byte at offset {text.index(chr(0))}): give the launch script "
+            f"(a shell script), or the command line in quotes"
+        )
+    return text
 
 
 def _after_trainer(argv: list[str]) -> list[str]:
@@ -167,7 +189,7 @@ def run(args) -> int:
         print(f"check at {where}: OK\n{message}")
     else:
         print(f"check at {where}: FAILED - the preset is written as converted; fix it before training:\n  {message}")
-    incomplete = any(r.status in ("not supported", "unknown") for r in c.rows.values())
+    incomplete = any(r.status in ("not supported", "unknown") for r in c.rows.values()) or bool(conv.unset)
     return 1 if args.strict and (incomplete or not passed) else 0
 
 

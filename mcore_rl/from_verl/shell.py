@@ -45,6 +45,19 @@ class ShellRead:
     line: int  # where that command starts
     variables: dict[str, str]  # the variables when the command runs
     notes: list[str] = field(default_factory=list)  # what was not evaluated, and where
+    # variables the trainer command read while unset (also through an assignment that read them): name -> line
+    unset_reads: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def unset(self) -> list[str]:
+        return list(self.unset_reads)
+
+    def unset_notes(self) -> list[str]:
+        return [
+            f"line {line}: ${name} is not set in the script (an environment variable is not read here), so it "
+            f"expanded to nothing: set it in the script or put its value into the command"
+            for name, line in self.unset_reads.items()
+        ]
 
 
 # ------------------------------------------------------------------------------------------------- lexing
@@ -250,6 +263,8 @@ class _Expander:
     script_name: str
     notes: list[str]
     line: int = 0
+    reads: dict[str, int] = field(default_factory=dict)  # unset variables read since the last reset: name -> line
+    taint: dict[str, dict[str, int]] = field(default_factory=dict)  # variable -> the unset ones its value read
 
     def parameter(self, body: str) -> str:
         """The value of `${body}` (body without the braces)."""
@@ -258,10 +273,13 @@ class _Expander:
             self.notes.append(f"line {self.line}: ${{{body}}} is not evaluated (only ${{VAR}}, ${{VAR:-default}} ...)")
             return "${" + body + "}"
         name, op, arg = m.group(1), m.group(2), m.group(3)
+        read_before = name in self.reads
         value = self.simple(name)
         is_set = name in self.variables or (name.isdigit() and 0 < int(name) <= len(self.positional))
         if op is None:
             return value
+        if not is_set and not read_before:  # the form itself says what an unset variable gives
+            self.reads.pop(name, None)
         arg_value = self.expand_text(arg)
         empty = (not is_set) or (op.startswith(":") and value == "")
         if op in (":-", "-"):
@@ -282,7 +300,13 @@ class _Expander:
             return self.script_name
         if name.isdigit():
             k = int(name)
+            if k > len(self.positional):
+                self.reads.setdefault(name, self.line)
             return self.positional[k - 1] if k <= len(self.positional) else ""
+        if name not in self.variables:
+            self.reads.setdefault(name, self.line)
+        for tainted, line in self.taint.get(name, {}).items():
+            self.reads.setdefault(tainted, line)
         return self.variables.get(name, "")
 
     def expand_text(self, text: str, in_double: bool = False) -> str:
@@ -445,7 +469,8 @@ def read_script(text: str, positional: tuple[str, ...] = (), script_name: str = 
             for w in assignments:
                 _assign(w, expander)
             continue
-        words = [x for w in rest for x in expander.words(w)]
+        expanded = [_expand_word(w, expander) for w in rest]
+        words = [x for out, _ in expanded for x in out]
         start = _is_launch(words)
         if start is None:
             continue
@@ -454,13 +479,37 @@ def read_script(text: str, positional: tuple[str, ...] = (), script_name: str = 
                 f"line {command.line}: a second trainer command; the first (line {found.line}) is the one converted"
             )
             continue
-        found = ShellRead(argv=_drop_redirections(words), line=command.line, variables=dict(variables), notes=notes)
+        found = ShellRead(
+            argv=_drop_redirections(words),
+            line=command.line,
+            variables=dict(variables),
+            notes=notes,
+            unset_reads=_reads_from(expanded, start),
+        )
     if found is None:
         raise ShellError(
             "no verl trainer command found (python3 -m verl.trainer.main_ppo ...): give the launch script, or the "
             "command line itself in quotes"
         )
     return found
+
+
+def _expand_word(raw: str, expander: _Expander) -> tuple[list[str], dict[str, int]]:
+    """The words a raw word becomes, and the unset variables it read."""
+    expander.reads = {}
+    return expander.words(raw), dict(expander.reads)
+
+
+def _reads_from(expanded: list[tuple[list[str], dict[str, int]]], start: int) -> dict[str, int]:
+    """The unset variables read by the words from index `start` on (the trainer's arguments, not a wrapper's
+    such as `ray job submit --address=$RAY_ADDRESS`); a word that vanished counts where it stood."""
+    reads: dict[str, int] = {}
+    k = 0
+    for out, read in expanded:
+        if k + len(out) > start or (not out and k >= start):
+            reads.update({name: line for name, line in read.items() if name not in reads})
+        k += len(out)
+    return reads
 
 
 def _drop_redirections(words: list[str]) -> list[str]:
@@ -494,5 +543,7 @@ def _assign(word: str, expander: _Expander) -> None:
         expander.notes.append(f"line {expander.line}: the array {name}=(...) is kept as text")
         expander.variables[name] = value_raw
         return
+    expander.reads = {}
     value = expander.expand_text(value_raw)
+    expander.taint[name] = {**expander.taint.get(name, {}), **expander.reads} if append else dict(expander.reads)
     expander.variables[name] = expander.variables.get(name, "") + value if append else value

@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch
 
+from mcore_rl.platform.ascend_env import ASCEND_ENV, RunEnvironment, ascend_environment
 from mcore_rl.ports import free_port
 
 logger = logging.getLogger(__name__)
@@ -28,16 +29,6 @@ PLATFORMS = ("cpu", "cuda", "npu")
 # backend type associated with device type cpu". Megatron creates its subgroups with backend=None, which
 # torch resolves to the default group's string, so TP/PP/DP/EP groups get both too (docs/devices.md).
 _BACKENDS = {"cpu": "gloo", "cuda": "cpu:gloo,cuda:nccl", "npu": "cpu:gloo,npu:hccl"}
-
-# Environment an Ascend job needs before torch_npu / vllm-ascend start (setdefault: a user's value wins).
-# Every entry is explained in docs/devices.md ("Ascend environment"); launch/ scripts export the same.
-ASCEND_ENV = {
-    # vllm-ascend < 0.13 wake_up() raises while weights are in FRACTAL_NZ layout (its default); RL
-    # sleeps and wakes the engine every step.
-    "VLLM_ASCEND_ENABLE_NZ": "0",
-    # HCCL's link set-up timeout (CANN default 120 s) is too short for 32+ ranks loading a 30B model.
-    "HCCL_CONNECT_TIMEOUT": "1800",
-}
 
 # MindSpeed arguments set right after its adaptor import (docs/devices.md, "MindSpeed arguments"). Without
 # Megatron's training arguments MindSpeed reads its flags from sys.argv, where there are none, and copies them
@@ -170,11 +161,12 @@ class Platform:
         torch_npu holds a device runtime not made for fork."""
         return self.name == "cpu"
 
-    def apply_environment(self, env: Optional[dict] = None) -> dict[str, str]:
-        """Set (if unset) the environment variables this platform needs in `env` (default os.environ);
-        returns the values in effect. Call before importing torch_npu / vllm-ascend."""
+    def apply_environment(self, env: Optional[dict] = None, run: Optional[RunEnvironment] = None) -> dict[str, str]:
+        """Set (if unset) the environment variables this platform needs in `env` (default os.environ), with `run`
+        also those the run's config decides (mcore_rl/platform/ascend_env.py); returns the values in effect. Call
+        before importing torch_npu / vllm-ascend."""
         env = os.environ if env is None else env
-        wanted = ASCEND_ENV if self.name == "npu" else {}
+        wanted = ascend_environment(run) if self.name == "npu" else {}
         for key, value in wanted.items():
             env.setdefault(key, value)
         return {key: env[key] for key in wanted}
@@ -241,9 +233,12 @@ class Platform:
         rebuild beside an awake engine): vLLM's sleep-mode allocator maps new physical memory and cannot use
         blocks that torch's cache still holds from the training peak. cpu: no collection - torch's CPU allocator
         caches nothing and no CPU engine sleeps, while a full collection of a trainer's objects costs ~0.15 s of
-        CPU at every sync (half the tiny demo's step; docs/benchmarks.md)."""
+        CPU at every sync (half the tiny demo's step; docs/benchmarks.md). The device is synchronised first (as verl's
+        memory_utils does): work still queued on it (an offload's copies, the step's last kernels) is done with the
+        memory the cache then returns, before the engine maps device memory of its own."""
         if self.name != "cpu":
             gc.collect()
+        self.synchronize()
         self.empty_cache()
 
     def reset_peak_memory_stats(self) -> None:
@@ -253,8 +248,9 @@ class Platform:
         elif self.name == "npu":
             torch.npu.reset_peak_memory_stats()
 
-    def init_distributed(self, timeout_minutes: float = 30.0) -> DistInfo:
-        """Start torch.distributed from torchrun's env vars; a plain `python` run becomes world 1."""
+    def init_distributed(self, run: RunEnvironment = RunEnvironment()) -> DistInfo:
+        """Start torch.distributed from torchrun's env vars; a plain `python` run becomes world 1. Every collective
+        may wait `run.collective_timeout_minutes` (on NPU HCCL_EXEC_TIMEOUT is set to match, before the device)."""
         rank = int(os.environ.get("RANK", "0"))
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         if not torch.distributed.is_initialized():
@@ -264,13 +260,13 @@ class Platform:
             missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
             if missing:
                 raise RuntimeError(f"WORLD_SIZE={world_size} but {missing} unset; start the job with torchrun")
-            self.apply_environment()
+            self.apply_environment(run=run)
             self.set_device()
             torch.distributed.init_process_group(
                 backend=self.dist_backend,
                 rank=rank,
                 world_size=world_size,
-                timeout=timedelta(minutes=timeout_minutes),
+                timeout=timedelta(minutes=run.collective_timeout_minutes),
             )
         return DistInfo(torch.distributed.get_rank(), torch.distributed.get_world_size(), self.local_rank)
 
@@ -299,6 +295,9 @@ def _adapt_npu(cp: int = 1) -> None:
             "call get_platform().adapt_megatron() before importing Megatron",
             len(already),
         )
+    from mcore_rl.platform.mindspeed_compile import keep_originals
+
+    keep_originals()  # MindSpeed replaces torch.compile; the engine's build gets the original back
     import mindspeed.megatron_adaptor as adaptor
     import torch_npu  # noqa: F401
     from mindspeed.args_utils import get_full_args
@@ -326,4 +325,4 @@ def get_platform(name: str = "auto") -> Platform:
     return Platform(name)
 
 
-__all__ = ["DistInfo", "Platform", "PLATFORMS", "free_port", "get_platform"]
+__all__ = ["ASCEND_ENV", "DistInfo", "Platform", "PLATFORMS", "RunEnvironment", "free_port", "get_platform"]

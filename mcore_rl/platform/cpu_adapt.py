@@ -1,38 +1,52 @@
-"""Megatron-Core on a CPU-only torch build: every adaptation in one place.
+"""Megatron-Core on a CPU-only torch build: every CPU adaptation in one place.
 
 Megatron assumes CUDA in many call sites. On a CPU build of torch those calls raise ("Torch not
 compiled with CUDA"), so we route them to their CPU equivalents, the same idea as MindSpeed's
-adaptor for Ascend. `apply()` is idempotent (each patch marks what it replaced) and refuses to run
-when CUDA is available, so it can never change behaviour on a GPU machine.
+adaptor for Ascend. Both entry points are idempotent (each patch marks what it replaced) and refuse to
+run when CUDA is available, so they can never change behaviour on a GPU machine:
+  * `route_devices()`: the device routing alone (patches 1-6 and 8), what Megatron needs to run on CPU at all;
+  * `apply()` (`Platform("cpu").adapt_megatron`): the routing plus the CPU speed-ups (patches 9 and 10).
+    With MCORE_RL_CPU_ADAPT=routing it applies the routing alone: the GPU rehearsal (docs/gpu-smoke.md) then
+    runs what a CUDA process runs, torch.compile'd fusions and the forking checkpoint writer included.
+
+Every patch is one of two kinds, both CPU-only: a CUDA or NPU process never gets them.
+  device routing - the call names the CUDA device, a CPU process has none (an NPU process gets the same
+      routing from torch_npu's transfer_to_npu, which MindSpeed's adaptor imports);
+  CPU speed-up - upstream's path works on CPU, only slower; on a device it is the path that must be measured.
+A patch for a missing or broken LIBRARY is neither: it belongs to mcore_rl.compat, keyed on the library,
+applied on every platform by `compat.megatron.apply_shims()` (Megatron without Transformer Engine's
+`te_general_gemm`, once this module's patch 7, is such a shim: a CUDA process without TE needs it as much).
+tests/test_compat.py runs a Megatron MoE forward with `route_devices()` and the compat shims alone.
 
 Patches and why (megatron-core 0.12-0.19; docs/megatron-on-cpu.md lists the call sites each one serves):
- 1. torch.cuda.current_device -> torch.device("cpu"): used as a `device=` argument by rotary
+ 1. [routing] torch.cuda.current_device -> torch.device("cpu"): used as a `device=` argument by rotary
     embedding, MoE router, tensor-parallel layers/mappings, grad buffers, p2p communication, mbridge.
- 2. torch.cuda.synchronize -> no-op: p2p communication waits on the device; CPU ops are synchronous.
- 3. torch.cuda.Stream / current_stream / default_stream / stream / Event -> inert stand-ins: the
+ 2. [routing] torch.cuda.synchronize -> no-op: p2p communication waits on the device; CPU ops are synchronous.
+ 3. [routing] torch.cuda.Stream / current_stream / default_stream / stream / Event -> inert stand-ins: the
     alltoall token dispatcher overlaps device-to-host copies on a side stream.
- 4. torch.cuda.get_rng_state / set_rng_state / manual_seed and Megatron's
+ 4. [routing] torch.cuda.get_rng_state / set_rng_state / manual_seed and Megatron's
     `_get_cuda_rng_state` / `_set_cuda_rng_state` -> the CPU generator: Megatron's RNG tracker
     (tensor/expert-parallel seeds, dropout forks) keeps per-region CUDA states. Megatron then logs a
     benign "CPU RNG state changed within GPU RNG context" warning: both states are one generator.
- 5. Tensor factories (tensor, zeros, ones, empty, full, arange, *_like, rand*) given device="cuda"
+ 5. [routing] Tensor factories (tensor, zeros, ones, empty, full, arange, *_like, rand*) given device="cuda"
     (or an int index) -> CPU, and pin_memory=True dropped: literal device='cuda' in the optimizer
     loss scale, grad clipping, schedules, grad buffers, dist-checkpointing exchange; pinned memory
     needs an accelerator allocator. Tensor.cuda / Module.cuda return the object unchanged.
- 6. Asserts of `p.type() == 'torch.cuda.FloatTensor'` (grad clipping, fp16/bf16 optimizer,
+ 6. [routing] Asserts of `p.type() == 'torch.cuda.FloatTensor'` (grad clipping, fp16/bf16 optimizer,
     distributed optimizer): those three functions run with Tensor.type() reporting the CUDA type name
     of CPU tensors; nothing else sees that.
- 7. Without Transformer Engine, megatron-core 0.16 references an undefined `te_general_gemm` in the
-    router gating (NameError): define it as None so the plain torch matmul path runs.
- 8. The alltoall dispatcher converts split sizes to numpy only for CUDA tensors; on CPU they stay
-    tensors and all_to_all_single rejects them: convert CPU tensors too when numpy is asked for.
- 9. Megatron decorates its fusion kernels with `torch.compile` (megatron.core.jit.jit_fuser) as its modules
-    are imported; each decoration imports TorchDynamo and Inductor, about 1.2 s of every process's start-up
-    (3.5 s on a loaded 2-core machine), for kernels that the CPU path never calls. While megatron.core is
-    first imported, torch.compile is the identity, and jit_fuser stays the identity for modules imported
-    later: such a function, if ever called, runs eagerly with the same arithmetic.
-10. dist-checkpointing's writer (FileSystemWriterAsync) hands each save to a multiprocessing Manager queue,
-    started with the "spawn" method at a process's first save (a fresh interpreter, ~1 s of a 2-core
+ 7. (moved to compat.megatron: the `te_general_gemm` shim, megatron-core >= 0.13 without Transformer Engine.)
+ 8. [routing] The alltoall dispatcher converts split sizes to numpy only for CUDA tensors (`tensor.is_cuda`);
+    on CPU they stay tensors and all_to_all_single rejects them: convert CPU tensors too when numpy is asked
+    for. Keyed on the tensors' device, not on a library: on CUDA (and on NPU under transfer_to_npu) they
+    are device tensors and upstream converts them itself.
+ 9. [speed-up] Megatron decorates its fusion kernels with `torch.compile` (megatron.core.jit.jit_fuser) as its
+    modules are imported; each decoration imports TorchDynamo and Inductor, about 1.2 s of every process's
+    start-up (3.5 s on a loaded 2-core machine). While megatron.core is first imported, torch.compile is the
+    identity, and jit_fuser stays the identity for modules imported later: such a function (the MoE router's
+    `_apply_expert_bias` runs on every forward from 0.16) runs eagerly with the same arithmetic.
+10. [speed-up] dist-checkpointing's writer (FileSystemWriterAsync) hands each save to a multiprocessing Manager
+    queue, started with the "spawn" method at a process's first save (a fresh interpreter, ~1 s of a 2-core
     machine's start-up of the tiny demo), and forks one process per write bucket on every save, to overlap
     large GPU-to-file writes. On CPU the tensors are already in host memory: the buckets are written in this
     process, one after the other, by the same function (same files, same bytes), the results in a plain queue.
@@ -45,6 +59,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 
 import torch
 
@@ -229,8 +244,8 @@ def _import_megatron_eager() -> None:
     jit.jit_fuser = _identity_compile
 
 
-def _patch_megatron() -> None:
-    _import_megatron_eager()
+def _patch_megatron_devices() -> None:
+    """Megatron's own CUDA call sites (patches 4, 6 and 8)."""
     from megatron.core.optimizer import clip_grads, distrib_optimizer
     from megatron.core.optimizer import optimizer as mc_optimizer
     from megatron.core.tensor_parallel import random as mc_random
@@ -253,9 +268,6 @@ def _patch_megatron() -> None:
     build = dist.__dict__["_build_model_and_main_param_groups"]
     if not _is_patched(build.__func__):  # a classmethod (0.16) or staticmethod (older): keep the kind
         dist._build_model_and_main_param_groups = type(build)(_mark(_with_cuda_type_names(build.__func__)))
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
 
     move = moe_utils.maybe_move_tensor_to_cpu
     if not _is_patched(move):
@@ -312,11 +324,41 @@ def _patch_checkpoint_writer() -> None:
         writer.write_preloaded_data_multiproc = staticmethod(_mark(_write_buckets_in_process))
 
 
-def apply() -> None:
-    """Adapt torch.cuda and Megatron-Core to run on CPU. Safe to call any number of times."""
+def _refuse_cuda() -> None:
     if torch.cuda.is_available():
-        raise RuntimeError("cpu_adapt.apply() is for CPU-only runs but CUDA is available; use platform 'cuda'")
+        raise RuntimeError("cpu_adapt is for CPU-only runs but CUDA is available; use platform 'cuda'")
+
+
+def route_devices() -> None:
+    """The device routing alone (patches 1-6 and 8): what Megatron needs to run on CPU at all, no speed-up.
+    With `compat.megatron.apply_shims()` a CPU process then runs what a CUDA process without Transformer
+    Engine runs. Safe to call any number of times."""
+    _refuse_cuda()
     _patch_torch_cuda()
     _patch_factories()
-    _patch_megatron()
-    _patch_checkpoint_writer()
+    _patch_megatron_devices()
+
+
+# "all" (default): routing and speed-ups; "routing": the routing alone (the GPU rehearsal, docs/gpu-smoke.md)
+MODE_ENV = "MCORE_RL_CPU_ADAPT"
+_MODES = ("all", "routing")
+
+
+def mode() -> str:
+    """The adaptation `apply()` makes, from MCORE_RL_CPU_ADAPT (unset: "all")."""
+    value = os.environ.get(MODE_ENV, "all") or "all"
+    if value not in _MODES:
+        raise ValueError(f"{MODE_ENV}={value!r} is not one of {', '.join(_MODES)}: unset it or pick one")
+    return value
+
+
+def apply() -> None:
+    """Adapt torch.cuda and Megatron-Core to run on CPU: the routing, and unless MCORE_RL_CPU_ADAPT=routing the
+    CPU speed-ups. Safe to call any number of times."""
+    _refuse_cuda()
+    speedups = mode() == "all"
+    if speedups:
+        _import_megatron_eager()  # patch 9 first: it only helps before anything imports megatron.core
+    route_devices()
+    if speedups:
+        _patch_checkpoint_writer()

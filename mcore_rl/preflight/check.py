@@ -9,6 +9,7 @@ from typing import Optional
 from mcore_rl.config import Config, ConfigError
 from mcore_rl.preflight.context_parallel import split_summary
 from mcore_rl.preflight.layout import Layout, ModelDims
+from mcore_rl.preflight.placement import describe_roles, split_of
 
 
 def model_dims(cfg: Config, model_config: Optional[str] = None) -> ModelDims:
@@ -39,29 +40,35 @@ def describe_run(cfg: Config, layout: Layout, nnodes: int, nproc: int) -> str:
         split = f"{per_rank:g} sequences per DP rank each, micro-batches of {layout.micro_batch_size} sequences"
     else:  # DP shares are balanced by tokens, so a rank's sequence count varies around the mean
         split = f"~{per_rank:g} sequences per DP rank each, packed into micro-batches of <= {budget} tokens"
+    roles = split_of(cfg.rollout, layout.world_size + layout.rollout_ranks) if layout.rollout_ranks else None
+    generating = layout.world_size if roles is None else roles.rollout_ranks
     lines = [
-        f"world {layout.world_size} ({nnodes} node(s) x {nproc} processes)",
+        f"world {layout.world_size + layout.rollout_ranks} ({nnodes} node(s) x {nproc} processes)",
+        *(describe_roles(roles, cfg.rollout.engine, nproc) if roles else []),
         f"actor: tp{layout.tp} pp{layout.pp} cp{layout.cp} dp{layout.dp} | ep{layout.ep} etp{layout.etp} edp{layout.edp}"
         f" | sequence_parallel {'on' if layout.sequence_parallel else 'off'} | layers per stage {list(layout.layers_per_stage)}"
         + (f" x vpp{layout.vpp}" if layout.vpp else "")
-        + f" | vocab {layout.padded_vocab_size}",
+        + f" | vocab {layout.padded_vocab_size}"
+        + ("" if roles is None else f" | on its {layout.world_size} rank{'s' if layout.world_size > 1 else ''}"),
         f"batch: {cfg.data.prompts_per_step} prompts x n {cfg.rollout.n} = {samples} samples/step -> {cfg.algo.mini_batches} "
         f"mini-batch(es), {split}",
         f"rollout: {cfg.rollout.engine}"
-        + (
-            f" tp{cfg.rollout.tp} x {layout.world_size // cfg.rollout.tp} replicas"
-            if cfg.rollout.engine == "vllm"
-            else ""
-        ),
+        + (f" tp{cfg.rollout.tp} x {generating // cfg.rollout.tp} replicas" if cfg.rollout.engine == "vllm" else ""),
         f"algo: {cfg.algo.loss} ({cfg.algo.agg_mode}), adv {cfg.algo.adv_estimator}, routing replay {cfg.algo.routing_replay or 'off'}"
-        + (
-            ", old log-probs from the update (exactly on-policy)"
-            if cfg.algo.old_from_update
-            else ", old log-probs from a separate pass"
-        ),
+        + _old_log_probs(cfg, roles is not None),
     ]
     longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
     lines += filter(
         None, [split_summary(layout.cp, layout.tp, layout.sequence_parallel, longest, budget, cfg.platform)]
     )
     return "\n".join(lines + [f"warning: {w}" for w in layout.warnings])
+
+
+def _old_log_probs(cfg: Config, separate: bool) -> str:
+    """Where the old policy's log-probs come from. One step off (separate, rollout.max_staleness null or > 0) the
+    samples come from the weights before the last update, so the proximal pass runs whatever algo says."""
+    if separate and cfg.rollout.max_staleness != 0:
+        return ", old log-probs from the proximal pass (the samples are up to one update stale)"
+    if cfg.algo.old_from_update:
+        return ", old log-probs from the update (exactly on-policy)"
+    return ", old log-probs from a separate pass"

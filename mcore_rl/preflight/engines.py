@@ -19,12 +19,17 @@ class RolloutLayout:
     warnings: tuple[str, ...] = ()
 
 
-def validate_rollout_tp(rollout_tp: int, world_size: int, dims: Any) -> RolloutLayout:
-    """Check the inference engine's tensor-parallel size against the world size and attention heads."""
+def validate_rollout_tp(
+    rollout_tp: int, world_size: int, dims: Any, ranks_name: str = "the world size"
+) -> RolloutLayout:
+    """Check the inference engine's tensor-parallel size against the ranks that generate (`world_size` of them:
+    the world, or rollout.ranks in the separate placement, `ranks_name`) and the attention heads."""
     dims = ModelDims.from_hf(dims)
     if rollout_tp < 1 or world_size % rollout_tp:
         raise LayoutError(
-            f"rollout.tp = {rollout_tp} must be >= 1 and divide the world size {world_size}: use rollout.tp in {divisors(world_size)}"
+            f"rollout.tp = {rollout_tp} must be >= 1 and divide {ranks_name} {world_size}: use rollout.tp in "
+            f"{divisors(world_size)}"
+            + (f", or make {ranks_name} a multiple of it" if ranks_name.startswith("rollout") else "")
         )
     if dims.num_attention_heads % rollout_tp:
         raise LayoutError(

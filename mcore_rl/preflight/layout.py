@@ -62,6 +62,7 @@ class ModelDims:
     ffn_hidden_size: int = 0  # dense MLP size (intermediate_size)
     tie_embeddings: bool = False
     model_type: str = ""  # HF config.json `model_type` ("" when not known: the architecture is not checked)
+    max_positions: int = 0  # max_position_embeddings: the longest sequence the model encodes (0: not known)
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> "ModelDims":
@@ -94,6 +95,7 @@ class ModelDims:
             raise LayoutError(
                 f"{source} lacks integer {', '.join(missing)}: it is incomplete; restore it from the model's release"
             )
+        _check_model_sizes(get, source)
         heads = get("num_attention_heads")
         num_experts = get("num_experts") or get("num_local_experts") or get("n_routed_experts") or 0
         return cls(
@@ -109,7 +111,38 @@ class ModelDims:
             ffn_hidden_size=int(get("intermediate_size") or 0),
             tie_embeddings=bool(get("tie_word_embeddings", False)),
             model_type=str(get("model_type") or ""),
+            max_positions=int(get("max_position_embeddings") or 0),
         )
+
+
+# Sizes a model config must give as integers >= 1 when present (the required ones always); a count of experts
+# may be 0 (dense). Zero layers or a negative width would otherwise make a plan that "fits" in negative bytes.
+_POSITIVE_SIZES = (
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+    "hidden_size",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_experts_per_tok",
+    "max_position_embeddings",
+)
+_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _check_model_sizes(get: Any, source: str) -> None:
+    for key in _POSITIVE_SIZES + _COUNTS:
+        value = get(key)
+        if value is None:
+            continue
+        least = 0 if key in _COUNTS else 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise LayoutError(
+                f"{source}: {key} = {value!r} must be an integer >= {least}: fix the config.json (or restore it "
+                f"from the model's release)"
+            )
 
 
 @dataclass(frozen=True)
@@ -164,6 +197,9 @@ class Layout:
     padded_vocab_size: int
     seq_len_multiple: int  # every packed/padded sequence length must be a multiple of this
     warnings: tuple[str, ...] = ()
+    # rollout.placement=separate: the ranks that generate beside the world_size actor ranks (0: colocated, every
+    # rank does both); preflight.placement
+    rollout_ranks: int = 0
     bound_ranks: Optional[Ranks] = None  # set by bind(); read through `ranks`
     bound_groups: Optional[Groups] = None  # set by bind(); read through `groups`
 

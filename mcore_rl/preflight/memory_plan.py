@@ -295,8 +295,10 @@ class EngineBytes:
 
 def engine_bytes(cfg: Config, dims: ModelDims, layout: Layout, device_bytes: Optional[int]) -> EngineBytes:
     """The rollout engine on one rank: vLLM at rollout.tp (weights, KV cache), or the embedded engine
-    (a full copy of the model, KV cache of all this rank's samples)."""
+    (a full copy of the model, KV cache of all this rank's samples). The samples split over the ranks that
+    generate: every rank, or the separate placement's rollout ranks."""
     r = cfg.rollout
+    generating = layout.rollout_ranks or layout.world_size
     b = DTYPE_BYTES[cfg.model.dtype]
     seq = cfg.data.max_prompt_len + r.max_new_tokens
     samples = cfg.data.prompts_per_step * r.n
@@ -304,7 +306,7 @@ def engine_bytes(cfg: Config, dims: ModelDims, layout: Layout, device_bytes: Opt
     kv_per_token = 2 * dims.num_layers * dims.num_query_groups * d * b  # K and V, whole model
     if r.engine == "embedded":
         weights = total_params(dims) * b
-        mine = -(-samples // layout.world_size)
+        mine = -(-samples // generating)
         return EngineBytes(weights, kv_per_token * mine * seq, mine * seq, mine * seq)
     weights = total_params(dims) * b // r.tp
     per_rank_token = kv_per_token // min(r.tp, dims.num_query_groups)  # KV heads replicate beyond their count
@@ -314,7 +316,7 @@ def engine_bytes(cfg: Config, dims: ModelDims, layout: Layout, device_bytes: Opt
         kv = max(0, int(r.gpu_memory_utilization * device_bytes) - weights - int(ENGINE_OVERHEAD_GIB * GIB))
     else:
         kv = 0
-    replicas = layout.world_size // r.tp
+    replicas = generating // r.tp
     need = -(-samples // replicas) * seq
     return EngineBytes(weights, kv, kv // max(per_rank_token, 1), need)
 
@@ -328,6 +330,7 @@ class MemoryPlan:
     engine: EngineBytes
     notes: tuple[str, ...]
     levers: tuple[str, ...]  # what would make a misfit fit (empty when it fits)
+    role: str = ""  # separate placement: "actor" or "rollout" (preflight.role_memory); "": colocated, both
 
     @property
     def peak(self) -> Phase:
@@ -346,7 +349,8 @@ class MemoryPlan:
 
     def table(self) -> str:
         width = max(len(i.name) for p in self.phases for i in p.items) + 2
-        lines = [f"per-rank device memory, pipeline stage {self.stage} (GiB)"]
+        where = "" if self.role == "rollout" else f", pipeline stage {self.stage}"
+        lines = [f"per-rank device memory{f' of one {self.role} rank' if self.role else ''}{where} (GiB)"]
         for p in self.phases:
             lines.append(f"  {p.name:<{width}} {_gib(p.total):>8}")
             lines += [f"    {i.name:<{width - 2}} {_gib(i.bytes):>8}" for i in p.items if i.bytes]
@@ -385,21 +389,7 @@ def _phases(cfg: Config, dims: ModelDims, layout: Layout, sp: StageParams, devic
     # actor.offload: the reference model is on the device during its own pass (the log-probs phase) only
     resident = actor + [Item("reference parameters", 0 if cfg.actor.offload else ref)]
     with_ref = actor + [Item("reference parameters", ref)]
-    if cfg.rollout.engine == "vllm" and cfg.rollout.kv_cache_gb is None and device_bytes is not None:
-        engine_items = [
-            Item(
-                f"engine (gpu_memory_utilization {cfg.rollout.gpu_memory_utilization})",
-                eng.weights + eng.kv_cache + int(ENGINE_OVERHEAD_GIB * GIB),
-            )
-        ]
-    else:
-        overhead = int(ENGINE_OVERHEAD_GIB * GIB) if cfg.rollout.engine == "vllm" else 0
-        engine_items = [
-            Item("engine weights", eng.weights),
-            Item("engine KV cache", eng.kv_cache),
-            Item("engine runtime", overhead),
-        ]
-    rollout = Phase("rollout", tuple(engine_items + ([] if cfg.actor.offload else resident)))
+    rollout = Phase("rollout", tuple(engine_items(cfg, eng, device_bytes) + ([] if cfg.actor.offload else resident)))
     head_fwd = head_bytes(dims, layout, tok_fwd, b, backward=False) if sp.last else 0
     act_fwd = layer_activation_bytes(dims, layout, tok_fwd, b)
     logprob = Phase(
@@ -427,7 +417,35 @@ def _phases(cfg: Config, dims: ModelDims, layout: Layout, sp: StageParams, devic
         ),
     )
     save = Phase("save", tuple(resident + _save_items(cfg, layout, sp)))
+    if layout.rollout_ranks:  # separate: no engine on the actor's ranks; they send the export bucket by bucket
+        send = Phase("weight send", tuple(resident + [sync_bucket(cfg, dims)]))
+        return (logprob, update, save, send), st, eng, act
     return (rollout, logprob, update, save), st, eng, act
+
+
+def engine_items(cfg: Config, eng: EngineBytes, device_bytes: Optional[int]) -> list[Item]:
+    """The engine's rows: vLLM sized by gpu_memory_utilization x the device as one, else its parts."""
+    if cfg.rollout.engine == "vllm" and cfg.rollout.kv_cache_gb is None and device_bytes is not None:
+        return [
+            Item(
+                f"engine (gpu_memory_utilization {cfg.rollout.gpu_memory_utilization})",
+                eng.weights + eng.kv_cache + int(ENGINE_OVERHEAD_GIB * GIB),
+            )
+        ]
+    overhead = int(ENGINE_OVERHEAD_GIB * GIB) if cfg.rollout.engine == "vllm" else 0
+    return [
+        Item("engine weights", eng.weights),
+        Item("engine KV cache", eng.kv_cache),
+        Item("engine runtime", overhead),
+    ]
+
+
+def sync_bucket(cfg: Config, dims: ModelDims) -> Item:
+    """One bucket of the weight sync across the separate placement's split, on either side: rollout.sync_bucket_mb
+    of full HF tensors (at most the whole model), or the largest tensor (the embedding) where that is bigger."""
+    b = DTYPE_BYTES[cfg.model.dtype]
+    bucket = min(int(cfg.rollout.sync_bucket_mb * (1 << 20)), total_params(dims) * b)
+    return Item("weight sync bucket", max(bucket, dims.vocab_size * dims.hidden * b))
 
 
 def _save_items(cfg: Config, layout: Layout, sp: StageParams) -> list[Item]:
@@ -460,10 +478,22 @@ def _micro_batches(cfg: Config, layout: Layout) -> int:
 
 def plan_memory(
     cfg: Config, layout: Layout, dims: ModelDims, device_gib: Optional[float] = None, with_levers: bool = True
-) -> MemoryPlan:
+):
     """The memory plan of `cfg` in `layout` (from `validate_run`) for a model of `dims`; for a misfit
-    (and `with_levers`) also the single changes that would make it fit."""
+    (and `with_levers`) also the single changes that would make it fit. A `MemoryPlan`, or for the separate
+    placement a `role_memory.RolePlans` (one plan per role, the same fits / peak / table)."""
     dims = ModelDims.from_hf(dims)
+    if layout.rollout_ranks:
+        from mcore_rl.preflight.role_memory import plan_roles
+
+        return plan_roles(cfg, layout, dims, device_gib, with_levers)
+    return rank_plan(cfg, layout, dims, device_gib, with_levers)
+
+
+def rank_plan(
+    cfg: Config, layout: Layout, dims: ModelDims, device_gib: Optional[float] = None, with_levers: bool = True
+) -> MemoryPlan:
+    """The plan of a rank that trains: colocated, every rank; separate, an actor rank (`plan_memory`)."""
     device_bytes = None if device_gib is None else int(device_gib * GIB)
     best = None
     for sp in stage_params(dims, layout):
@@ -482,11 +512,13 @@ def plan_memory(
             f"not copied), pinned in {HOST_CHUNK_BYTES >> 20} MiB chunks: {_gib(pinned)} GiB per rank, "
             f"beside the engine's own sleep backup"
         )
-    if cfg.rollout.engine == "vllm":
+    if cfg.rollout.engine == "vllm" and not layout.rollout_ranks:
         notes.append(
             f"vLLM KV cache holds ~{eng.kv_tokens:,} tokens per replica; all its samples at once need {eng.needed_tokens:,}"
         )
-    plan = MemoryPlan(phases, sp.stage, device_bytes, st, eng, tuple(notes), ())
+    plan = MemoryPlan(
+        phases, sp.stage, device_bytes, st, eng, tuple(notes), (), "actor" if layout.rollout_ranks else ""
+    )
     if plan.fits is False and with_levers:
         plan = replace(plan, levers=tuple(levers(cfg, layout, dims, plan)))
     return plan
@@ -507,7 +539,7 @@ def levers(cfg: Config, layout: Layout, dims: ModelDims, plan: MemoryPlan) -> li
         )
     if not cfg.model.recompute:
         candidates.append(("model.recompute=true", _with(cfg, "model.recompute", True)))
-    if not cfg.actor.offload:
+    if not cfg.actor.offload and not layout.rollout_ranks:  # separate: nothing to offload for
         candidates.append(("actor.offload=true", _with(cfg, "actor.offload", True)))
     if o.optimizer_offload_fraction < 1.0 and cfg.platform != "cpu":
         candidates.append(
@@ -533,7 +565,7 @@ def levers(cfg: Config, layout: Layout, dims: ModelDims, plan: MemoryPlan) -> li
             label += f" + actor.max_tokens_per_micro_batch={budget}"
         candidates.append((f"{label} (token budget)", shorter))
     for label, c in candidates:
-        p = plan_memory(c, layout, dims, plan.device_bytes / GIB, with_levers=False)
+        p = rank_plan(c, layout, dims, plan.device_bytes / GIB, with_levers=False)
         if p.fits:
             out.append(f"{label} -> peak {_gib(p.peak.total)} GiB ({p.peak.name})")
     out += layout_levers(cfg, layout, dims, plan)
@@ -546,7 +578,7 @@ def layout_levers(cfg: Config, layout: Layout, dims: ModelDims, plan: MemoryPlan
     """Other layouts of the same world size (tp, pp, ep; etp 1; cp as it is, or 2x / 4x it: context parallelism
     divides the activations of long sequences) that fit, lowest peak first."""
     found = []
-    world = layout.world_size
+    world = layout.world_size + layout.rollout_ranks  # the whole job: validate_run splits it again
     for tp, pp, cp, ep in itertools.product((1, 2, 4, 8), (1, 2, 4, 8), _cp_sizes(layout.cp), (1, 2, 4, 8, 16, 32, 64)):
         if (tp, pp, cp, ep) == (layout.tp, layout.pp, layout.cp, layout.ep) or world % (tp * pp * cp):
             continue
@@ -557,7 +589,7 @@ def layout_levers(cfg: Config, layout: Layout, dims: ModelDims, plan: MemoryPlan
             lay = validate_run(c, world, dims)
         except LayoutError:
             continue
-        p = plan_memory(c, lay, dims, plan.device_bytes / GIB, with_levers=False)
+        p = rank_plan(c, lay, dims, plan.device_bytes / GIB, with_levers=False)
         if p.fits:
             sizes = f"tp{tp} pp{pp}" + (f" cp{cp}" if cp > 1 else "") + f" ep{ep} etp1"
             found.append(

@@ -1,22 +1,27 @@
 """The whole pre-flight of a run (`validate_run`): the model's architecture, the engine's capabilities and
 tensor-parallel size, the actor's layout, and how a step's samples split over mini-batches, data-parallel ranks
 and micro-batches (`check_step_split`, the one statement of that rule), and whether the longest sequence, padded
-as the layout pads it, fits the token budget (`check_token_budget`), and whether the experts can train in the
+as the layout pads it, fits the token budget (`check_token_budget`) and the model's positions (`check_positions`), and whether the experts can train in the
 layout on this platform (`check_expert_dispatch`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Optional
 
 from mcore_rl.config import Config, ConfigError
 from mcore_rl.preflight.architectures import check_architecture
 from mcore_rl.preflight.engines import check_engine_capabilities, validate_rollout_tp
 from mcore_rl.preflight.layout import Layout, LayoutError, ModelDims, divisors, validate_layout
+from mcore_rl.preflight.node import check_allocator, installed_vllm
+from mcore_rl.preflight.placement import check_split
 
 
 def validate_run(cfg: Config, world_size: int, dims: Any, platform: Optional[str] = None) -> Layout:
-    """The whole pre-flight for a run: actor layout, rollout TP (vLLM) and how a step's samples split.
+    """The whole pre-flight for a run: the placement's split (preflight.placement), actor layout (over the actor
+    ranks when separate: the returned Layout's world_size, with its rollout_ranks), rollout TP (vLLM) and how a
+    step's samples split.
 
     A step has prompts_per_step * n samples; they split evenly over the DP ranks and `algo.mini_batches`
     optimizer steps, and each rank's share of a mini-batch splits into micro-batches of micro_batch_size
@@ -27,12 +32,14 @@ def validate_run(cfg: Config, world_size: int, dims: Any, platform: Optional[str
     dims = ModelDims.from_hf(dims)
     check_architecture(cfg, dims)
     check_engine_capabilities(cfg, platform)
-    layout = validate_layout(cfg.actor.parallel, world_size, dims, platform=platform)
+    split, split_warnings = check_split(cfg, world_size, dims)
+    layout = _actor_layout(cfg, world_size if split is None else split.actor_ranks, dims, platform, split)
     check_expert_dispatch(layout, platform)
-    warnings = list(layout.warnings)
-    if cfg.rollout.engine == "vllm":
+    warnings = list(layout.warnings) + split_warnings
+    if cfg.rollout.engine == "vllm" and split is None:
         warnings += validate_rollout_tp(cfg.rollout.tp, world_size, dims).warnings
     check_token_budget(cfg, layout)
+    check_positions(cfg, dims)
     packed = cfg.actor.max_tokens_per_micro_batch is not None  # DP shares are then balanced by tokens, not counts
     check_step_split(
         cfg.data.prompts_per_step * cfg.rollout.n,
@@ -42,6 +49,21 @@ def validate_run(cfg: Config, world_size: int, dims: Any, platform: Optional[str
         f"data.prompts_per_step {cfg.data.prompts_per_step} x rollout.n {cfg.rollout.n}",
     )
     return dataclasses.replace(layout, warnings=tuple(warnings))
+
+
+def _actor_layout(cfg: Config, ranks: int, dims: ModelDims, platform: Optional[str], split) -> Layout:
+    """The actor's layout over its `ranks`: the world, or the separate placement's actor ranks (`split`), whose
+    errors also name the split and rollout.ranks, the other way to fix them."""
+    if split is None:
+        return validate_layout(cfg.actor.parallel, ranks, dims, platform=platform)
+    try:
+        layout = validate_layout(cfg.actor.parallel, ranks, dims, platform=platform)
+    except LayoutError as e:
+        raise LayoutError(
+            f"the actor's {ranks} ranks (world {split.world} - rollout.ranks {split.rollout_ranks}): {e}; "
+            f"or move ranks between the roles with rollout.ranks"
+        ) from None
+    return dataclasses.replace(layout, rollout_ranks=split.rollout_ranks)
 
 
 def check_token_budget(cfg: Config, layout: Layout) -> None:
@@ -67,6 +89,20 @@ def check_token_budget(cfg: Config, layout: Layout) -> None:
     )
 
 
+def check_positions(cfg: Config, dims: ModelDims) -> None:
+    """The longest sequence, data.max_prompt_len + rollout.max_new_tokens, within the model's
+    max_position_embeddings: beyond it the engine refuses the prompt (or RoPE runs past what the model learnt)."""
+    longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    if not dims.max_positions or longest <= dims.max_positions:
+        return
+    room = dims.max_positions - cfg.data.max_prompt_len
+    fix = f"lower rollout.max_new_tokens to at most {room}" if room >= 1 else "lower data.max_prompt_len"
+    raise LayoutError(
+        f"data.max_prompt_len + rollout.max_new_tokens = {cfg.data.max_prompt_len} + {cfg.rollout.max_new_tokens} "
+        f"= {longest} exceeds the model's max_position_embeddings = {dims.max_positions} (config.json): {fix}"
+    )
+
+
 def check_expert_dispatch(layout: Layout, platform: Optional[str]) -> None:
     """Training on CPU with the experts split over EP and ETP: the alltoall dispatcher all-gathers the tokens of
     the ETP ranks, whose counts differ once EP splits the experts (equal with EP = 1), and gloo rejects an uneven
@@ -82,12 +118,16 @@ def check_expert_dispatch(layout: Layout, platform: Optional[str]) -> None:
 
 def check_before_build(cfg: Config, world_size: int, platform: Optional[str]) -> None:
     """What the trainer checks before it builds the actor, for launches without the pre-flight (plain torchrun
-    of `mcore-rl train`, launch/ scripts): the layout, the expert dispatch and the token budget, as one-line
-    config errors."""
+    of `mcore-rl train`, launch/ scripts): the allocator setting, the placement's split, the actor's layout (over
+    the actor ranks when separate), the expert dispatch and the token budget, as one-line config errors."""
+    check_allocator(cfg, platform, os.environ, installed_vllm())
     try:
-        layout = validate_layout(cfg.actor.parallel, world_size, cfg.model.path, platform=platform)
+        split, _ = check_split(cfg, world_size, cfg.model.path)
+        actor_ranks = world_size if split is None else split.actor_ranks
+        layout = _actor_layout(cfg, actor_ranks, ModelDims.from_hf(cfg.model.path), platform, split)
         check_expert_dispatch(layout, platform)
         check_token_budget(cfg, layout)
+        check_positions(cfg, ModelDims.from_hf(cfg.model.path))
     except LayoutError as e:
         raise ConfigError(str(e)) from None
 

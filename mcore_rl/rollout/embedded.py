@@ -7,7 +7,9 @@ once per distinct prompt and its n rows start from copies of its cache and logit
   temperature-scaled distribution *before* top-k / top-p filtering (no renormalisation over the kept set).
   That is what the trainer recomputes in training (log softmax of the actor's logits divided by the same T),
   so the two agree whenever the weights agree. Top-k / top-p only decide which token is drawn.
-  ``temperature == 0`` means greedy decoding; its log-probs are then those of T = 1.
+  ``temperature == 0`` means greedy decoding; its log-probs are then those of T = 1. Where the model's vocabulary
+  is padded beyond the tokenizer's, the padded ids are masked before all of it (never sampled; vLLM's
+  ``allowed_token_ids`` does the same, also before its processed log-probs).
 - determinism: every draw uses one ``torch.Generator`` seeded from ``SamplingParams.seed``; the same prompts,
   n, params and weights give the same samples.
 - stopping: a response ends at the first token in ``stop_token_ids`` or the model's end-of-turn token (kept in
@@ -192,6 +194,8 @@ class EmbeddedEngine(RolloutEngine, WeightReader):
         self.config = config if config is not None else compat_transformers.load_config(self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.eos_token_id = self.tokenizer.eos_token_id
+        # ids at or above it are padded rows of the model's vocabulary, never sampled (they are no token)
+        self.sampled_vocab = min(len(self.tokenizer), self.config.vocab_size)
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self._noop_logged = False
         self._set_model(self._empty_model() if config is not None else self._load_pretrained())
@@ -394,8 +398,11 @@ class EmbeddedEngine(RolloutEngine, WeightReader):
             )
 
     def _pick(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator):
-        """Next token per row and its log-prob under the temperature-scaled, unfiltered distribution."""
+        """Next token per row and its log-prob under the temperature-scaled, unfiltered distribution over the
+        tokenizer's ids (padded vocabulary rows masked, as vLLM's allowed_token_ids masks them)."""
         logits = logits.float()
+        if self.sampled_vocab < logits.shape[-1]:
+            logits = logits.masked_fill(self._padded_ids(logits.shape[-1]), float("-inf"))
         if params.temperature == 0:
             token = logits.argmax(-1)
             logp = torch.log_softmax(logits, -1)
@@ -405,6 +412,9 @@ class EmbeddedEngine(RolloutEngine, WeightReader):
             probs = torch.softmax(_filter_logits(scaled, params.top_k, params.top_p), -1)
             token = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
         return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+    def _padded_ids(self, width: int) -> torch.Tensor:
+        return torch.arange(width, device=self.device) >= self.sampled_vocab
 
     def _sample_batch(
         self, prompts: list[list[int]], params: SamplingParams, stop: set[int], gen: torch.Generator

@@ -75,6 +75,7 @@ from mcore_rl.compat import vllm as compat_vllm
 from mcore_rl.config import RolloutConfig
 from mcore_rl.models.hf_io import torch_dtype, write_hf_folder
 from mcore_rl.platform import Platform, free_port
+from mcore_rl.platform.mindspeed_compile import original_compile
 from mcore_rl.preflight.engines import validate_rollout_tp
 from mcore_rl.rollout.base import (
     MEMORY_TAGS,
@@ -118,6 +119,14 @@ def _check_ascend_stack() -> None:
     if version is not None:
         compat_vllm.check_vllm_ascend(version)
         Platform("npu").apply_environment()
+
+
+def sampled_vocabulary(tokenizer_size: int, vocab_size: int) -> Optional[list[int]]:
+    """The ids the engine may sample when the model's vocabulary is padded beyond the tokenizer's (Qwen3: 151,936
+    rows, 151,669 tokens): vLLM cuts its logits to config.json's vocab_size only, so a padded row could be sampled.
+    vLLM's `allowed_token_ids` masks the rest (vLLM 0.11 `v1/engine/processor.py` checks each id against
+    `len(tokenizer)`, a Python pass over the list per request); None where nothing is padded."""
+    return list(range(tokenizer_size)) if tokenizer_size < vocab_size else None
 
 
 def _read_hf_config(model_path: str) -> dict:
@@ -271,6 +280,7 @@ class VllmEngine(DataParallelEngine):
         self._buffered: dict[str, torch.Tensor] = {}  # reload "rebuild": weights of the sync in progress
         self.reload_mode = self._pick_reload_mode(settings.reload)
         self.llm = self._start(self.model_path)
+        self._allowed = sampled_vocabulary(len(self.llm.get_tokenizer()), self.vocab_size)
         self._gather_group = self._make_gather_group()
 
     @property
@@ -384,15 +394,20 @@ class VllmEngine(DataParallelEngine):
         _ensure_launcher_env()
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function (load_weights)
         routes = self._routes_possible()
-        try:
-            llm = LLM(**self._llm_args(path, routes))
-        except ValueError as err:
-            about_routes = "routed" in str(err).lower() or "auxoutput" in str(err).lower()
-            if not (routes and about_routes):
-                raise
-            self._log_once("routes", "vLLM engine: routed experts unavailable here (%s); routed_experts = None", err)
-            llm = LLM(**self._llm_args(path, routes=False))
-            routes = False
+        # NPU: MindSpeed's identity torch.compile would leave vLLM-Ascend's compilation and graph capture (both
+        # inside LLM()) eager; the originals are bound while it builds (mcore_rl/platform/mindspeed_compile.py)
+        with original_compile():
+            try:
+                llm = LLM(**self._llm_args(path, routes))
+            except ValueError as err:
+                about_routes = "routed" in str(err).lower() or "auxoutput" in str(err).lower()
+                if not (routes and about_routes):
+                    raise
+                self._log_once(
+                    "routes", "vLLM engine: routed experts unavailable here (%s); routed_experts = None", err
+                )
+                llm = LLM(**self._llm_args(path, routes=False))
+                routes = False
         self.routes_enabled = routes
         # Runs when the LLM is collected or at interpreter exit (then before vLLM's own finalizer, which it
         # detaches: finalizers run in reverse creation order), also after the trainer destroyed its groups.
@@ -562,7 +577,8 @@ class VllmEngine(DataParallelEngine):
         local: list[list[RolloutSample]] = []
         if len(mine):
             requests = [{"prompt_token_ids": list(prompts[i])} for i in mine]
-            sps = [generate_params(params, n, None if params.seed is None else params.seed + i * n) for i in mine]
+            seeds = [None if params.seed is None else params.seed + i * n for i in mine]
+            sps = [generate_params(params, n, seed, self._allowed) for seed in seeds]
             outputs = self.llm.generate(requests, sps, use_tqdm=False)
             local = [samples_of(prompts[i], out) for i, out in zip(mine, outputs)]
         return local

@@ -14,11 +14,13 @@ import torch
 from mcore_rl.rollout.base import RolloutSample, SamplingParams
 
 
-def generate_params(params: SamplingParams, n: int, seed: Optional[int]):
-    """vLLM's SamplingParams for n samples of one prompt seeded `seed` (sample j gets `seed + j` from vLLM)."""
+def generate_params(params: SamplingParams, n: int, seed: Optional[int], allowed: Optional[list[int]] = None):
+    """vLLM's SamplingParams for n samples of one prompt seeded `seed` (sample j gets `seed + j` from vLLM);
+    `allowed`: the only ids it may sample (the tokenizer's, where the model's vocabulary is padded beyond it)."""
     import vllm
 
     return vllm.SamplingParams(
+        allowed_token_ids=allowed,
         n=n,
         temperature=params.temperature,
         top_p=params.top_p,

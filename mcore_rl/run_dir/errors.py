@@ -60,3 +60,22 @@ def checkpoint_write_error(
     else:
         fix = "fix the cause, then resume (checkpoint.resume=auto)"
     return CheckpointWriteError(f"checkpoint step {step} was not written ({reason}); {kept}: {fix}")
+
+
+def disk_full_error(exc: BaseException, run_dir: str | Path) -> Optional[OutputWriteError]:
+    """A full disk met by a write outside the checkpoint's own (metrics.jsonl, samples.jsonl, TensorBoard's events,
+    a log) as the error the launcher prints: the file (or, where the OS error names none, the run directory),
+    "No space left on device" with the free space, and the newest checkpoint, which is intact; None for any
+    other error."""
+    if isinstance(exc, OutputWriteError) or not _is_disk_full(exc):
+        return None
+    from mcore_rl.run_dir.checkpoints import CheckpointManager  # checkpoints imports this module
+
+    name = getattr(exc, "filename", None)
+    reason, _ = write_failure(exc, Path(name) if name else Path(run_dir))
+    newest = CheckpointManager(run_dir).latest()
+    kept = f"the newest checkpoint {newest.path} is intact" if newest else "no checkpoint was written yet"
+    return OutputWriteError(
+        f"the run stopped: a write failed ({reason}); {kept}: free space or set trainer.run_dir on a larger "
+        f"filesystem, then resume (checkpoint.resume=auto)"
+    )

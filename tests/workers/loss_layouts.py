@@ -42,6 +42,7 @@ from mcore_rl.megatron.parallel import release_groups
 from tests.workers.harness import cpu_megatron, worker_args, write_result
 
 B, S, GROUP = 8, 16, 4
+MAX_NEW_TOKENS = S - 6  # the responses' budget: the longest prompt (6 tokens) plus it fills a row
 REL_TOL = 1e-5
 # a loss's absolute tolerance where its terms are summed in another order (packed rows; context parallel: each rank's
 # part of a sequence, reduced over the CP group): gspo's loss (~ -0.008) is the difference of two terms ~ 0.015, so
@@ -66,14 +67,17 @@ ALGOS = {
 
 
 def global_batch():
-    """Deterministic prompts + responses, right-padded; one response of a single token."""
+    """Deterministic prompts (3-6 tokens) + responses (1-10 tokens), right-padded: one response of a single token,
+    longer draws and rows 2 and 7 cut at the budget MAX_NEW_TOKENS, row 7 then filling its row. Under CP2 a padded
+    row's position 11, the last of CP rank 1's part of it, is then a response token's (issue 34: the multi-token
+    preset's crash)."""
     g = torch.Generator().manual_seed(1234)
     tokens = torch.zeros(B, S, dtype=torch.long)
     loss_mask = torch.zeros(B, S)
     for i in range(B):
         prompt = 3 + i % 4
         resp = int(torch.randint(3, S - prompt + 1, (1,), generator=g))
-        resp = 1 if i == 5 else S - prompt if i == 2 else resp  # a one-token response; one at the maximum
+        resp = 1 if i == 5 else MAX_NEW_TOKENS if i in (2, B - 1) else min(resp, MAX_NEW_TOKENS)
         tokens[i, : prompt + resp] = torch.randint(3, 128, (prompt + resp,), generator=g)
         loss_mask[i, prompt - 1 : prompt - 1 + resp] = 1.0  # position t predicts tokens[t + 1]
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.3, 0.9, 0.1, 0.5])
