@@ -23,9 +23,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-# (owner, method, phase): owner "trainer" is mcore_rl.trainer.Trainer, "actor" mcore_rl.megatron.actor.Actor
+# (owner, method, phase): owner "trainer" is mcore_rl.trainer.Trainer, "generator" mcore_rl.generation.StepGenerator,
+# "actor" mcore_rl.megatron.actor.Actor
 PHASES = [
-    ("trainer", "generate_step", "rollout (generate + score + metadata)"),
+    ("generator", "step", "rollout (generate + score + metadata)"),
     ("trainer", "_mini_batches", "mini-batches (plan + step data)"),
     ("trainer", "_actor_passes", "actor passes (old lp + update)"),
     ("actor", "_run_schedule", "  forward / backward schedule"),
@@ -80,9 +81,12 @@ def _rank_main(config: str, overrides: list[str], skip: int) -> None:
     timers = Timers()
     gc.callbacks.append(timers.on_gc)
     trainer_cls = trainer_module.Trainer
+    from mcore_rl.generation import StepGenerator
+
+    owners = {"trainer": trainer_cls, "generator": StepGenerator}
     for owner, name, phase in PHASES:
-        if owner == "trainer":
-            timers.wrap(trainer_cls, name, phase)
+        if owner in owners:
+            timers.wrap(owners[owner], name, phase)
     timers.wrap(weight_sync, "verify_sync", "  verification")
     trainer_module.verify_sync = weight_sync.verify_sync  # the trainer imported the name
     build_actors, train_step = trainer_cls._build_actors, trainer_cls.train_step

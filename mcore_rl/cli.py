@@ -298,6 +298,11 @@ def cmd_train(args) -> int:
 
     Platform(platform).apply_environment(env, RunEnvironment.of(cfg))  # NPU: before torch_npu starts in a rank
     env[CONFIG_WARNED_ENV] = "1"  # the config's warnings were printed here: rank 0 need not repeat them
+    if cfg.rollout.placement == "separate":  # a dead rank's report names its role (mcore_rl.torchrun.rank_role)
+        from mcore_rl.separate import split_sizes
+        from mcore_rl.torchrun import ACTOR_RANKS_ENV
+
+        env[ACTOR_RANKS_ENV] = str(split_sizes(cfg.rollout, cfg.trainer.nproc * cfg.trainer.nnodes))
     from mcore_rl.platform import get_platform
     from mcore_rl.supervise import run_supervised
     from mcore_rl.torchrun import ForkedWorker

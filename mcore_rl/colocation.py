@@ -82,6 +82,7 @@ class Colocation:
         offload: bool,
         build_engine: Callable[[], RolloutEngine],
         sync: Callable[[], object],
+        **kwargs,
     ) -> Colocation:
         """Build the engine with the device as the rollout phase has it, and start in ROLLOUT: the engine awake with
         the same Hugging Face weights the actor started from (a resume loads into the actor, `weights_replaced`).
@@ -90,7 +91,7 @@ class Colocation:
         if offload:
             actor.offload()
             platform.reset_peak_memory_stats()
-        return cls(actor, build_engine(), platform, offload, sync)
+        return cls(actor, build_engine(), platform, offload, sync, **kwargs)
 
     @property
     def phase(self) -> Phase:

@@ -552,6 +552,22 @@ def _check_combinations(cfg: Config) -> list[str]:
     return warnings
 
 
+def _check_placement(r: RolloutConfig) -> None:
+    """rollout.placement's own rules (the split against the world and the devices: mcore_rl.preflight)."""
+    if r.placement == "colocated":  # rollout.ranks there has no effect: a warning of the pre-flight's
+        _require(
+            r.max_staleness in (None, 0),
+            f"rollout.max_staleness = {r.max_staleness}: a colocated run generates with the newest weights (0); "
+            f"generating ahead needs rollout.placement=separate",
+        )
+        return
+    _require(
+        r.max_staleness in (None, 0, 1),
+        f"rollout.max_staleness = {r.max_staleness}: the separate placement generates at most one step ahead; use 1 "
+        f"(one-step off-policy) or 0 (waits: exactly the colocated run)",
+    )
+
+
 # The collective timeout when trainer.collective_timeout_minutes is null. After each rollout every rank waits in
 # a collective for the slowest replica, so the timeout must outlast one replica's longest generation: this many
 # minutes for everything else (loading, a checkpoint save, a rebuild), plus SECONDS_PER_RESPONSE_TOKEN for each
@@ -572,6 +588,7 @@ def collective_timeout_minutes(cfg: Config) -> float:
 def validate_config(cfg: Config) -> list[str]:
     """Raise ConfigError on a bad value or an impossible combination; return non-fatal warnings."""
     _check_choices(cfg)
+    _check_placement(cfg.rollout)
     warnings = check_algo(cfg.algo)
     _check_ranges(cfg)
     return warnings + _check_combinations(cfg)

@@ -27,6 +27,8 @@ GROUPS: tuple[tuple[str, str], ...] = (
     ("clip fractions", r"clipfrac"),
     ("grad norm", r"grad_norm"),
     ("train / rollout mismatch", r"mismatch|is_weight"),
+    ("staleness (weight versions)", r"staleness"),  # separate placement: behaviour policy behind the update
+    ("seconds each role waits", r"^time/.*_wait$"),  # separate placement: actor for samples, rollout for weights
     ("seconds per phase", r"^time/"),  # metrics.PhaseTimer: time/rollout, time/update, time/sync, ...
     ("prompt groups", r"^groups/"),  # all correct / all wrong: the groups without signal
     ("engine vs actor log-prob gap", r"^sync/(verify|calibration)_\w*diff$"),  # nats, rollout/weight_sync.py

@@ -64,6 +64,17 @@ def failed_exit_code(error) -> int:
     return 128 - code if code < 0 else (code or 1)
 
 
+ACTOR_RANKS_ENV = "MCORE_RL_ACTOR_RANKS"  # set by `mcore-rl train` for rollout.placement=separate
+
+
+def rank_role(rank: int) -> str:
+    """`rank N`, or in a separate-placement job `actor rank N` / `rollout rank N` (global ranks >= the actor's)."""
+    actors = os.environ.get(ACTOR_RANKS_ENV, "")
+    if not actors.isdigit():
+        return f"rank {rank}"
+    return f"{'actor' if rank < int(actors) else 'rollout'} rank {rank}"
+
+
 def report_signal_death(error, report: Path) -> None:
     """A worker that a signal ended (SIGKILL) says nothing itself: name the rank, the signal and the likely
     causes for the launcher (supervise.report_to_launcher; a worker's own line, when there is one, wins)."""
@@ -80,7 +91,7 @@ def report_signal_death(error, report: Path) -> None:
         name = f"signal {-failure.exitcode}"
     report_to_launcher(
         128 - failure.exitcode,
-        f"mcore-rl: error: rank {rank} (pid {failure.pid}) was killed by {name} and could not say why: the kernel's "
+        f"mcore-rl: error: {rank_role(rank)} (pid {failure.pid}) was killed by {name} and could not say why: the kernel's "
         f"out-of-memory killer (see dmesg), another process, or code running inside it (with reward.timeout_s = 0 "
         f"the reward function runs in the rank's own process: set reward.timeout_s > 0 to give it a worker); "
         f"torchrun's report: {report}; continue with checkpoint.resume=auto",

@@ -16,7 +16,9 @@ samples of its share, as `batch.split_for_rank` of the whole batch would cut it 
 docs/architecture.md, "Per-rank step data"). Groups need no cross-rank gather for advantages: every rank
 has every sample's reward and validity from the metadata.
 
-Who holds the device - the engine (rollout) or the actor (training) - is mcore_rl.colocation's: the step asks for
+What depends on rollout.placement - who holds the device, how weights reach the engine, when generation for the next
+step starts - is mcore_rl.placement's (separate: mcore_rl.separate, where the rollout ranks run their own loop).
+Colocated, who holds the device - the engine (rollout) or the actor (training) - is mcore_rl.colocation's: the step asks for
 a phase, a checkpoint, load or export for the actor's state, and the sync runs inside the hand-over (with
 actor.offload: the engine's weights woken, the sync, the actor's state to the host, the KV cache woken). The
 reference model is on the host except during its own pass.
@@ -29,35 +31,34 @@ import os
 import signal
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from transformers import AutoTokenizer
 
 from mcore_rl.algos import group_advantages
 from mcore_rl.batch import plan_mini_batches
-from mcore_rl.colocation import Colocation, Phase
 from mcore_rl.compat import describe_versions
 from mcore_rl.config import Config, ConfigError, save_config
-from mcore_rl.data import EpochSampler, PromptInputs, load_prompt_dataset
-from mcore_rl.dynamic_sampling import CapWarnings, collect, overlong_filtered, round_seed, single_round
+from mcore_rl.data import PromptInputs
+from mcore_rl.dynamic_sampling import overlong_filtered
+from mcore_rl.generation import StepGenerator, build_engine, load_step_inputs, validation_examples
 from mcore_rl.metrics import MetricsLogger, PhaseTimer, SampleLog
+from mcore_rl.placement import ColocatedPlacement, Phase, Placement
 from mcore_rl.platform import RunEnvironment, collectives, get_platform
 from mcore_rl.platform.library_warnings import quiet_startup, verbose_requested
+from mcore_rl.platform.split import init_split
 from mcore_rl.plot import plot_run
 from mcore_rl.preflight.resume_changes import CONFIG_FILE, check_resume_changes, describe
 from mcore_rl.preflight.run import check_before_build, split_unit
-from mcore_rl.rewards import RewardScorer
-from mcore_rl.rollout import make_engine, sampling_params
-from mcore_rl.rollout.data_parallel import generate_local
 from mcore_rl.rollout.weight_sync import (
     ProbeBatch,
     default_tolerance,
     log_prob_gap,
     shared_probe,
-    sync_engine_weights,
+    sync_weights,
     verify_due,
     verify_sync,
 )
@@ -81,10 +82,9 @@ from mcore_rl.safety import (
     SkipCounter,
     StopRequested,
     StopSignals,
-    check_reward_errors,
-    reward_errors_stop,
 )
-from mcore_rl.step_data import ExchangeStats, dp_ranks, exchange_meta, first_reward_error, local_mini_batches
+from mcore_rl.separate import RolloutWorker, SeparatePlacement, split_sizes
+from mcore_rl.step_data import ExchangeStats, dp_ranks, local_mini_batches
 from mcore_rl.supervise import tell_launcher
 
 log = logging.getLogger("mcore_rl.trainer")
@@ -93,7 +93,7 @@ log = logging.getLogger("mcore_rl.trainer")
 class Trainer:
     """Holds what lives across steps: actor, engine, data sampler, reward function, loggers."""
 
-    def __init__(self, cfg: Config, inputs: "PromptInputs | None" = None):
+    def __init__(self, cfg: Config, inputs: "PromptInputs | None" = None, bridge=None):
         self.cfg = cfg
         # First: a Ctrl-C while the run starts stops it at the first step boundary, like one later on.
         self.stop_signals = StopSignals(Path(cfg.trainer.run_dir) / STOP_FILE, at_once=self._stop_at_once)
@@ -101,29 +101,25 @@ class Trainer:
         self.platform = get_platform(cfg.platform)
         self.platform.init_distributed(RunEnvironment.of(cfg))  # the collective timeout, HCCL's env (NPU)
         self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
+        self.world = dist.get_world_size()  # the actor's ranks (separate placement: the rollout ranks are not in it)
+        self.job_world = int(os.environ.get("WORLD_SIZE", self.world))  # every rank torchrun started
         self.run_dir = Path(cfg.trainer.run_dir)
-        check_before_build(cfg, self.world, self.platform.name)  # plain torchrun launches skip the pre-flight
+        check_before_build(cfg, self.job_world, self.platform.name)  # plain torchrun launches skip the pre-flight
         resume = self._claim_run_dir()
         # Cheap, rank-local work first so bad data or reward functions fail before Megatron starts.
         self._load_inputs(inputs)
         self._build_actors()
-        self.colocation = Colocation.start(
-            self.actor, self.platform, cfg.actor.offload, self._build_engine, sync=lambda: self.sync_engine(False)
-        )
-        self.engine = self.colocation.engine
-        self.stop_ids = [self.tokenizer.eos_token_id]
+        self._build_step_parts(bridge)
         # T = 1: the check is about weights, and engines score T = 1 cheapest (vLLM: no full-vocab fetch).
         self.probe = ProbeBatch.random(self.actor.hf_config.vocab_size, seed=cfg.trainer.seed)
         self.ckpt = CheckpointManager(cfg.trainer.run_dir, cfg.checkpoint.keep_last)
         self.step = 0
         self.skips = SkipCounter(cfg.trainer.max_consecutive_skips)
         self.last_applied: list[bool] = []
-        self.cap_warnings = CapWarnings()
         if resume is not None:
             self._load(resume.path)
         self.metrics = MetricsLogger(cfg.trainer.run_dir, cfg, rank=self.rank, start_step=self.step)
-        self.sample_log = SampleLog(cfg.trainer.run_dir, cfg.trainer.sample_log, self.rank)
+        self.placement.begin_run(self.step, self.sampler.state_dict(), self.unit)
         if resume is not None:
             self.sync_engine(verify=True)
 
@@ -142,25 +138,9 @@ class Trainer:
         return resume
 
     def _load_inputs(self, inputs: "PromptInputs | None") -> None:
-        """Tokenizer, reward function, prompt datasets and their sampler; the tokenizer and the datasets those that
-        `inputs` holds when loaded for this config (the launcher's, in a rank it forked)."""
-        cfg = self.cfg
-        self.reward_fn = RewardScorer.from_config(cfg.reward, cfg.rollout.max_new_tokens)
-        self.reward_fn.start()  # its worker's interpreter starts while the model is built, not in the first step
-        if inputs is not None and inputs.key == PromptInputs.key_of(cfg):
-            self.tokenizer, self.train_set, self.val_set = inputs.tokenizer, inputs.train_set, inputs.val_set
-            for dataset in (self.train_set, self.val_set):
-                if dataset is not None:
-                    dataset.log_summary()  # what loading it here would have said
-        else:
-            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-            load = lambda path: load_prompt_dataset(path, self.tokenizer, cfg.data.max_prompt_len, cfg.data.prompt_key)
-            self.train_set = load(cfg.data.train_path)
-            val_path = PromptInputs.val_path_of(cfg)
-            self.val_set = load(val_path) if val_path is not None else None
-        self.sampler = EpochSampler(
-            len(self.train_set), cfg.data.prompts_per_step, seed=cfg.data.seed, shuffle=cfg.data.shuffle
-        )
+        loaded = load_step_inputs(self.cfg, inputs)
+        self.reward_fn, self.tokenizer, self.sampler = loaded.reward_fn, loaded.tokenizer, loaded.sampler
+        self.train_set, self.val_set = loaded.train_set, loaded.val_set
 
     def _build_actors(self) -> None:
         """The actor (its weights checked finite) and, for KL, the frozen reference (actor.offload: on the host
@@ -187,49 +167,44 @@ class Trainer:
         if cfg.actor.offload and self.ref_actor is not None:
             self.ref_actor.offload()
 
-    def _build_engine(self):
+    def _build_step_parts(self, bridge) -> None:
+        """The placement, the step's generator (its rounds from the placement) and whether the old-policy pass may
+        be taken from the update."""
         cfg = self.cfg
-        # vLLM sizes its KV cache for the longest sequence it may see; the model's maximum wastes memory.
-        engine_args = (
-            {"max_model_len": cfg.data.max_prompt_len + cfg.rollout.max_new_tokens}
-            if cfg.rollout.engine == "vllm"
-            else {}
-        )
-        # Only rollout routing replay reads the engine's experts; recording them costs a forward (embedded).
-        engine_args["return_routed_experts"] = cfg.algo.routing_replay == "r3"
-        return make_engine(cfg.rollout, cfg.model.path, self.platform, dtype=cfg.model.dtype, **engine_args)
+        self.placement = self._placement(bridge)
+        fixed = None if cfg.actor.max_tokens_per_micro_batch else cfg.actor.parallel.micro_batch_size
+        self.unit = split_unit(cfg.algo.mini_batches, self.actor.layout.dp, fixed)
+        self.sample_log = SampleLog(cfg.trainer.run_dir, cfg.trainer.sample_log, self.rank)
+        parts = (self.placement.rounds, self.unit, self.sample_log, self.rank)
+        self.generator = StepGenerator(cfg, self.train_set, self.sampler, self.tokenizer, *parts)
+        # off-policy the proximal (old-policy) pass always runs: the update's weights did not sample the batch
+        self.old_from_update = cfg.algo.old_from_update and self.placement.skips_old_pass
+
+    def _placement(self, bridge) -> Placement:
+        """The colocated placement (the engine in this process, Colocation holding the device) or the separate one's
+        actor side (the rollout ranks behind the bridge)."""
+        cfg = self.cfg
+        if cfg.rollout.placement == "separate":
+            return SeparatePlacement(cfg, self.actor, bridge)
+        rounds = (self.reward_fn, self.tokenizer, cfg.rollout, [self.tokenizer.eos_token_id])
+        build = lambda: build_engine(cfg, self.platform)
+        sync = lambda: self.sync_engine(False)
+        return ColocatedPlacement.start(self.actor, self.platform, cfg.actor.offload, build, sync, rounds_args=rounds)
+
+    @property
+    def engine(self):
+        return self.placement.engine
 
     # ---- phases ------------------------------------------------------------------------------
-    def rollout(self, examples, n: int, temperature: float, seed: int, stats=None):
-        """Generate this rank's replica share, score this rank's part of it, exchange the metadata of every
-        sample (tensors). Returns (LocalRollout, StepMeta, this rank's RewardBatch)."""
-        params = sampling_params(self.cfg.rollout, stop_token_ids=self.stop_ids)
-        params.temperature = temperature
-        local = generate_local(self.engine, [ex.prompt_ids for ex in examples], n, params, seed=seed)
-        # Each sample is scored once, by one rank of the replica that generated it (LocalRollout.scored).
-        samples = [local.sample(i) for i in local.scored]
-        mine = [examples[i // n] for i in local.scored]
-        texts = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
-        scored = self.reward_fn(
-            texts,
-            [ex.ground_truth for ex in mine],
-            [ex.data_source for ex in mine],
-            [ex.extra_info for ex in mine],
-            [len(s.response_ids) for s in samples],
-        )
-        meta = exchange_meta(local, scored.rewards, scored.valid, stats)
-        return local, meta, scored
-
     # ---- the engine's weights --------------------------------------------------------------------
     def sync_engine(self, verify: bool) -> dict:
         """Actor weights -> rollout engine (bucketed), verified against the actor when `verify`: the hand-over to
         the rollout phase (Colocation.handover: the engine's wakes around it, with offload the actor to the host)."""
-        with self.colocation.handover():
-            stats = sync_engine_weights(
-                self.actor.export_hf_weights, self.engine, self.cfg.rollout.sync_bucket_mb, fingerprints=verify
-            )
+        with self.placement.handover():
+            export = self.actor.export_hf_weights(receiver=self.placement.receiver)
+            stats = sync_weights(export, self.engine, self.cfg.rollout.sync_bucket_mb, fingerprints=verify)
             if verify:  # the verification's reads of the actor, valid after its state left the device
-                reference, export_fn = self.colocation.actor_reads(self.probe)
+                reference, export_fn = self.placement.actor_reads(self.probe)
         out = {"sync/seconds": stats.seconds, "sync/gb_per_s": stats.gb_per_s}
         if verify:
             report = verify_sync(
@@ -293,57 +268,19 @@ class Trainer:
             mb.old_log_prob, mb.entropy = out[0], out[1]
         return self.actor.masked_sum([mb.entropy for mb in micro_batches], micro_batches)
 
-    def _check_rewards(self, meta, scored) -> None:
-        """Stop when too many of a round's rewards failed (the same decision on every rank)."""
-        max_rate = self.cfg.reward.max_error_rate
-        stopping = reward_errors_stop(meta.errors, meta.size, max_rate)  # the same on every rank
-        first_error = first_reward_error(scored.first_error) if stopping else scored.first_error
-        check_reward_errors(meta.errors, meta.size, first_error, max_rate, self.step + 1)
-
-    def generate_step(self, stats):
-        """The step's rollout: one round, or with algo.dynamic_sampling rounds until data.prompts_per_step groups
-        carry reward signal (mcore_rl.dynamic_sampling). Each round takes the sampler's next prompts."""
-        cfg, a = self.cfg, self.cfg.algo
-        step_seed = cfg.trainer.seed * 1_000_003 + self.step * 7919
-
-        def generate(round_index: int):
-            examples = [self.train_set[i] for i in self.sampler.next_batch()]
-            seed = round_seed(step_seed, round_index)
-            local, meta, scored = self.rollout(examples, cfg.rollout.n, cfg.rollout.temperature, seed, stats)
-            self.sample_log.write(self.step + 1, local, self.tokenizer, scored)
-            self._check_rewards(meta, scored)
-            return local, meta
-
-        if not a.dynamic_sampling:
-            return single_round(*generate(0), cfg.rollout.n)
-        fixed = None if cfg.actor.max_tokens_per_micro_batch else cfg.actor.parallel.micro_batch_size
-        unit = split_unit(a.mini_batches, self.actor.layout.dp, fixed)
-        selection = collect(
-            generate,
-            cfg.data.prompts_per_step,
-            cfg.rollout.n,
-            a.dynamic_sampling_max_rounds,
-            unit,
-            a.dynamic_sampling_at_cap,
-            self.step + 1,
-        )
-        warning = self.cap_warnings.line(selection.short, self.step + 1)
-        if warning and self.rank == 0:
-            log.warning("%s", warning)
-        return selection
-
     def train_step(self) -> dict:
         """One step: the rollout (after a sync where the engine is behind the actor), the actor's passes and updates
         on this rank's samples, the sync into the engine. Returns the step's metrics."""
         timer, exchanged = PhaseTimer(), ExchangeStats()
         step_start = time.perf_counter()
-        self.colocation.ensure(Phase.ROLLOUT)
-        with timer("rollout"):
-            selection = self.generate_step(exchanged)
+        self.placement.ensure(Phase.ROLLOUT)
+        with timer("rollout"):  # separate: the wait for the rollout ranks' samples
+            self.placement.begin_step(self.step)
+            selection = self.generator.step(self.step, exchanged)
         # the initial weights' gap: the engine scores now, awake; the actor once it is back on the device
         calibration = self._probe_engine(selection)
         with timer("to_training"):
-            self.colocation.ensure(Phase.TRAINING)  # the engine's memory to the actor's passes (offload: its state)
+            self.placement.ensure(Phase.TRAINING)  # the engine's memory to the actor's passes (offload: its state)
         calibration_metrics = self._calibration(calibration) if calibration is not None else {}
         meta, mini_batches = self._mini_batches(selection, exchanged)
         update, entropy_sum = self._actor_passes(mini_batches, timer)
@@ -352,12 +289,14 @@ class Trainer:
         self.actor.check_weights_finite(f"step {self.step + 1} made the weights non-finite")
         with timer("sync"):
             sync_metrics = self.sync_engine(verify=verify_due(self.step + 1, self.cfg.rollout.verify_every))
+        placement_metrics = self.placement.step_metrics(self.step)
         self.step += 1
         self.last_applied = [bool(v) for v in update.get("update_successful", [])]
         metrics = {
             **self._step_metrics(selection, meta, update, exchanged, timer, step_start),
             **sync_metrics,
             **calibration_metrics,
+            **placement_metrics,
         }
         if entropy_sum is not None:
             metrics["train/entropy_old"] = entropy_sum / max(1, sum(meta.loss_tokens))
@@ -372,7 +311,7 @@ class Trainer:
             self.probe = shared_probe(selection.first_round.groups, self.probe)
         if self.step != 0:
             return None
-        return self.engine.score(self.probe.sequences, self.probe.prompt_lens, self.probe.temperature)
+        return self.placement.probe_scores(self.probe)
 
     def _mini_batches(self, selection, exchanged):
         """The step's advantages and plan of mini-batches / DP ranks / micro-batches, and this rank's mini-batches
@@ -411,7 +350,7 @@ class Trainer:
         algo = self.cfg.algo
         micro_all = [mb for mini in mini_batches for mb in mini.micro_batches]
         entropy_sum = None
-        if not algo.old_from_update:
+        if not self.old_from_update:
             with timer("old_logprob"):
                 entropy_sum = self.old_policy_pass(micro_all)
         if self.ref_actor is not None:
@@ -422,7 +361,7 @@ class Trainer:
         with timer("update"):
             for _ in range(algo.ppo_epochs):
                 for mini in mini_batches:
-                    for k, v in self.actor.train_policy(mini, algo, on_policy=algo.old_from_update).items():
+                    for k, v in self.actor.train_policy(mini, algo, on_policy=self.old_from_update).items():
                         update.setdefault(k, []).append(v)
         return update, entropy_sum
 
@@ -454,10 +393,8 @@ class Trainer:
 
     def validate(self) -> dict:
         """Mean reward of one sample per validation prompt (pass@1), greedy."""
-        examples = [self.val_set[i] for i in range(min(len(self.val_set), self.cfg.trainer.val_prompts))]
-        self.colocation.ensure(Phase.ROLLOUT)
-        _, meta, _ = self.rollout(examples, n=1, temperature=0.0, seed=self.cfg.trainer.seed)
-        return {"val/reward_mean": float(meta.rewards.double().mean())}
+        examples = validation_examples(self.cfg, self.val_set)
+        return {"val/reward_mean": self.placement.validation_reward(examples, self.cfg.trainer.seed)}
 
     # ---- checkpoints -------------------------------------------------------------------------
     def _stop_if_asked(self) -> None:
@@ -480,8 +417,10 @@ class Trainer:
         os._exit(0)  # stopped as asked, like a StopRequested: the launcher exits 128 + SIGINT
 
     def save(self) -> None:
-        self.colocation.ensure_actor_state()  # for the writer
+        self.placement.ensure_actor_state()  # for the writer
         self.actor.check_weights_finite(f"not writing checkpoint step {self.step}")
+
+        ahead = self.placement.state_dict(self.step)  # before the writer: it may wait for the rollout ranks
 
         def write(tmp_dir: Path) -> None:
             self.actor.save_checkpoint(str(tmp_dir / "actor"))
@@ -490,22 +429,23 @@ class Trainer:
                 "sampler": self.sampler.state_dict(),
                 "rng": rng_state(),  # tensors and plain types: read back with weights_only=True
                 "skips": self.skips.state_dict(),
+                **({"placement": ahead} if ahead else {}),
             }
             torch.save(state, state_file(tmp_dir, self.rank))
             if self.rank == 0:  # what a resume compares its config with (mcore_rl.preflight.resume_changes)
                 save_config(self.cfg, tmp_dir / CONFIG_FILE)
 
-        ckpt = self.ckpt.save(self.step, write, meta={"step": self.step})
+        ckpt = self.ckpt.save(self.step, write, meta={"step": self.step, "world_size": self.job_world})
         if self.rank == 0:
             log.info("saved checkpoint %s", ckpt.path)
 
     def _load(self, path: Path) -> None:
-        self.colocation.ensure_actor_state()  # loaded into the actor on the device; a sync hands over afterwards
+        self.placement.ensure_actor_state()  # loaded into the actor on the device; a sync hands over afterwards
         saved_world = Checkpoint(self.step, Path(path)).meta.get("world_size")
         own_state = state_file(path, self.rank)
-        if saved_world is not None and saved_world != self.world:
+        if saved_world is not None and saved_world != self.job_world:
             raise RuntimeError(
-                f"{path} was written by {saved_world} processes, this run has {self.world}: resume with "
+                f"{path} was written by {saved_world} processes, this run has {self.job_world}: resume with "
                 f"trainer.nproc x trainer.nnodes = {saved_world}"
             )
         if not own_state.exists():
@@ -518,18 +458,19 @@ class Trainer:
             raise
         except Exception as e:  # name the checkpoint: torch's own messages ("zip archive corrupted") do not
             raise RuntimeError(f"cannot load checkpoint {path}: {type(e).__name__}: {e}") from e
-        self.colocation.weights_replaced()
+        self.placement.weights_replaced()
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rng"])
         if "skips" in state:
             self.skips.load_state_dict(state["skips"])
+        self.placement.load_state_dict(state.get("placement", {}))
         if self.rank == 0:
             log.info("resumed from %s at step %d", path, self.step)
 
     def export_hf(self, out_dir: Path) -> None:
         """Write the actor as a Hugging Face folder (collective)."""
-        self.colocation.ensure_actor_state()
+        self.placement.ensure_actor_state()
         self.actor.check_weights_finite(f"not writing the Hugging Face export {out_dir}")
         try:
             self.actor.save_hf(str(out_dir), source_dir=self.cfg.model.path)
@@ -561,7 +502,7 @@ class Trainer:
         self.reward_fn.close()
         if cfg.checkpoint.save_hf:
             self.export_hf(self.run_dir / "hf")
-        self.colocation.close()
+        self.placement.close()
         self._plot()
 
     def _plot(self) -> None:
@@ -610,9 +551,15 @@ def run(cfg: Config, inputs: "PromptInputs | None" = None) -> None:
     if notice:
         log.info("%s", notice)
     torch.manual_seed(cfg.trainer.seed)
+    np.random.seed(cfg.trainer.seed % 2**32)  # else the checkpoints' saved state is the OS's entropy, run to run
+    bridge = start_processes(cfg)
+    if bridge is not None and not bridge.is_actor:
+        RolloutWorker(cfg, inputs, get_platform(cfg.platform), bridge).run()
+        _end_process_group()
+        return
     trainer = None
     try:
-        trainer = Trainer(cfg, inputs)
+        trainer = Trainer(cfg, inputs, bridge)
         trainer.fit()
     except Interrupted:
         raise _interrupted(cfg, trainer) from None
@@ -625,6 +572,32 @@ def run(cfg: Config, inputs: "PromptInputs | None" = None) -> None:
         StopSignals().ignore()  # the run is over: a later Ctrl-C would only interrupt the exit
         if trainer is not None and trainer.run_lock is not None:
             trainer.run_lock.release()
+    _end_process_group()
+
+
+def start_processes(cfg: Config):
+    """torch.distributed for this rank: one world (colocated), or the separate placement's role groups and the
+    bridge (mcore_rl.platform.split). Returns the bridge on the ranks that hold it, else None."""
+    platform = get_platform(cfg.platform)
+    if cfg.rollout.placement != "separate":
+        return None
+    if cfg.rollout.engine != "embedded":  # before any process group or model: the check is free
+        raise ConfigError(
+            f"rollout.placement=separate runs the embedded engine so far (rollout.engine = {cfg.rollout.engine}: the "
+            f"weights across the split reach vLLM through no transfer path yet): set rollout.engine=embedded or "
+            f"rollout.placement=colocated"
+        )
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    actor_ranks = split_sizes(cfg.rollout, world)
+    run = RunEnvironment.of(cfg)
+    platform.apply_environment(run=run)
+    platform.set_device()
+    timeout = timedelta(minutes=run.collective_timeout_minutes)
+    _, bridge = init_split(platform.name, platform.dist_backend, platform.device, actor_ranks, timeout)
+    return bridge
+
+
+def _end_process_group() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -263,6 +263,23 @@ def test_an_empty_run_dir_is_refused(run_dir):
         load_config(None, [f"trainer.run_dir={run_dir}"])
 
 
+@pytest.mark.parametrize(
+    "overrides, fix",
+    [
+        (("rollout.max_staleness=1",), "needs rollout.placement=separate"),
+        (("rollout.placement=separate", "rollout.max_staleness=2"), "at most one step ahead"),
+    ],
+)
+def test_placement_value_rules_name_the_fix(overrides, fix):
+    assert fix in error(*overrides)
+
+
+def test_separate_placement_defaults_accepted():
+    for overrides in (["rollout.placement=separate"], ["rollout.placement=separate", "rollout.max_staleness=0"]):
+        cfg = load_config(None, overrides)
+        assert cfg.rollout.placement == "separate"
+
+
 def test_an_overlong_buffer_beyond_the_response_budget_is_refused():
     """reward.overlong_buffer = 20 with max_new_tokens = 14 passed the pre-flight and every rank then died in
     OverlongPenalty's own check; it is one config error naming the largest buffer that fits."""

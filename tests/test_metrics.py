@@ -250,6 +250,25 @@ def test_group_metrics():
     assert list(groups)[-1] == "weird"
 
 
+def test_separate_placement_metrics_have_their_panels():
+    """Staleness and each role's wait get panels of their own; the roles' rates join the tokens / s panel."""
+    keys = [
+        "train/staleness_max",
+        "train/staleness_mean",
+        "time/actor_wait",
+        "time/rollout_wait",
+        "time/rollout_generate",
+        "time/update",
+        "perf/rollout_role_tokens_per_s",
+        "perf/tokens_per_s",
+    ]
+    groups = group_metrics(keys)
+    assert groups["staleness (weight versions)"] == ["train/staleness_max", "train/staleness_mean"]
+    assert groups["seconds each role waits"] == ["time/actor_wait", "time/rollout_wait"]
+    assert groups["seconds per phase"] == ["time/rollout_generate", "time/update"]
+    assert groups["tokens / s"] == ["perf/rollout_role_tokens_per_s", "perf/tokens_per_s"]
+
+
 # One record with every name the trainer logs (mcore_rl/trainer.py: train_step, validate, sync_engine; KL, entropy
 # and routing keys of an SAPO + KL + R2 run with a separate old-policy pass).
 TRAINER_RECORD = {
@@ -257,6 +276,7 @@ TRAINER_RECORD = {
     **dict.fromkeys(("response/length_mean", "response/length_max", "response/clip_ratio"), 3.0),
     **dict.fromkeys(("perf/step_data_bytes", "perf/tokens_per_s", "perf/rollout_tokens_per_s"), 900.0),
     "perf/step_seconds": 1.25,
+    **dict.fromkeys(("train/staleness_max", "train/staleness_mean"), 0.0),
     **dict.fromkeys(
         ("time/rollout", "time/to_training", "time/old_logprob", "time/ref_logprob", "time/update", "time/sync"), 0.2
     ),

@@ -73,8 +73,8 @@ def main():
         phases[name] = events[start:]
 
     phase("sync_offload", lambda: trainer.sync_engine(verify=True))
-    phase("to_training", lambda: trainer.colocation.ensure(Phase.TRAINING))
-    trainer.colocation.offload = False
+    phase("to_training", lambda: trainer.placement.ensure(Phase.TRAINING))
+    trainer.placement.offload = False
     phase("sync_resident", lambda: trainer.sync_engine(verify=False))
 
     # a verification that fails: the engine's weights changed behind the sync's back -> rebuild beside the awake engine

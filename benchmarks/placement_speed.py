@@ -1,0 +1,112 @@
+"""Colocated (synchronous) against separate one-step off-policy on the same cores: wall time to a reward target,
+tokens/s, and what each role of the separate run spent waiting.
+
+    python benchmarks/placement_speed.py [--preset configs/tiny/gspo_cpu.yaml] [--rounds 2] [--seeds 1]
+                                         [--threshold 0.8] [--window 10] [--max-steps 300] [--steps N]
+                                         [--rollout-ranks 1] [key=value ...]
+
+Per round and seed, back to back (so under the same machine load; the 1-minute load average before and after each
+run is printed): the preset as it is (colocated, its own layout), then `rollout.placement=separate` with
+`--rollout-ranks` of its `trainer.nproc` ranks generating and the rest training (`actor.parallel.ep=1` when one actor
+rank is left). Each run stops at a `window`-step mean reward of `threshold` (or the end of step N with --steps).
+Printed per run: the step and wall seconds to the goal, trained tokens/s over the run (tokens trained / wall time
+after the first step), and for the separate run the per-role busy / waiting seconds summed from its metrics
+(time/actor_wait: the actor waiting for samples; time/rollout_generate and time/rollout_wait: the rollout ranks
+generating and waiting for the weights). At the end: the median and spread (min - max) of separate / colocated
+wall time and tokens/s over the rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.demo_speed import REPO, Goal, run_mcore  # noqa: E402
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def _tokens_per_s(rows: list[dict], upto: int) -> float:
+    """Trained response tokens per wall second, from the end of step 1 to the end of step `upto`."""
+    used = [r for r in rows if r["step"] <= upto]
+    if len(used) < 2:
+        return float("nan")
+    tokens = sum(r["perf/tokens_per_s"] * r["perf/step_seconds"] for r in used[1:])
+    return tokens / max(used[-1]["time"] - used[0]["time"], 1e-9)
+
+
+def _roles(rows: list[dict], upto: int) -> str:
+    used = [r for r in rows if r["step"] <= upto]
+    total = lambda key: sum(r.get(key, 0.0) for r in used)
+    return (
+        f"actor waits {total('time/actor_wait'):.1f} s; rollout generates {total('time/rollout_generate'):.1f} s, "
+        f"waits {total('time/rollout_wait'):.1f} s"
+    )
+
+
+def run(name: str, preset: str, overrides: list[str], goal: Goal, tmp: Path) -> dict:
+    run_dir = tmp / name
+    before = os.getloadavg()[0]
+    result = run_mcore(preset, overrides, run_dir, goal)
+    rows = _rows(run_dir)
+    result.update(name=name, tokens_per_s=_tokens_per_s(rows, result["step"] or 0), roles=_roles(rows, result["step"]))
+    status = f"step {result['step']}" + ("" if result["reached"] else " (goal NOT reached)")
+    print(
+        f"{name:10s} {status}: {result['wall_s']:.1f} s, {result['tokens_per_s']:.0f} trained tokens/s"
+        + (f"; {result['roles']}" if name == "separate" else "")
+        + f" (load {before:.1f} -> {os.getloadavg()[0]:.1f})",
+        flush=True,
+    )
+    return result
+
+
+def _spread(values: list[float]) -> str:
+    return f"median {statistics.median(values):.2f}x, spread {min(values):.2f}x - {max(values):.2f}x"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="configs/tiny/gspo_cpu.yaml")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1])
+    parser.add_argument("--threshold", type=float, default=0.8)
+    parser.add_argument("--window", type=int, default=10)
+    parser.add_argument("--max-steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--rollout-ranks", type=int, default=1)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    goal = Goal(args.threshold, args.window, args.steps)
+    from mcore_rl.config import load_config
+
+    nproc = load_config(str(REPO / args.preset), args.overrides).trainer.nproc
+    separate = ["rollout.placement=separate", f"rollout.ranks={args.rollout_ranks}"]
+    if nproc - args.rollout_ranks == 1:
+        separate.append("actor.parallel.ep=1")
+    common = [f"trainer.steps={args.steps or args.max_steps}", "trainer.val_every=0", "checkpoint.save_hf=false"]
+    print(f"{args.preset}: to {goal.describe()}; {nproc} ranks, separate: {args.rollout_ranks} rollout", flush=True)
+    ratios_wall, ratios_tps = [], []
+    with tempfile.TemporaryDirectory(prefix="placement-speed-") as tmp:
+        for rnd in range(args.rounds):
+            for seed in args.seeds:
+                extra = [*common, f"trainer.seed={seed}", *args.overrides]
+                c = run("colocated", args.preset, extra, goal, Path(tmp) / f"r{rnd}s{seed}")
+                s = run("separate", args.preset, [*extra, *separate], goal, Path(tmp) / f"r{rnd}s{seed}")
+                ratios_wall.append(c["wall_s"] / s["wall_s"])
+                ratios_tps.append(s["tokens_per_s"] / c["tokens_per_s"])
+    print(f"colocated / separate wall time: {_spread(ratios_wall)}")
+    print(f"separate / colocated tokens/s: {_spread(ratios_tps)}")
+
+
+if __name__ == "__main__":
+    main()
