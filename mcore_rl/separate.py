@@ -24,6 +24,7 @@ from their own sampler, checked against the prompts the rollout ranks used.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from mcore_rl.batch import RolloutSample
 from mcore_rl.generation import EngineRounds, StepGenerator, build_engine, load_step_inputs, validation_examples
 from mcore_rl.generation import validation_reward as local_validation_reward
 from mcore_rl.placement import Phase, Placement, staleness_metrics
@@ -78,6 +80,33 @@ class StepSamples:
     wait_seconds: float = 0.0  # the rollout ranks' time waiting for the actor since their last samples
     generated_tokens: int = 0
     extra: dict = field(default_factory=dict)
+
+
+_CLASS = "__class__"
+_SAMPLE_CLASSES = {cls.__name__: cls for cls in (StepSamples, RolloutSample, ProbeBatch)}
+
+
+def _plain(value):
+    """`value` with every dataclass as a dict tagged with its class name: a checkpoint's trainer state holds only
+    tensors and plain types, which torch reads with weights_only=True (mcore_rl/run_dir/trainer_state.py)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {_CLASS: type(value).__name__, **fields}
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
+def _restored(value):
+    """The inverse of _plain, building only the classes a step's samples hold."""
+    if isinstance(value, dict):
+        fields = {k: _restored(v) for k, v in value.items() if k != _CLASS}
+        return _SAMPLE_CLASSES[value[_CLASS]](**fields) if _CLASS in value else fields
+    if isinstance(value, (list, tuple)):
+        return type(value)(_restored(v) for v in value)
+    return value
 
 
 def _bucket_header(bucket: list[tuple[str, torch.Tensor]]) -> list:
@@ -303,10 +332,11 @@ class SeparatePlacement(Placement):
             return {}
         if self.ahead is None:
             self.ahead = self._receive()
-        return {"ahead": self.ahead}
+        return {"ahead": _plain(self.ahead)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.ahead = state.get("ahead")
+        ahead = state.get("ahead")
+        self.ahead = None if ahead is None else _restored(ahead)
 
 
 class RecordingRounds:
