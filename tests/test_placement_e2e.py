@@ -162,9 +162,9 @@ def _ranks(proc) -> list:
     return sorted(torchrun.children(), key=lambda p: int(p.environ().get("RANK", "0")))
 
 
-@pytest.mark.parametrize("target", ["launcher", "rollout rank"])
-def test_sigterm_stops_the_separate_placement_like_the_colocated_one(tiny_model_dir, task, tmp_path, target):  # noqa: F811
-    """SIGTERM to `mcore-rl train` (or to the rollout rank alone) while a checkpoint is written: the checkpoint is
+@pytest.mark.parametrize("target, sig", [("launcher", "SIGTERM"), ("rollout rank", "SIGTERM"), ("launcher", "SIGINT")])
+def test_sigterm_stops_the_separate_placement_like_the_colocated_one(tiny_model_dir, task, tmp_path, target, sig):  # noqa: F811
+    """SIGTERM (or Ctrl-C once) to `mcore-rl train` (or SIGTERM to the rollout rank alone) while a checkpoint is written: the checkpoint is
     published, every worker stops at the step boundary and the launcher exits 128 + SIGTERM with the colocated stop
     line (README "Stopping"). The rollout rank used to die of the signal (torchrun's log: a failed job under the stop
     line), or, signalled alone, the actor lost it at the next step: an error instead of the stop."""
@@ -183,14 +183,14 @@ def test_sigterm_stops_the_separate_placement_like_the_colocated_one(tiny_model_
     try:
         _wait_for_checkpoint_write(proc, run_dir, 2, timeout=240)
         started = psutil.Process(proc.pid).children(recursive=True)
-        (proc if target == "launcher" else _ranks(proc)[1]).send_signal(signal.SIGTERM)
+        (proc if target == "launcher" else _ranks(proc)[1]).send_signal(signal.Signals[sig])
         out, _ = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
             kill_job(proc)
     line = last_line(out)
-    assert proc.returncode == 128 + signal.SIGTERM, out[-6000:]
-    assert line.startswith("mcore-rl: stopped by SIGTERM after step "), out[-6000:]
+    assert proc.returncode == 128 + signal.Signals[sig], out[-6000:]
+    assert line.startswith(f"mcore-rl: stopped by {sig} after step "), out[-6000:]
     assert "continue with checkpoint.resume=auto" in line
     assert_no_worker_traceback(out)
     assert "stopped answering" not in out, out[-6000:]
@@ -262,3 +262,33 @@ def test_kill_9_of_the_actor_rank_and_of_the_launcher_lose_nothing_and_resume_ex
     assert untimed(rows) == untimed(rows_b)
     hf_a, hf_b = load_hf(straight), load_hf(run_dir)
     assert hf_a.keys() == hf_b.keys() and all(torch.equal(hf_a[k], hf_b[k]) for k in hf_a)
+
+
+def test_ctrl_c_twice_stops_the_separate_placement_at_once(tiny_model_dir, task, tmp_path):  # noqa: F811
+    """Ctrl-C twice while checkpoint 2 is written: the colocated run's line and exit 130, no traceback from either
+    role, and the checkpoint being written is never published."""
+    import signal
+    import time
+
+    from mcore_rl.run_dir import CheckpointManager, verify_checkpoint
+    from tests.test_faults_e2e import assert_no_worker_traceback, last_line
+    from tests.test_trainer_e2e import _wait_for_checkpoint_write, kill_job
+
+    run_dir = tmp_path / "run"
+    args = overrides(tiny_model_dir, task, run_dir, **SEPARATE, **{"trainer.steps": 50, "checkpoint.save_every": 1})
+    proc = _start(args)
+    try:
+        _wait_for_checkpoint_write(proc, run_dir, 2, timeout=240)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            kill_job(proc)
+    line = last_line(out)
+    assert proc.returncode == 128 + signal.SIGINT, out[-6000:]
+    assert line.startswith("mcore-rl: stopped ") and "continue with checkpoint.resume=auto" in line, out[-6000:]
+    assert_no_worker_traceback(out)
+    newest = CheckpointManager(run_dir).latest()
+    assert newest.step in (1, 2) and not verify_checkpoint(newest) and f"newest checkpoint: {newest.path}" in line
