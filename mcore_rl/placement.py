@@ -94,6 +94,14 @@ class Placement(abc.ABC):
         samples come from the update's starting weights; off-policy the proximal pass always runs."""
         return self.max_staleness == 0
 
+    def peer_stop_signal(self) -> int:
+        """A SIGTERM / SIGINT that a process of another role received (0: none; colocated: no other role)."""
+        return 0
+
+    def stop(self) -> None:
+        """The run stops at this step boundary (StopSignals agreed)."""
+        return None
+
     def state_dict(self, step: int) -> dict:
         """What the checkpoint after step `step` keeps for an exact resume besides the trainer's own state."""
         return {}

@@ -215,15 +215,16 @@ class StopSignals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, signal.SIG_IGN)
 
-    def agreed(self) -> Optional[str]:
-        """Collective: the signal's name when any rank received one (then every rank stops), else None."""
+    def agreed(self, also: int = 0) -> Optional[str]:
+        """Collective: the signal's name when any rank received one (then every rank stops), else None. `also`: a
+        signal that a process outside this group received (the separate placement's rollout ranks)."""
         import signal
 
         import torch.distributed as dist  # as in check_weights_finite: safety is imported without torch
 
         from mcore_rl.platform import collectives
 
-        received = self.received
+        received = self.received or also
         if not received and self.stop_file is not None and os.path.exists(self.stop_file):
             received = _STOP_FILE_CODE
         if dist.is_available() and dist.is_initialized():

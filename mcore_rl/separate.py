@@ -8,6 +8,8 @@ roles run the bridge's messages in one order, which is the whole protocol:
   samples(k)         rollout -> actor: every round of step k, generated and scored on the rollout ranks
   session after k    actor -> rollout: the sync of the weights after step k (buckets), the verification's
                      requests (probe log-probs, fingerprints, rebuild), validation; "end" closes it
+  stop               actor -> rollout, in place of a session's next request: the run stopped (SIGTERM / SIGINT /
+                     RUN_DIR/STOP) at a step boundary; the rollout ranks end without an error
 
   samples(1), session 1, samples(2), session 2, ..., samples(N), session N
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Optional
@@ -37,10 +40,12 @@ from mcore_rl.batch import RolloutSample
 from mcore_rl.generation import EngineRounds, StepGenerator, build_engine, load_step_inputs, validation_examples
 from mcore_rl.generation import validation_reward as local_validation_reward
 from mcore_rl.placement import Phase, Placement, staleness_metrics
+from mcore_rl.platform import collectives
 from mcore_rl.rewards import RewardBatch
 from mcore_rl.rollout.base import EngineCapabilities, RolloutEngine, WeightReader
 from mcore_rl.rollout.data_parallel import LocalRollout, ReplicaLayout
 from mcore_rl.rollout.weight_sync import ProbeBatch
+from mcore_rl.safety import StopSignals
 from mcore_rl.step_data import exchange_meta
 
 log = logging.getLogger("mcore_rl.separate")
@@ -79,6 +84,7 @@ class StepSamples:
     generate_seconds: float = 0.0
     wait_seconds: float = 0.0  # the rollout ranks' time waiting for the actor since their last samples
     generated_tokens: int = 0
+    stop_signal: int = 0  # a SIGTERM / SIGINT that a rollout rank received (0: none): the actor stops for it too
     extra: dict = field(default_factory=dict)
 
 
@@ -267,6 +273,18 @@ class SeparatePlacement(Placement):
         if self.link is not None:
             self.link.end()
 
+    def peer_stop_signal(self) -> int:
+        """The signal a rollout rank received, as the newest samples from them say (0: none)."""
+        return max((s.stop_signal for s in (self.current, self.ahead) if s is not None), default=0)
+
+    def stop(self) -> None:
+        """The run stops at this step boundary: the rollout ranks, waiting for the next request, end cleanly."""
+        if self.link is not None:
+            if self.current is None and self.ahead is None:  # before step 1: they send its samples first
+                self.ahead = self._receive()
+            self.link.command("stop")
+            self.link.open = False
+
     # the step's samples
     def begin_run(self, step: int, sampler_state: dict, unit: int) -> None:
         if self.link is None:
@@ -361,6 +379,15 @@ class RecordingRounds:
         return local, meta, scored
 
 
+class _Stopped(Exception):
+    """The actor's "stop" on the bridge: the rollout ranks leave their loop."""
+
+
+def _quiet_exit() -> None:
+    """Ctrl-C twice on a rollout rank: end at once; the actor ranks say what was kept (trainer._stop_at_once)."""
+    os._exit(0)
+
+
 class RolloutWorker:
     """A rollout rank: generates the steps, serves the actor's syncs and verification, until the run's last step."""
 
@@ -374,6 +401,8 @@ class RolloutWorker:
         )
         self.synced = 0
         self.waited = 0.0
+        # a signal does not end this rank where it is: the actor ranks stop at a step boundary and say "stop"
+        self.signals = StopSignals(at_once=_quiet_exit)
 
     def _handshake(self) -> dict:
         start = self.bridge.object(from_actor=True)
@@ -383,6 +412,15 @@ class RolloutWorker:
         return start
 
     def run(self) -> None:
+        self.signals.install()
+        try:
+            self._run()
+        except _Stopped:
+            log.info("rollout rank %d: the actor ranks stopped the run", dist.get_rank())
+        self.engine.close()
+        self.inputs.reward_fn.close()
+
+    def _run(self) -> None:
         start = self._handshake()
         if start["resumed"]:
             self._serve()
@@ -408,8 +446,6 @@ class RolloutWorker:
             self.bridge.object(samples, from_actor=False)
             self.waited += time.perf_counter() - begin
         self._serve_until(steps)
-        self.engine.close()
-        self.inputs.reward_fn.close()
 
     def _generate(self, generator: StepGenerator, recorder: RecordingRounds, step: int) -> StepSamples:
         begin = time.perf_counter()
@@ -425,6 +461,7 @@ class RolloutWorker:
         samples.generated_tokens = sum(len(s.response_ids) for r in rounds for g in r["groups"] for s in g)
         samples.generate_seconds = time.perf_counter() - begin
         samples.wait_seconds, self.waited = self.waited, 0.0
+        (samples.stop_signal,) = collectives.max_ints([self.signals.received])  # any rollout rank's
         return samples
 
     def _serve_until(self, version: int) -> None:
@@ -441,6 +478,8 @@ class RolloutWorker:
             kind, args = self.bridge.object(from_actor=True)
             if kind == "end":
                 return
+            if kind == "stop":
+                raise _Stopped
             if kind == "load":
                 weights = _bucket_tensors(args[0], self.bridge.tensors(args[0], None, from_actor=True))
                 if collecting is not None:

@@ -399,8 +399,9 @@ class Trainer:
     # ---- checkpoints -------------------------------------------------------------------------
     def _stop_if_asked(self) -> None:
         """Between steps (a checkpoint in progress is finished first): stop every rank on SIGTERM/SIGINT."""
-        name = self.stop_signals.agreed()
+        name = self.stop_signals.agreed(also=self.placement.peer_stop_signal())
         if name:
+            self.placement.stop()
             self.reward_fn.close()
             if self.rank == 0:
                 (self.run_dir / STOP_FILE).unlink(missing_ok=True)  # a later resume must not stop at once

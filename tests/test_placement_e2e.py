@@ -8,6 +8,7 @@
   step-2 checkpoint (which holds step 3's samples, generated before step 2's update) reproduces the run bit for bit
 """
 
+import contextlib
 import hashlib
 import pickle
 import shutil
@@ -135,3 +136,159 @@ def test_dynamic_sampling_rounds_are_generated_ahead_too(tiny_model_dir, task, t
     assert all(r["groups/kept"] == 4 for r in rows), [r.get("groups/kept") for r in rows]
     assert any(r["groups/rounds"] > 1 for r in rows), [r["groups/rounds"] for r in rows]
     assert [r["train/staleness_max"] for r in rows] == [0, 1, 1, 1]
+
+
+def _start(args: list[str]):
+    import os
+    import subprocess
+
+    from tests.test_trainer_e2e import REPO, train_cmd
+
+    return subprocess.Popen(
+        train_cmd("gspo_cpu.yaml", args),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+
+
+def _ranks(proc) -> list:
+    """torchrun's workers by global rank (here 0: the actor rank, 1: the rollout rank)."""
+    import psutil
+
+    torchrun = psutil.Process(proc.pid).children()[0]
+    return sorted(torchrun.children(), key=lambda p: int(p.environ().get("RANK", "0")))
+
+
+@pytest.mark.parametrize("target, sig", [("launcher", "SIGTERM"), ("rollout rank", "SIGTERM"), ("launcher", "SIGINT")])
+def test_sigterm_stops_the_separate_placement_like_the_colocated_one(tiny_model_dir, task, tmp_path, target, sig):  # noqa: F811
+    """SIGTERM (or Ctrl-C once) to `mcore-rl train` (or SIGTERM to the rollout rank alone) while a checkpoint is written: the checkpoint is
+    published, every worker stops at the step boundary and the launcher exits 128 + SIGTERM with the colocated stop
+    line (README "Stopping"). The rollout rank used to die of the signal (torchrun's log: a failed job under the stop
+    line), or, signalled alone, the actor lost it at the next step: an error instead of the stop."""
+    import signal
+
+    import psutil
+
+    from mcore_rl.run_dir import CheckpointManager, verify_checkpoint
+    from tests.test_faults_e2e import assert_no_worker_traceback, last_line
+    from tests.test_trainer_e2e import _wait_for_checkpoint_write, kill_job
+
+    run_dir = tmp_path / "stopped"
+    proc = _start(
+        overrides(tiny_model_dir, task, run_dir, **SEPARATE, **{"trainer.steps": 50, "checkpoint.save_every": 1})
+    )
+    try:
+        _wait_for_checkpoint_write(proc, run_dir, 2, timeout=240)
+        started = psutil.Process(proc.pid).children(recursive=True)
+        (proc if target == "launcher" else _ranks(proc)[1]).send_signal(signal.Signals[sig])
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            kill_job(proc)
+    line = last_line(out)
+    assert proc.returncode == 128 + signal.Signals[sig], out[-6000:]
+    assert line.startswith(f"mcore-rl: stopped by {sig} after step "), out[-6000:]
+    assert "continue with checkpoint.resume=auto" in line
+    assert_no_worker_traceback(out)
+    assert "stopped answering" not in out, out[-6000:]
+    failures = run_dir / "torchrun.log"  # written when a rank failed: none died of the signal
+    job_log = failures.read_text() if failures.exists() else ""
+    assert "ChildFailedError" not in job_log and "exitcode" not in job_log, job_log[-4000:]
+    alive = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [(p.pid, p.cmdline()[:4]) for p in alive]
+    newest = CheckpointManager(run_dir).latest()
+    assert newest.step >= 2 and f"newest checkpoint: {newest.path}" in line and not verify_checkpoint(newest)
+    assert not list((run_dir / "checkpoints").glob("*.tmp")) and newest.step < 50
+
+
+def test_kill_9_of_the_actor_rank_and_of_the_launcher_lose_nothing_and_resume_exactly(tiny_model_dir, task, tmp_path):  # noqa: F811
+    """One step off-policy, a checkpoint every step: kill -9 of the actor rank while checkpoint 2 is written (the
+    last line names it: `actor rank 0`, SIGKILL), resume, kill -9 of the launcher alone while checkpoint 4 is written
+    (every process of the job ends, the lock is free), resume again: each time the newest published checkpoint
+    verifies, and the run that went through both kills writes the same metrics rows (timings aside) and the same
+    export as the uninterrupted run of the same seed."""
+    import signal
+
+    import psutil
+
+    from mcore_rl.run_dir import CheckpointManager, RunLock, verify_checkpoint
+    from tests.test_faults_e2e import last_line
+    from tests.test_trainer_e2e import _wait_for_checkpoint_write, kill_job
+
+    extra = {**SEPARATE, "trainer.steps": 5, "checkpoint.save_every": 1}
+    straight, run_dir = tmp_path / "straight", tmp_path / "killed"
+    run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, straight, **extra))
+    args = overrides(tiny_model_dir, task, run_dir, **extra)
+
+    proc = _start(args)
+    try:
+        _wait_for_checkpoint_write(proc, run_dir, 2, timeout=240)
+        _ranks(proc)[0].send_signal(signal.SIGKILL)  # global rank 0: the actor rank
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            kill_job(proc)
+    line = last_line(out)
+    assert proc.returncode != 0 and "actor rank 0" in line and "SIGKILL" in line, out[-6000:]
+    newest = CheckpointManager(run_dir).latest()
+    assert newest is not None and newest.step in (1, 2) and not verify_checkpoint(newest)
+
+    proc, started = _start(args), []
+    try:
+        _wait_for_checkpoint_write(proc, run_dir, 4, timeout=300)
+        started = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGKILL)  # the launcher alone
+        proc.wait()
+        _, alive = psutil.wait_procs(started, timeout=30)
+    finally:
+        if proc.poll() is None:
+            kill_job(proc)
+        for p in started:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        proc.stdout.close()
+    assert len(started) >= 3 and not alive, [(p.pid, p.cmdline()[:4]) for p in alive]
+    newest = CheckpointManager(run_dir).latest()
+    assert newest.step in (3, 4) and not verify_checkpoint(newest) and not (run_dir / "hf").exists()
+    RunLock.acquire(run_dir).release()
+
+    out = run_train("gspo_cpu.yaml", args)
+    assert "resumed from" in out and f"step_{newest.step:08d}" in out, out[-3000:]
+    rows, rows_b = read_metrics(straight), read_metrics(run_dir)
+    assert [r["step"] for r in rows_b] == [1, 2, 3, 4, 5]
+    assert untimed(rows) == untimed(rows_b)
+    hf_a, hf_b = load_hf(straight), load_hf(run_dir)
+    assert hf_a.keys() == hf_b.keys() and all(torch.equal(hf_a[k], hf_b[k]) for k in hf_a)
+
+
+def test_ctrl_c_twice_stops_the_separate_placement_at_once(tiny_model_dir, task, tmp_path):  # noqa: F811
+    """Ctrl-C twice while checkpoint 2 is written: the colocated run's line and exit 130, no traceback from either
+    role, and the checkpoint being written is never published."""
+    import signal
+    import time
+
+    from mcore_rl.run_dir import CheckpointManager, verify_checkpoint
+    from tests.test_faults_e2e import assert_no_worker_traceback, last_line
+    from tests.test_trainer_e2e import _wait_for_checkpoint_write, kill_job
+
+    run_dir = tmp_path / "run"
+    args = overrides(tiny_model_dir, task, run_dir, **SEPARATE, **{"trainer.steps": 50, "checkpoint.save_every": 1})
+    proc = _start(args)
+    try:
+        _wait_for_checkpoint_write(proc, run_dir, 2, timeout=240)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            kill_job(proc)
+    line = last_line(out)
+    assert proc.returncode == 128 + signal.SIGINT, out[-6000:]
+    assert line.startswith("mcore-rl: stopped ") and "continue with checkpoint.resume=auto" in line, out[-6000:]
+    assert_no_worker_traceback(out)
+    newest = CheckpointManager(run_dir).latest()
+    assert newest.step in (1, 2) and not verify_checkpoint(newest) and f"newest checkpoint: {newest.path}" in line
