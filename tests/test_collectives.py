@@ -78,10 +78,17 @@ ALLOWED = {
     ("megatron/checkpoint.py", "save_checkpoint", "barrier"): "checkpoint fence, no tensor",
     ("megatron/checkpoint.py", "save_checkpoint", "barrier#2"): "checkpoint fence, no tensor",
     ("weights/exporter.py", "export", "all_gather_object"): "object gather: per-stage tensor metadata",
+    ("separate.py", "begin_step", "broadcast_object_list"): "object broadcast: the step's samples actor rank 0 "
+    "received over the bridge, to every actor rank (each runs the same rounds)",
+    ("separate.py", "validation_reward", "broadcast_object_list"): "object broadcast: the validation reward actor "
+    "rank 0 received over the bridge",
+    ("separate.py", "round", "all_gather_object"): "object gather: every rollout rank's groups and rewards of a "
+    "round, for the samples message over the bridge",
+    ("trainer.py", "_end_process_group", "barrier"): "fence before destroying the process group at the run's end "
+    "(the separate placement's roles end together), no tensor",
     ("weights/exporter.py", "export", "broadcast"): "pipeline broadcast of exported weights",
     ("weights/direct_write.py", "_group_sinks", "all_gather_object"): "object gather: the receiving engines' "
     "shared-memory region handles, once per export and gather group",
-    ("trainer.py", "run", "barrier"): "end-of-run fence, no tensor",
     ("convert.py", "convert", "barrier"): "end-of-conversion fence, no tensor",
     (
         "run_dir/checkpoints.py",

@@ -69,10 +69,13 @@ def test_a_pickled_state_is_refused_unless_trusted(tmp_path, caplog):
     # megatron-core 0.16.1 allows numpy's arrays process-wide when imported (megatron/core/safe_globals.py): the ranks
     # must refuse what the pre-flight, without Megatron, refuses
     numpy_globals = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-    allowed = set(torch.serialization.get_safe_globals())
-    with torch.serialization.safe_globals(numpy_globals), pytest.raises(ConfigError, match="trust_pickle=true"):
-        read_state(tmp_path / "old.pt", trust_pickle=False)
-    assert set(torch.serialization.get_safe_globals()) == allowed  # and the process's list is as it was
+    with torch.serialization.safe_globals(numpy_globals):
+        allowed = set(torch.serialization.get_safe_globals())
+        with pytest.raises(ConfigError, match="trust_pickle=true"):
+            read_state(tmp_path / "old.pt", trust_pickle=False)
+        # and the process's list is as it was (compared inside the context: leaving it removes numpy's globals,
+        # which an earlier test's Megatron import may have added process-wide)
+        assert set(torch.serialization.get_safe_globals()) == allowed
     with caplog.at_level(logging.WARNING):
         state = read_state(tmp_path / "old.pt", trust_pickle=True, log=logging.getLogger("test"))
     assert any("full unpickling" in r.getMessage() for r in caplog.records)
