@@ -90,25 +90,16 @@ def test_one_step_off_policy_is_one_version_stale_and_resumes_exactly(tiny_model
 def test_a_rollout_rank_killed_is_named_and_the_checkpoints_stay(tiny_model_dir, task, tmp_path):  # noqa: F811
     """kill -9 of the rollout rank mid-run: the job ends with one line naming the rollout rank and the signal, and
     every published checkpoint still verifies (nothing half-written is left)."""
-    import os
     import signal
-    import subprocess
 
     import psutil
 
     from mcore_rl.run_dir import CheckpointManager
-    from tests.test_trainer_e2e import REPO, _wait_for_checkpoint_write, kill_job, train_cmd
+    from tests.test_trainer_e2e import _wait_for_checkpoint_write, kill_job
 
     run_dir = tmp_path / "killed"
     args = overrides(tiny_model_dir, task, run_dir, **SEPARATE, **{"trainer.steps": 50, "checkpoint.save_every": 1})
-    proc = subprocess.Popen(
-        train_cmd("gspo_cpu.yaml", args),
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
+    proc = _start(args)
     try:
         _wait_for_checkpoint_write(proc, run_dir, 2, timeout=240)
         torchrun = psutil.Process(proc.pid).children()[0]
