@@ -41,14 +41,15 @@ def bundles(world_size: int, accelerator: str, cpus_per_rank: float) -> list[dic
     return [dict(bundle) for _ in range(world_size)]
 
 
-def assign_ranks(infos: Sequence[tuple[str, Sequence[str]]]) -> list[RankPlacement]:
+def assign_ranks(infos: Sequence[tuple[str, Sequence[str]]], driver_ip: str = "") -> list[RankPlacement]:
     """Ranks for actors given (node ip, accelerator ids) per actor, in bundle order; returns one per actor.
 
-    Nodes are numbered in order of first appearance (the node of bundle 0 hosts rank 0 = MASTER_ADDR);
-    ranks are contiguous per node (as torchrun numbers them), ordered by device id within a node.
+    The driver's node is node 0 when it holds ranks (rank 0 = MASTER_ADDR there: the same master on every launch,
+    whichever node Ray's PACK strategy filled first); the other nodes follow in order of first appearance. Ranks
+    are contiguous per node (as torchrun numbers them), ordered by device id within a node.
     """
     nodes: dict[str, list[int]] = {}
-    for i, (ip, _) in enumerate(infos):
+    for i, (ip, _) in sorted(enumerate(infos), key=lambda item: item[1][0] != driver_ip):
         nodes.setdefault(ip, []).append(i)
 
     def device_key(i: int):
@@ -243,7 +244,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for i in range(world)
     ]
     try:
-        placements = assign_ranks(ray.get([w.node_info.remote() for w in workers]))
+        placements = assign_ranks(ray.get([w.node_info.remote() for w in workers]), ray.util.get_node_ip_address())
         by_rank = sorted(zip(placements, workers), key=lambda pw: pw[0].rank)
         master_addr = by_rank[0][0].node_ip
         master_port = ray.get(by_rank[0][1].free_port.remote())

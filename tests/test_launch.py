@@ -116,6 +116,14 @@ def test_assign_ranks_contiguous_per_node_ordered_by_device():
     # CPU bundles: no device ids, bundle order decides
     cpu = rl.assign_ranks([("h", []), ("h", [])])
     assert [(p.rank, p.local_rank, p.visible_devices) for p in cpu] == [(0, 0, ()), (1, 1, ())]
+    # the driver's node is node 0 (rank 0, the master) whichever node bundle 0 landed on
+    driven = rl.assign_ranks(infos, driver_ip="10.0.0.1")
+    assert [(p.rank, p.node_rank, p.node_ip) for p in driven] == [
+        (3, 1, "10.0.0.2"),
+        (1, 0, "10.0.0.1"),
+        (2, 1, "10.0.0.2"),
+        (0, 0, "10.0.0.1"),
+    ]
 
 
 def test_rank_env_and_bundles():

@@ -229,7 +229,7 @@ def test_ray_head_on_one_host_and_a_worker_on_the_other(hosts, tiny_model_dir, t
         hosts.close()  # Ray's processes first, then their folders
         for folder in folders:
             shutil.rmtree(folder, ignore_errors=True)
-    assert "ray_launch: 2 ranks on 2 node(s), master 10.77.0.1:" in out
+    assert "ray_launch: 2 ranks on 2 node(s), master 10.77.0.1:" in out, out[-4000:]
     results = read_results(tmp_path / "run" / "results", 2, out)
     assert [r["sum"] for r in results] == [3.0, 3.0]  # 1 + 2 over the two hosts
     assert [(r["env"]["RANK"], r["env"]["GROUP_RANK"], r["env"]["MASTER_ADDR"]) for r in results] == [
