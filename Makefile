@@ -44,10 +44,14 @@ demo: setup artifacts
 
 # Quick start 2: the whole test suite (fast subset: make test-fast).
 test: setup
-	$(BIN)/python -m pytest -q -m "not gpu" tests
+	$(BIN)/python -m pytest -q -m "not gpu and not long" --durations=40 tests
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow and not gpu and not contract" tests
+	$(BIN)/python -m pytest -q -m "not slow and not gpu and not contract and not long" tests
+
+# The measurements marked `long` (minutes each; their numbers are in docs/, each test says where).
+test-long: setup
+	$(BIN)/python -m pytest -q -m long -s tests
 
 # The upstream contract tests alone (also part of make test): the facts the project relies on, read from released
 # wheels fetched once (~425 MB) into ~/.cache/mcore-rl/wheels (MCORE_RL_WHEEL_CACHE overrides), checked by sha256
