@@ -75,7 +75,7 @@ class Timers:
 def _rank_main(config: str, overrides: list[str], skip: int) -> None:
     from mcore_rl import trainer as trainer_module
     from mcore_rl.config import load_config
-    from mcore_rl.rollout import weight_sync
+    from mcore_rl.weight_sync import verify as weight_sync
 
     cfg = load_config(config, overrides)
     timers = Timers()

@@ -24,7 +24,7 @@ from mcore_rl.colocation import Colocation, Phase
 from mcore_rl.generation import EngineRounds, RoundSource, validation_reward
 
 if TYPE_CHECKING:
-    from mcore_rl.rollout.weight_sync import ProbeBatch
+    from mcore_rl.weight_sync.verify import ProbeBatch
 
 __all__ = ["ColocatedPlacement", "Phase", "Placement", "staleness_metrics"]
 

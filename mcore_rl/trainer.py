@@ -53,15 +53,6 @@ from mcore_rl.platform.split import init_split
 from mcore_rl.plot import plot_run
 from mcore_rl.preflight.resume_changes import CONFIG_FILE, check_resume_changes, describe
 from mcore_rl.preflight.run import check_before_build, split_unit
-from mcore_rl.rollout.weight_sync import (
-    ProbeBatch,
-    default_tolerance,
-    log_prob_gap,
-    shared_probe,
-    sync_weights,
-    verify_due,
-    verify_sync,
-)
 from mcore_rl.run_dir import (
     Checkpoint,
     CheckpointManager,
@@ -86,6 +77,15 @@ from mcore_rl.safety import (
 from mcore_rl.separate import RolloutWorker, SeparatePlacement, split_sizes
 from mcore_rl.step_data import ExchangeStats, dp_ranks, local_mini_batches
 from mcore_rl.supervise import tell_launcher
+from mcore_rl.weight_sync.buckets import sync_weights
+from mcore_rl.weight_sync.verify import (
+    ProbeBatch,
+    default_tolerance,
+    log_prob_gap,
+    shared_probe,
+    verify_due,
+    verify_sync,
+)
 
 log = logging.getLogger("mcore_rl.trainer")
 
@@ -532,7 +532,8 @@ def _setup_logging() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("mcore_rl").setLevel(logging.INFO if rank == 0 else logging.WARNING)
     # Every sync's throughput goes to the metrics; the log keeps only warnings after the first one.
-    logging.getLogger("mcore_rl.rollout.weight_sync").setLevel(logging.WARNING)
+    for quiet in ("mcore_rl.weight_sync.buckets", "mcore_rl.weight_sync.verify"):
+        logging.getLogger(quiet).setLevel(logging.WARNING)
 
 
 def _interrupted(cfg: Config, trainer: "Trainer | None") -> StopRequested:

@@ -13,12 +13,12 @@ from transformers import AutoModelForCausalLM
 
 from mcore_rl.models.tiny import make_tiny_checkpoint
 from mcore_rl.rollout.embedded import EmbeddedEngine
-from mcore_rl.rollout.weight_sync import (
+from mcore_rl.weight_sync.buckets import sync_weights
+from mcore_rl.weight_sync.verify import (
     ProbeBatch,
     SyncVerificationError,
     Tolerance,
     default_tolerance,
-    sync_weights,
     verify_due,
     verify_sync,
 )
@@ -159,7 +159,7 @@ def _sample(prompt, response):
 def test_probe_is_the_steps_own_sequences():
     """One sample of each prompt before a second of any, responses only, at most PROBE_SEQUENCES; alone (world 1)
     the shared probe is this rank's, and a rollout without a response keeps the fallback."""
-    from mcore_rl.rollout.weight_sync import PROBE_SEQUENCES, shared_probe
+    from mcore_rl.weight_sync.verify import PROBE_SEQUENCES, shared_probe
 
     groups = [
         [_sample([1, 2], [3, 4]), _sample([1, 2], [5])],
@@ -177,7 +177,7 @@ def test_probe_is_the_steps_own_sequences():
 
 
 def test_log_prob_gap_against_a_plain_computation():
-    from mcore_rl.rollout.weight_sync import log_prob_gap
+    from mcore_rl.weight_sync.verify import log_prob_gap
 
     g = torch.Generator().manual_seed(0)
     actor = [torch.randn(n, generator=g) for n in (3, 5, 1)]
