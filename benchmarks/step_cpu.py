@@ -24,7 +24,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 # (owner, method, phase): owner "trainer" is mcore_rl.trainer.Trainer, "generator" mcore_rl.generation.StepGenerator,
-# "actor" mcore_rl.megatron.actor.Actor
+# "actor" mcore_rl.megatron.actor.Actor, "sync" mcore_rl.weight_sync.sync.WeightSync, "verifier"
+# mcore_rl.weight_sync.verifier.SyncVerifier
 PHASES = [
     ("generator", "step", "rollout (generate + score + metadata)"),
     ("trainer", "_mini_batches", "mini-batches (plan + step data)"),
@@ -33,8 +34,8 @@ PHASES = [
     ("actor", "_step_if_finite", "  optimizer step"),
     ("actor", "_reduce_metrics", "  loss metrics reduce"),
     ("actor", "check_weights_finite", "weights finite check"),
-    ("trainer", "sync_engine", "sync (+ verify)"),
-    ("sync", "verify_sync", "  verification"),
+    ("sync", "after_update", "sync (+ verify)"),
+    ("verifier", "verify", "  verification"),
     ("trainer", "_step_metrics", "step metrics"),
 ]
 
@@ -75,7 +76,8 @@ class Timers:
 def _rank_main(config: str, overrides: list[str], skip: int) -> None:
     from mcore_rl import trainer as trainer_module
     from mcore_rl.config import load_config
-    from mcore_rl.rollout import weight_sync
+    from mcore_rl.weight_sync.sync import WeightSync
+    from mcore_rl.weight_sync.verifier import SyncVerifier
 
     cfg = load_config(config, overrides)
     timers = Timers()
@@ -83,12 +85,10 @@ def _rank_main(config: str, overrides: list[str], skip: int) -> None:
     trainer_cls = trainer_module.Trainer
     from mcore_rl.generation import StepGenerator
 
-    owners = {"trainer": trainer_cls, "generator": StepGenerator}
+    owners = {"trainer": trainer_cls, "generator": StepGenerator, "sync": WeightSync, "verifier": SyncVerifier}
     for owner, name, phase in PHASES:
         if owner in owners:
             timers.wrap(owners[owner], name, phase)
-    timers.wrap(weight_sync, "verify_sync", "  verification")
-    trainer_module.verify_sync = weight_sync.verify_sync  # the trainer imported the name
     build_actors, train_step = trainer_cls._build_actors, trainer_cls.train_step
 
     def build_and_wrap(self):

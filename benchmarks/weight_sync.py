@@ -13,8 +13,8 @@ the sync's rate over the memcpy rate of that moment (on a shared machine the loa
 second); and the strict ratio: the best sync over the fastest memcpy seen in the whole run (best of 5 copies
 of 512 MB before and after the syncs, and the paired ones).
 The sync runs as the trainer's does: the engine's parameters live in a shared-memory region it offers the
-export (`WeightReceiver.shared`, mcore_rl/weights/receiver.py), so every rank writes its own shards straight
-into them (mcore_rl/weights/direct_write.py) and rank 0 copies only its own; `--baseline` also times, in the
+export (`WeightReceiver.shared`, mcore_rl/weight_sync/receiver.py), so every rank writes its own shards straight
+into them (mcore_rl/weight_sync/direct_write.py) and rank 0 copies only its own; `--baseline` also times, in the
 same run, the gather-into-buffers-then-copy path (no receiver: the peer's shards travel through the gather's
 shared segments and the engine copies every tensor). Prints the sync's GB/s, memcpy GB/s and their ratio (target >= 0.5), and the gloo all_gather rate between
 the two processes (the transport the exporter's gathers use: on one CPU host it is the bottleneck) next to
@@ -161,9 +161,9 @@ def main() -> None:
     from mcore_rl.platform import get_platform
     from mcore_rl.platform.shm_gather import GroupGather
     from mcore_rl.rollout.embedded import EmbeddedEngine
-    from mcore_rl.rollout.weight_sync import sync_weights
-    from mcore_rl.weights.exporter import HFExporter
-    from mcore_rl.weights.receiver import COPY_IN
+    from mcore_rl.weight_sync.buckets import sync_weights
+    from mcore_rl.weight_sync.exporter import HFExporter
+    from mcore_rl.weight_sync.receiver import COPY_IN
 
     platform = get_platform("cpu")
     platform.init_distributed()

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from mcore_rl.megatron.actor import Actor
     from mcore_rl.platform import Platform
     from mcore_rl.rollout.base import RolloutEngine
-    from mcore_rl.rollout.weight_sync import ProbeBatch
+    from mcore_rl.weight_sync.verify import ProbeBatch
 
 log = logging.getLogger("mcore_rl.colocation")
 

@@ -4,9 +4,9 @@ The trainer's step is one loop for both placements; what differs lives behind `P
 
   who holds the device     colocated: `Colocation` moves it between engine and actor (phases, offload, wakes);
                            separate: each role holds its own devices (the phase calls are no-ops)
-  how weights reach the    colocated: the export written into this rank's engine (weights/ transports);
-  engine                   separate: the export streamed to every rollout replica over the bridge
-                           (mcore_rl.separate.RemoteEngine; platform/split.py)
+  how weights reach the    colocated: the export written into this rank's engine (weight_sync/: the device path
+  engine                   and the CPU plug-ins); separate: the export streamed to every rollout replica over the
+                           bridge (mcore_rl.separate.RemoteEngine, weight_sync/bridge.py; platform/split.py)
   when the next step's     colocated: when the step asks for them (`rounds`: this rank's engine);
   generation starts        separate: on the rollout ranks, while the actor trains (rollout.max_staleness 1), or
                            after the sync (0); `begin_step` takes the step's samples off the bridge
@@ -24,7 +24,7 @@ from mcore_rl.colocation import Colocation, Phase
 from mcore_rl.generation import EngineRounds, RoundSource, validation_reward
 
 if TYPE_CHECKING:
-    from mcore_rl.rollout.weight_sync import ProbeBatch
+    from mcore_rl.weight_sync.verify import ProbeBatch
 
 __all__ = ["ColocatedPlacement", "Phase", "Placement", "staleness_metrics"]
 

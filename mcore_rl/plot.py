@@ -31,7 +31,7 @@ GROUPS: tuple[tuple[str, str], ...] = (
     ("seconds each role waits", r"^time/.*_wait$"),  # separate placement: actor for samples, rollout for weights
     ("seconds per phase", r"^time/"),  # metrics.PhaseTimer: time/rollout, time/update, time/sync, ...
     ("prompt groups", r"^groups/"),  # all correct / all wrong: the groups without signal
-    ("engine vs actor log-prob gap", r"^sync/(verify|calibration)_\w*diff$"),  # nats, rollout/weight_sync.py
+    ("engine vs actor log-prob gap", r"^sync/(verify|calibration)_\w*diff$"),  # nats, weight_sync/verify.py
 )
 SKIP = {"step", "time"}
 

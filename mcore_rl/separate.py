@@ -31,7 +31,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,9 +44,10 @@ from mcore_rl.platform import collectives
 from mcore_rl.rewards import RewardBatch
 from mcore_rl.rollout.base import EngineCapabilities, RolloutEngine, WeightReader
 from mcore_rl.rollout.data_parallel import LocalRollout, ReplicaLayout
-from mcore_rl.rollout.weight_sync import ProbeBatch
 from mcore_rl.safety import StopSignals
 from mcore_rl.step_data import exchange_meta
+from mcore_rl.weight_sync.bridge import BridgeEngineWeights, BridgeSender, receive_bucket
+from mcore_rl.weight_sync.verify import ProbeBatch
 
 log = logging.getLogger("mcore_rl.separate")
 
@@ -115,20 +116,7 @@ def _restored(value):
     return value
 
 
-def _bucket_header(bucket: list[tuple[str, torch.Tensor]]) -> list:
-    return [(name, tuple(t.shape), t.dtype, t.numel()) for name, t in bucket]
-
-
-def _bucket_tensors(header: list, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    out, offset = [], 0
-    for name, shape, dtype, numel in header:
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-        out.append((name, flat[offset : offset + nbytes].clone().view(dtype).reshape(shape)))
-        offset += nbytes
-    return out
-
-
-class _Link:
+class _Link(BridgeSender):
     """Actor rank 0's end of the bridge: commands to the rollout ranks, their replies; whether a session is open."""
 
     def __init__(self, bridge):
@@ -146,22 +134,11 @@ class _Link:
         if self.open:
             self.command("end")
 
-    def bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        header = _bucket_header(bucket)
-        self.command("load", header)
-        parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]
-        self.bridge.tensors(header, torch.cat(parts).to(self.bridge.device), from_actor=True)
 
-    def stream(self, weights: Iterable[tuple[str, torch.Tensor]], begin: str, done: str) -> None:
-        self.command(begin)
-        for name, tensor in weights:  # one tensor a bucket: a rebuild or diff is the rare path
-            self.bucket([(name, tensor)])
-        self.command(done)
-
-
-class RemoteEngine(RolloutEngine, WeightReader):
-    """Actor rank 0's stand-in for the rollout replicas: the sync and the verification (rollout/weight_sync.py) run
-    unchanged against it; each call is a message on the bridge (the leader's replies; every replica loads)."""
+class RemoteEngine(BridgeEngineWeights, RolloutEngine, WeightReader):
+    """Actor rank 0's stand-in for the rollout replicas: the sync and the verification (weight_sync/) run unchanged
+    against it; each call is a message on the bridge (weight_sync/bridge.py: the leader's replies; every replica
+    loads)."""
 
     def __init__(self, link: _Link, info: dict):
         self.link, self.info = link, info
@@ -170,26 +147,9 @@ class RemoteEngine(RolloutEngine, WeightReader):
     def capabilities(self) -> EngineCapabilities:
         return EngineCapabilities(routes=self.info["routes"], reads_weights=self.info["reads_weights"])
 
-    def weight_names(self) -> set[str]:
-        return set(self.info["names"])
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.link.bucket(list(weights))
-
     def score(self, sequences, prompt_lens, temperature: float = 1.0) -> list[torch.Tensor]:
         self.link.command("score", sequences, prompt_lens, temperature)
         return self.link.reply()
-
-    def weight_fingerprints(self, names: list[str]) -> dict[str, torch.Tensor]:
-        self.link.command("fingerprints", names)
-        return self.link.reply()
-
-    def weight_diffs(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
-        self.link.stream(weights, "diffs", "diffed")
-        return self.link.reply()
-
-    def rebuild_from(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.link.stream(weights, "rebuild", "rebuilt")
 
     def generate(self, prompts, n, params):
         raise RuntimeError("the separate placement generates on the rollout ranks, not through the actor's stand-in")
@@ -481,7 +441,7 @@ class RolloutWorker:
             if kind == "stop":
                 raise _Stopped
             if kind == "load":
-                weights = _bucket_tensors(args[0], self.bridge.tensors(args[0], None, from_actor=True))
+                weights = receive_bucket(self.bridge, args[0])
                 if collecting is not None:
                     collecting.extend(weights)
                 else:

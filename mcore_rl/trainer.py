@@ -53,15 +53,6 @@ from mcore_rl.platform.split import init_split
 from mcore_rl.plot import plot_run
 from mcore_rl.preflight.resume_changes import CONFIG_FILE, check_resume_changes, describe
 from mcore_rl.preflight.run import check_before_build, split_unit
-from mcore_rl.rollout.weight_sync import (
-    ProbeBatch,
-    default_tolerance,
-    log_prob_gap,
-    shared_probe,
-    sync_weights,
-    verify_due,
-    verify_sync,
-)
 from mcore_rl.run_dir import (
     Checkpoint,
     CheckpointManager,
@@ -86,6 +77,7 @@ from mcore_rl.safety import (
 from mcore_rl.separate import RolloutWorker, SeparatePlacement, split_sizes
 from mcore_rl.step_data import ExchangeStats, dp_ranks, local_mini_batches
 from mcore_rl.supervise import tell_launcher
+from mcore_rl.weight_sync.sync import WeightSync
 
 log = logging.getLogger("mcore_rl.trainer")
 
@@ -110,8 +102,7 @@ class Trainer:
         self._load_inputs(inputs)
         self._build_actors()
         self._build_step_parts(bridge)
-        # T = 1: the check is about weights, and engines score T = 1 cheapest (vLLM: no full-vocab fetch).
-        self.probe = ProbeBatch.random(self.actor.hf_config.vocab_size, seed=cfg.trainer.seed)
+        self.weight_sync = WeightSync(cfg, self.actor, self.placement, self.rank, self.platform.release_cache)
         self.ckpt = CheckpointManager(cfg.trainer.run_dir, cfg.checkpoint.keep_last)
         self.step = 0
         self.skips = SkipCounter(cfg.trainer.max_consecutive_skips)
@@ -121,7 +112,7 @@ class Trainer:
         self.metrics = MetricsLogger(cfg.trainer.run_dir, cfg, rank=self.rank, start_step=self.step)
         self.placement.begin_run(self.step, self.sampler.state_dict(), self.unit)
         if resume is not None:
-            self.sync_engine(verify=True)
+            self.weight_sync.sync(verify=True, step=self.step)
 
     def _claim_run_dir(self):
         """The checkpoint to resume from (the newest whose checksums verify; None: a fresh run), the run directory
@@ -188,75 +179,12 @@ class Trainer:
             return SeparatePlacement(cfg, self.actor, bridge)
         rounds = (self.reward_fn, self.tokenizer, cfg.rollout, [self.tokenizer.eos_token_id])
         build = lambda: build_engine(cfg, self.platform)
-        sync = lambda: self.sync_engine(False)
+        sync = lambda: self.weight_sync.sync(False, self.step)
         return ColocatedPlacement.start(self.actor, self.platform, cfg.actor.offload, build, sync, rounds_args=rounds)
 
     @property
     def engine(self):
         return self.placement.engine
-
-    # ---- phases ------------------------------------------------------------------------------
-    # ---- the engine's weights --------------------------------------------------------------------
-    def sync_engine(self, verify: bool) -> dict:
-        """Actor weights -> rollout engine (bucketed), verified against the actor when `verify`: the hand-over to
-        the rollout phase (Colocation.handover: the engine's wakes around it, with offload the actor to the host)."""
-        with self.placement.handover():
-            export = self.actor.export_hf_weights(receiver=self.placement.receiver)
-            stats = sync_weights(export, self.engine, self.cfg.rollout.sync_bucket_mb, fingerprints=verify)
-            if verify:  # the verification's reads of the actor, valid after its state left the device
-                reference, export_fn = self.placement.actor_reads(self.probe)
-        out = {"sync/seconds": stats.seconds, "sync/gb_per_s": stats.gb_per_s}
-        if verify:
-            report = verify_sync(
-                self.engine,
-                reference,
-                self.probe,
-                default_tolerance(
-                    self.cfg.model.dtype, self.cfg.rollout.verify_tolerance, self.cfg.rollout.verify_high_tolerance
-                ),
-                fallback=self.cfg.rollout.verify_fallback,
-                export_fn=export_fn,
-                fingerprints=stats.fingerprints,
-                release=self.platform.release_cache,  # a rebuild maps memory beside the awake engine
-            )
-            if self.rank == 0 and (report.rebuilt or self.step <= self.cfg.rollout.verify_every):
-                log.info(report.summary())
-            out.update(
-                {
-                    "sync/verify_max_diff": report.max_diff,
-                    "sync/verify_mean_diff": report.mean_diff,
-                    "sync/verify_high_diff": report.high_diff,
-                    "sync/verify_weights_differ": float(report.weights.differ if report.weights else 0),
-                    "sync/rebuilt": float(report.rebuilt),
-                }
-            )
-        return out
-
-    def _calibration(self, scored: list) -> dict:
-        """The engine/actor log-prob gap at the initial weights on the first step's own sequences (`scored`: the
-        engine's, taken before the update): the run's calibration of the sync tolerances; above them every
-        verification would fail (a warning says so)."""
-        cfg, probe = self.cfg, self.probe
-        reference = self.actor.probe_log_probs(probe.sequences, probe.prompt_lens, probe.temperature)
-        tol = default_tolerance(cfg.model.dtype, cfg.rollout.verify_tolerance, cfg.rollout.verify_high_tolerance)
-        gap = log_prob_gap(scored, reference, tol.quantile)
-        if self.rank == 0 and not gap.within(tol):  # within: the metrics carry it (no line on the first screen)
-            log.warning(
-                "sync calibration (initial weights, %d rollout tokens): engine vs actor log-probs mean %.3g, q%g %.3g "
-                "above the tolerance %g / %g before any update: raise rollout.verify_tolerance / "
-                "rollout.verify_high_tolerance above this gap, or every verification fails",
-                gap.count,
-                gap.mean,
-                tol.quantile,
-                gap.high,
-                tol.mean,
-                tol.high,
-            )
-        return {
-            "sync/calibration_mean_diff": gap.mean,
-            "sync/calibration_high_diff": gap.high,
-            "sync/calibration_max_diff": gap.worst,
-        }
 
     def old_policy_pass(self, micro_batches) -> float:
         """Fill each micro-batch's old_log_prob (and entropy); R2 records the routes the update replays.
@@ -277,18 +205,18 @@ class Trainer:
         with timer("rollout"):  # separate: the wait for the rollout ranks' samples
             self.placement.begin_step(self.step)
             selection = self.generator.step(self.step, exchanged)
-        # the initial weights' gap: the engine scores now, awake; the actor once it is back on the device
-        calibration = self._probe_engine(selection)
+        # the verification's probe; the initial weights' gap: the engine scores now, awake; the actor once it is back
+        self.weight_sync.after_rollout(self.step, selection)
         with timer("to_training"):
             self.placement.ensure(Phase.TRAINING)  # the engine's memory to the actor's passes (offload: its state)
-        calibration_metrics = self._calibration(calibration) if calibration is not None else {}
+        calibration_metrics = self.weight_sync.calibration()
         meta, mini_batches = self._mini_batches(selection, exchanged)
         update, entropy_sum = self._actor_passes(mini_batches, timer)
         # An applied step can still overflow the weights (finite gradients, a huge learning rate): stop
         # before the engine, a checkpoint or the export sees them.
         self.actor.check_weights_finite(f"step {self.step + 1} made the weights non-finite")
         with timer("sync"):
-            sync_metrics = self.sync_engine(verify=verify_due(self.step + 1, self.cfg.rollout.verify_every))
+            sync_metrics = self.weight_sync.after_update(self.step)
         placement_metrics = self.placement.step_metrics(self.step)
         self.step += 1
         self.last_applied = [bool(v) for v in update.get("update_successful", [])]
@@ -303,15 +231,6 @@ class Trainer:
         else:  # on-policy: the update's forward ran on the old policy's weights
             metrics["train/entropy_old"] = metrics["train/entropy"]
         return metrics
-
-    def _probe_engine(self, selection) -> "list | None":
-        """The verification's probe from the step's own sequences (of its first round, not random ids) when the
-        next sync is verified or calibrated; on the first step the engine's scores of it (the calibration's)."""
-        if self.step == 0 or verify_due(self.step + 1, self.cfg.rollout.verify_every):
-            self.probe = shared_probe(selection.first_round.groups, self.probe)
-        if self.step != 0:
-            return None
-        return self.placement.probe_scores(self.probe)
 
     def _mini_batches(self, selection, exchanged):
         """The step's advantages and plan of mini-batches / DP ranks / micro-batches, and this rank's mini-batches
@@ -532,7 +451,8 @@ def _setup_logging() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("mcore_rl").setLevel(logging.INFO if rank == 0 else logging.WARNING)
     # Every sync's throughput goes to the metrics; the log keeps only warnings after the first one.
-    logging.getLogger("mcore_rl.rollout.weight_sync").setLevel(logging.WARNING)
+    for quiet in ("mcore_rl.weight_sync.buckets", "mcore_rl.weight_sync.verify"):
+        logging.getLogger(quiet).setLevel(logging.WARNING)
 
 
 def _interrupted(cfg: Config, trainer: "Trainer | None") -> StopRequested:

@@ -58,9 +58,9 @@ ALLOWED = {
     "probe votes at set-up",
     ("rollout/data_parallel.py", "generate_global", "all_gather_object"): "object gather: rollout samples "
     "(every sample to every rank; the trainer moves step data with mcore_rl.step_data instead)",
-    ("rollout/weight_sync.py", "_worst_tensors", "all_gather_object"): "object gather: names of the worst "
+    ("weight_sync/verify.py", "_worst_tensors", "all_gather_object"): "object gather: names of the worst "
     "tensors for an error message",
-    ("rollout/weight_sync.py", "shared_probe", "broadcast_object_list"): "object broadcast: rank 0's few rollout "
+    ("weight_sync/verify.py", "shared_probe", "broadcast_object_list"): "object broadcast: rank 0's few rollout "
     "sequences, the probe every rank scores after the next sync",
     ("rollout/vllm_engine.py", "_gather", "all_gather_object"): "object gather: generations of the TP ranks",
     ("megatron/logprobs.py", "_all_reduce", "all_reduce"): "vocabulary-parallel log-prob reductions "
@@ -77,7 +77,7 @@ ALLOWED = {
     ("megatron/routing_replay.py", "_all_moe_layers", "all_gather_object"): "object gather: MoE layer ids",
     ("megatron/checkpoint.py", "save_checkpoint", "barrier"): "checkpoint fence, no tensor",
     ("megatron/checkpoint.py", "save_checkpoint", "barrier#2"): "checkpoint fence, no tensor",
-    ("weights/exporter.py", "export", "all_gather_object"): "object gather: per-stage tensor metadata",
+    ("weight_sync/exporter.py", "export", "all_gather_object"): "object gather: per-stage tensor metadata",
     ("separate.py", "begin_step", "broadcast_object_list"): "object broadcast: the step's samples actor rank 0 "
     "received over the bridge, to every actor rank (each runs the same rounds)",
     ("separate.py", "validation_reward", "broadcast_object_list"): "object broadcast: the validation reward actor "
@@ -86,8 +86,8 @@ ALLOWED = {
     "round, for the samples message over the bridge",
     ("trainer.py", "_end_process_group", "barrier"): "fence before destroying the process group at the run's end "
     "(the separate placement's roles end together), no tensor",
-    ("weights/exporter.py", "export", "broadcast"): "pipeline broadcast of exported weights",
-    ("weights/direct_write.py", "_group_sinks", "all_gather_object"): "object gather: the receiving engines' "
+    ("weight_sync/exporter.py", "export", "broadcast"): "pipeline broadcast of exported weights",
+    ("weight_sync/direct_write.py", "_group_sinks", "all_gather_object"): "object gather: the receiving engines' "
     "shared-memory region handles, once per export and gather group",
     ("convert.py", "convert", "barrier"): "end-of-conversion fence, no tensor",
     (

@@ -12,7 +12,7 @@ import torch
 
 from mcore_rl.colocation import Colocation, ColocationError, Phase
 from mcore_rl.platform import Platform
-from mcore_rl.rollout.weight_sync import ProbeBatch
+from mcore_rl.weight_sync.verify import ProbeBatch
 from tests.torchrun_util import REPO, run_worker
 
 

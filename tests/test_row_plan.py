@@ -1,4 +1,4 @@
-"""Row plans (mcore_rl/weights/row_plan.py): writing every TP shard's rows through the plan gives exactly the
+"""Row plans (mcore_rl/weight_sync/row_plan.py): writing every TP shard's rows through the plan gives exactly the
 conversion of the merged tensor, for the conversions the exporter meets; other conversions get no plan.
 
 The conversions below are written out in plain torch as references (the mbridge ones run in the TP2 export
@@ -7,7 +7,7 @@ job, tests/workers/shm_export_check.py, against the checkpoint's own tensors).""
 import pytest
 import torch
 
-from mcore_rl.weights.row_plan import build_row_plan
+from mcore_rl.weight_sync.row_plan import build_row_plan
 
 
 def padded_vocab(vocab: int):

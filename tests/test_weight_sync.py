@@ -5,20 +5,22 @@ are the reference. The multi-process Megatron actor versions are in tests/test_w
 """
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
+from mcore_rl.colocation import Colocation, Phase
 from mcore_rl.models.tiny import make_tiny_checkpoint
 from mcore_rl.rollout.embedded import EmbeddedEngine
-from mcore_rl.rollout.weight_sync import (
+from mcore_rl.weight_sync.buckets import sync_weights
+from mcore_rl.weight_sync.verify import (
     ProbeBatch,
     SyncVerificationError,
     Tolerance,
     default_tolerance,
-    sync_weights,
     verify_due,
     verify_sync,
 )
@@ -159,7 +161,7 @@ def _sample(prompt, response):
 def test_probe_is_the_steps_own_sequences():
     """One sample of each prompt before a second of any, responses only, at most PROBE_SEQUENCES; alone (world 1)
     the shared probe is this rank's, and a rollout without a response keeps the fallback."""
-    from mcore_rl.rollout.weight_sync import PROBE_SEQUENCES, shared_probe
+    from mcore_rl.weight_sync.verify import PROBE_SEQUENCES, shared_probe
 
     groups = [
         [_sample([1, 2], [3, 4]), _sample([1, 2], [5])],
@@ -177,7 +179,7 @@ def test_probe_is_the_steps_own_sequences():
 
 
 def test_log_prob_gap_against_a_plain_computation():
-    from mcore_rl.rollout.weight_sync import log_prob_gap
+    from mcore_rl.weight_sync.verify import log_prob_gap
 
     g = torch.Generator().manual_seed(0)
     actor = [torch.randn(n, generator=g) for n in (3, 5, 1)]
@@ -289,3 +291,68 @@ def test_corrupted_expert_fails_at_the_bf16_default(tiny_model_dir, actor_dir):
             fingerprints=stats.fingerprints,
         )
     assert "model.layers.1.mlp.experts." in str(err.value)
+
+
+class _HFActor:
+    """The actor's side of a sync, from a Hugging Face model on disk: its export and its probe log-probs."""
+
+    def __init__(self, path):
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.hf_config = self.model.config
+        self.export = export_from(path)
+        self.probe_log_probs = reference_fn(self.model)
+
+    def export_hf_weights(self, receiver=None):
+        return self.export()
+
+
+class _EngineHere(Colocation):
+    """The colocated placement's weight-sync surface (placement.py's Placement) without its rounds."""
+
+    receiver = property(lambda self: self.engine.capabilities.receiver)
+
+    def probe_scores(self, probe):
+        return self.engine.score(probe.sequences, probe.prompt_lens, probe.temperature)
+
+
+def test_weight_sync_object_calibrates_syncs_and_verifies(tiny_model_dir, actor_dir, caplog):
+    """WeightSync (the trainer's one object) over a real engine and actor: the calibration is the gap at the engine's
+    initial weights, once; a verified sync brings the engine to the actor (log-probs recomputed here); rollout.
+    verify_every decides which syncs are verified; the metrics are the trainer's names."""
+    from types import SimpleNamespace
+
+    from mcore_rl.config import Config
+    from mcore_rl.platform import get_platform
+    from mcore_rl.weight_sync.sync import WeightSync
+
+    cfg = Config()
+    cfg = SimpleNamespace(rollout=replace(cfg.rollout, verify_every=2), model=cfg.model, trainer=cfg.trainer)
+    engine, actor = EmbeddedEngine(tiny_model_dir), _HFActor(actor_dir)
+    placement = _EngineHere(actor, engine, get_platform("cpu"), offload=False, sync=lambda: None)
+    sync = WeightSync(cfg, actor, placement, rank=0, release=lambda: None)
+    groups = [[_sample([1, 2, 3], [4, 5, 6, 7])], [_sample([9, 8], [7, 6, 5])]]
+    selection = SimpleNamespace(first_round=SimpleNamespace(groups=groups))
+
+    assert sync.calibration() == {}  # nothing scored yet
+    sync.after_rollout(0, selection)
+    probe = sync.verifier.probe
+    assert probe.sequences == [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7, 6, 5]]  # the step's own sequences
+    engine_lp = engine.score(probe.sequences, probe.prompt_lens)
+    actor_lp = actor.probe_log_probs(probe.sequences, probe.prompt_lens, 1.0)
+    gaps = torch.cat([(e - a).abs() for e, a in zip(engine_lp, actor_lp)])
+    with caplog.at_level("WARNING", logger="mcore_rl.weight_sync.verifier"):
+        calibration = sync.calibration()
+    assert calibration["sync/calibration_max_diff"] == pytest.approx(float(gaps.max()))
+    assert calibration["sync/calibration_mean_diff"] == pytest.approx(float(gaps.mean()))
+    assert float(gaps.mean()) > 1e-3 and "sync calibration (initial weights, 7 rollout tokens)" in caplog.text
+    assert sync.calibration() == {}  # once
+
+    unverified = sync.after_update(0)  # sync 1 of verify_every 2
+    assert sorted(unverified) == ["sync/gb_per_s", "sync/seconds"] and placement.phase is Phase.ROLLOUT
+    after = engine.score(probe.sequences, probe.prompt_lens)
+    assert max(float((e - a).abs().max()) for e, a in zip(after, actor_lp)) <= 1e-4  # the engine is the actor now
+    sync.after_rollout(1, SimpleNamespace(first_round=SimpleNamespace(groups=groups[1:])))
+    assert sync.verifier.probe.sequences == [[9, 8, 7, 6, 5]]  # the next sync is verified: its probe is this step's
+    verified = sync.after_update(1)
+    assert verified["sync/verify_max_diff"] <= 1e-4 and verified["sync/rebuilt"] == 0.0
+    assert verified["sync/verify_weights_differ"] == 0.0 and "sync/verify_high_diff" in verified

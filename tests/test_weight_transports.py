@@ -1,4 +1,4 @@
-"""The export's transport is chosen once, from the platform and what the engine offers (mcore_rl/weights/):
+"""The export's transport is chosen once, from the platform and what the engine offers (mcore_rl/weight_sync/):
 accelerators take the collective gather with no collective spent on the choice or on any sync's set-up; the
 CPU takes the shared-memory gather, with the direct writes only when some engine offers a shared region, and
 asks the job that once. The transports' data paths run in real processes in tests/test_shm_gather.py."""
@@ -9,10 +9,11 @@ import pytest
 
 from mcore_rl.platform import Platform, collectives
 from mcore_rl.platform.shared_memory import SharedRegion, SharedTensors
-from mcore_rl.weights.direct_write import DirectWrite
-from mcore_rl.weights.exporter import HFExporter
-from mcore_rl.weights.receiver import COPY_IN, WeightReceiver
-from mcore_rl.weights.transports import CollectiveGather, SharedMemoryGather
+from mcore_rl.weight_sync.collective import CollectiveGather
+from mcore_rl.weight_sync.direct_write import DirectWrite
+from mcore_rl.weight_sync.exporter import HFExporter
+from mcore_rl.weight_sync.receiver import COPY_IN, WeightReceiver
+from mcore_rl.weight_sync.shm_gather import SharedMemoryGather
 
 
 @pytest.fixture

@@ -68,7 +68,7 @@ from mcore_rl.models.hf_io import write_hf_folder
 from mcore_rl.platform import Platform, collectives, get_platform
 from mcore_rl.preflight.layout import Layout
 from mcore_rl.run_dir import OutputWriteError, write_failure
-from mcore_rl.weights.exporter import HFExporter
+from mcore_rl.weight_sync.exporter import HFExporter
 
 logger = logging.getLogger(__name__)
 
@@ -540,7 +540,7 @@ class Actor:
     # ---- weights -----------------------------------------------------------------------------
     def export_hf_weights(self, receive: bool = True, receiver=None):
         """See HFExporter.export: collective, every rank gets every full tensor; `receiver` (what a rollout
-        engine offers, mcore_rl/weights/receiver.py) lets the export write into the engine's memory."""
+        engine offers, mcore_rl/weight_sync/receiver.py) lets the export write into the engine's memory."""
         self._require_resident("export_hf_weights")
         return self.exporter.export(self.model, receive=receive, receiver=receiver)
 

@@ -2,7 +2,7 @@
 
 `ModelBridge` builds the Megatron `GPTModel` chunks of this rank for a HF checkpoint folder, loads
 HF weights into any TP/PP/EP/ETP layout and names every local parameter (`param_infos`: its canonical name,
-global layer and expert, TP split) for the exporter (mcore_rl/weights/exporter.py), which gathers full
+global layer and expert, TP split) for the exporter (mcore_rl/weight_sync/exporter.py), which gathers full
 HF-named tensors back. mbridge supplies the model config mapping, the HF<->Megatron name mapping and the
 fused-tensor formats (qkv, gate/up); sharding, loading and gathering are ours so that they work with both the
 Transformer Engine layer spec (CUDA with TE, NPU via MindSpeed) and the local pure-torch spec (CPU, CUDA without
@@ -196,7 +196,7 @@ class ModelBridge:
     `build_model(layout, ...)` takes the layout bound to Megatron's process groups (see
     mcore_rl.megatron.parallel.init_parallel) and keeps it for loading and exporting. Model chunks are plain
     `GPTModel`s (one per virtual pipeline stage); wrappers (DDP, Float16Module) are looked through by
-    `load_hf_weights` and by the exporter (mcore_rl/weights/exporter.py).
+    `load_hf_weights` and by the exporter (mcore_rl/weight_sync/exporter.py).
     """
 
     def __init__(self, hf_path: str, platform: Platform):

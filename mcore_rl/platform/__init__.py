@@ -184,8 +184,9 @@ class Platform:
 
     @property
     def weight_transport(self) -> str:
-        """How a weight export moves shards between ranks (mcore_rl/weights/transports.py): "shared-memory" on
-        cpu (gloo: the ranks of one host read each other's memory), "collective" on accelerators (NCCL / HCCL)."""
+        """How a weight export moves shards between ranks (mcore_rl/weight_sync/exporter.py `transport_for`):
+        "shared-memory" on cpu (gloo: the ranks of one host read each other's memory), "collective" on accelerators
+        (NCCL / HCCL)."""
         return "shared-memory" if self.name == "cpu" else "collective"
 
     @property

@@ -10,7 +10,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from mcore_rl.batch import RolloutSample  # the engines' output is the step data's input
-from mcore_rl.weights.receiver import COPY_IN, WeightReceiver  # what an engine offers a sync (weights/)
+from mcore_rl.weight_sync.receiver import COPY_IN, WeightReceiver  # what an engine offers a sync (weight_sync/)
 
 # What a colocated engine's memory holds, by vLLM's sleep-mode tags: wake the weights first (to take a sync),
 # the KV cache last (after the actor's state has left the device).

@@ -23,7 +23,7 @@ once per distinct prompt and its n rows start from copies of its cache and logit
   checkpoint's per-expert names are mapped onto slices of those (see ``_weight_targets``). On the CPU the
   parameters live in one shared-memory region (mcore_rl/platform/shared_memory.py) whose table of weight names
   ``capabilities.receiver.shared`` hands out: the exporter's other ranks on the same host map it and write their shards
-  straight into the engine (mcore_rl/weights/direct_write.py); ``share_weights=False`` keeps plain memory.
+  straight into the engine (mcore_rl/weight_sync/direct_write.py); ``share_weights=False`` keeps plain memory.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from mcore_rl.rollout.base import (
     check_generate_request,
     check_score_request,
 )
-from mcore_rl.rollout.weight_sync import fingerprint
+from mcore_rl.weight_sync.fingerprints import fingerprint
 
 log = logging.getLogger(__name__)
 

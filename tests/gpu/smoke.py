@@ -456,7 +456,8 @@ def _micro(tokens):
 
 def stage_sync(ctx) -> str:
     from mcore_rl.rollout.embedded import EmbeddedEngine
-    from mcore_rl.rollout.weight_sync import ProbeBatch, default_tolerance, sync_weights, verify_sync
+    from mcore_rl.weight_sync.buckets import sync_weights
+    from mcore_rl.weight_sync.verify import ProbeBatch, default_tolerance, verify_sync
 
     model, _ = _tiny_paths(ctx)
     actor = ctx.get("actor_bfloat16") or _actor(ctx, "bfloat16")
@@ -641,7 +642,8 @@ def stage_vllm(ctx) -> str:
         raise Skip("vLLM not installed (it cannot fit the 64 MiB carry)")
     from mcore_rl.config import RolloutConfig
     from mcore_rl.rollout.vllm_engine import VllmEngine, VllmSettings
-    from mcore_rl.rollout.weight_sync import ProbeBatch, default_tolerance, sync_weights, verify_sync
+    from mcore_rl.weight_sync.buckets import sync_weights
+    from mcore_rl.weight_sync.verify import ProbeBatch, default_tolerance, verify_sync
 
     model, _ = _tiny_paths(ctx)
     actor = ctx.get("actor_bfloat16") or _actor(ctx, "bfloat16")

@@ -27,9 +27,9 @@ from mcore_rl.megatron.parallel import destroy_parallel, init_parallel
 from mcore_rl.models.bridge import ModelBridge
 from mcore_rl.platform import get_platform
 from mcore_rl.platform.shm_gather import GroupGather
-from mcore_rl.weights.direct_write import DirectWrite
-from mcore_rl.weights.exporter import HFExporter
-from mcore_rl.weights.receiver import COPY_IN, WeightReceiver
+from mcore_rl.weight_sync.direct_write import DirectWrite
+from mcore_rl.weight_sync.exporter import HFExporter
+from mcore_rl.weight_sync.receiver import COPY_IN, WeightReceiver
 from tests.workers.harness import worker_args, write_result
 
 

@@ -15,8 +15,9 @@ import torch.distributed as dist
 from mcore_rl.megatron.parallel import destroy_parallel
 from mcore_rl.rollout.base import SamplingParams
 from mcore_rl.rollout.embedded import EmbeddedEngine
-from mcore_rl.rollout.weight_sync import ProbeBatch, SyncVerificationError, sync_weights, verify_sync
-from mcore_rl.weights.exporter import HFExporter
+from mcore_rl.weight_sync.buckets import sync_weights
+from mcore_rl.weight_sync.exporter import HFExporter
+from mcore_rl.weight_sync.verify import ProbeBatch, SyncVerificationError, verify_sync
 from tests.workers.harness import worker_args, write_result
 from tests.workers.sync_actor import actor_logprobs, build_actor, tp_group
 

@@ -72,10 +72,10 @@ def main():
         fn()
         phases[name] = events[start:]
 
-    phase("sync_offload", lambda: trainer.sync_engine(verify=True))
+    phase("sync_offload", lambda: trainer.weight_sync.sync(True, trainer.step))
     phase("to_training", lambda: trainer.placement.ensure(Phase.TRAINING))
     trainer.placement.offload = False
-    phase("sync_resident", lambda: trainer.sync_engine(verify=False))
+    phase("sync_resident", lambda: trainer.weight_sync.sync(False, trainer.step))
 
     # a verification that fails: the engine's weights changed behind the sync's back -> rebuild beside the awake engine
     def corrupted_sync():
@@ -90,7 +90,7 @@ def main():
             return fingerprints(names)
 
         engine.weight_fingerprints = corrupt_then_read
-        return trainer.sync_engine(verify=True)
+        return trainer.weight_sync.sync(True, trainer.step)
 
     rebuild_metrics = {}
     phase("sync_rebuild", lambda: rebuild_metrics.update(corrupted_sync()))

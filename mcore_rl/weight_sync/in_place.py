@@ -9,7 +9,7 @@ import torch
 from mcore_rl.models.bridge import ModelBridge
 from mcore_rl.models.shards import numel
 from mcore_rl.platform.shared_memory import SharedTensors
-from mcore_rl.weights.receiver import WeightBuffers
+from mcore_rl.weight_sync.receiver import WeightBuffers
 
 
 class InPlaceTargets:

@@ -24,10 +24,18 @@ from mcore_rl.models.bridge import ModelBridge
 from mcore_rl.platform import collectives
 from mcore_rl.platform.shared_memory import SharedTensors
 from mcore_rl.platform.shm_gather import GroupGather
-from mcore_rl.weights.placement import GROUP_KINDS, Exported, PlaceContext, Placement, Placer, gather_kind, meta_buffer
-from mcore_rl.weights.receiver import WeightBuffers, WeightReceiver
-from mcore_rl.weights.row_plan import RowPlan
-from mcore_rl.weights.transports import SharedMemoryGather
+from mcore_rl.weight_sync.placement import (
+    GROUP_KINDS,
+    Exported,
+    PlaceContext,
+    Placement,
+    Placer,
+    gather_kind,
+    meta_buffer,
+)
+from mcore_rl.weight_sync.receiver import WeightBuffers, WeightReceiver
+from mcore_rl.weight_sync.row_plan import RowPlan
+from mcore_rl.weight_sync.shm_gather import SharedMemoryGather
 
 logger = logging.getLogger(__name__)
 

@@ -19,12 +19,21 @@ from mcore_rl.models.bridge import ModelBridge
 from mcore_rl.models.shards import merged_shape, shard_views
 from mcore_rl.platform import collectives
 from mcore_rl.platform.shm_gather import GroupGather
-from mcore_rl.weights.direct_write import DirectWrite
-from mcore_rl.weights.in_place import InPlaceTargets
-from mcore_rl.weights.placement import Exported, ExportStats, PlaceContext, Placer, Sizing, gather_factor, gather_kind
-from mcore_rl.weights.receiver import WeightReceiver
-from mcore_rl.weights.row_plan import RowPlan, build_row_plan
-from mcore_rl.weights.transports import CollectiveGather, SharedMemoryGather
+from mcore_rl.weight_sync.collective import CollectiveGather
+from mcore_rl.weight_sync.direct_write import DirectWrite
+from mcore_rl.weight_sync.in_place import InPlaceTargets
+from mcore_rl.weight_sync.placement import (
+    Exported,
+    ExportStats,
+    PlaceContext,
+    Placer,
+    Sizing,
+    gather_factor,
+    gather_kind,
+)
+from mcore_rl.weight_sync.receiver import WeightReceiver
+from mcore_rl.weight_sync.row_plan import RowPlan, build_row_plan
+from mcore_rl.weight_sync.shm_gather import SharedMemoryGather
 
 DIRECT_BATCH_FACTOR = 8  # gather batches hold this many times more bytes written straight into the engines
 _LAYER_NUMBER = re.compile(r"layers\.\d+\.")

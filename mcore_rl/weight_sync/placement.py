@@ -17,9 +17,9 @@ import torch
 from mcore_rl.models.bridge import ModelBridge
 from mcore_rl.models.shards import as_shard_view, merged_shape, numel, shard_views
 from mcore_rl.platform.shared_memory import SharedRegion
-from mcore_rl.weights.in_place import InPlaceTargets, consumer_tensor
-from mcore_rl.weights.receiver import WeightBuffers
-from mcore_rl.weights.row_plan import RowPlan
+from mcore_rl.weight_sync.in_place import InPlaceTargets, consumer_tensor
+from mcore_rl.weight_sync.receiver import WeightBuffers
+from mcore_rl.weight_sync.row_plan import RowPlan
 
 GROUP_KINDS = ("tp", "ep", "etp")
 
