@@ -433,14 +433,16 @@ def test_separate_placement_with_vllm_verifies_every_sync_and_trains(tiny_model_
         "trainer.val_every": 0,
         "checkpoint.save_every": 0,
         "rollout.verify_every": 1,
+        "reward.fn": "tests.dapo_reward:score",  # signal for a random model: every step's update moves the weights
     }
     run_train("gspo_separate_cpu.yaml", overrides(tiny_model_dir, (str(train), str(val)), run_dir, **extra))
     rows = read_metrics(run_dir)
     print([{k: v for k, v in r.items() if k.startswith(("sync/", "train/stale"))} for r in rows])
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert [r["train/staleness_max"] for r in rows] == [0, 1, 1]  # one step off: generated before the update
-    for r in rows:  # every step's sync verified: the engine's log-probs are the actor's, no rebuild fallback
-        assert r["sync/verify_max_diff"] < 1e-3 and r["sync/rebuilt"] == 0.0, r
+    for r in rows:  # every step moved the weights, and its sync was verified: the engine's log-probs are the actor's
+        assert r["train/grad_norm"] > 0, r
+        assert r["sync/verify_max_diff"] < 1e-3 and r["sync/rebuilt"] == 0.0, r  # no rebuild fallback needed
     assert rows[0]["sync/calibration_max_diff"] < 1e-3  # the initial weights agree too (the gap's baseline)
     trained, initial = load_hf(run_dir), read_safetensors(Path(tiny_model_dir))
     assert trained.keys() == initial.keys()
