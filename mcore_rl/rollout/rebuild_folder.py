@@ -56,7 +56,7 @@ def wait_for_folder(folder: str, timeout_s: float = 3600.0, poll_s: float = 0.5)
     while not os.path.isdir(folder):
         if time.monotonic() > deadline:
             raise TimeoutError(
-                f"rebuild folder {folder} did not appear within {timeout_s:.0f} s: local rank 0 of this node writes "
-                f"it; rollout.rebuild_dir must be a node-local directory every rank of the node can read"
+                f"rebuild folder {folder} did not appear within {timeout_s:.0f} s: the node's first engine rank "
+                f"writes it (local rank 0, or the first rollout rank); rollout.rebuild_dir must be a node-local directory every rank of the node can read"
             )
         time.sleep(poll_s)
