@@ -456,8 +456,9 @@ class RolloutWorker:
                 collecting = None
 
     def _answer(self, kind: str, args: tuple, collecting: Optional[list]) -> None:
-        if kind == "score":
-            value = self.engine.score(*args) if self._leads else None
+        if kind == "score":  # vLLM's replicas score their shares together (a collective): every rank calls it
+            spmd = self.engine.capabilities.handles_data_parallel
+            value = self.engine.score(*args) if self._leads or spmd else None
         elif kind == "fingerprints":
             value = self.engine.weight_fingerprints(*args) if self._leads else None
         elif kind == "diffed":

@@ -502,12 +502,6 @@ def start_processes(cfg: Config):
     platform = get_platform(cfg.platform)
     if cfg.rollout.placement != "separate":
         return None
-    if cfg.rollout.engine != "embedded":  # before any process group or model: the check is free
-        raise ConfigError(
-            f"rollout.placement=separate runs the embedded engine so far (rollout.engine = {cfg.rollout.engine}: the "
-            f"weights across the split reach vLLM through no transfer path yet): set rollout.engine=embedded or "
-            f"rollout.placement=colocated"
-        )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     actor_ranks = split_sizes(cfg.rollout, world)
     run = RunEnvironment.of(cfg)

@@ -212,6 +212,16 @@ def test_reload_from_folder_without_a_second_engine():
     assert reload_from_folder(new, "/rebuild/2") == RELOAD_ITERATOR and new.path == "/rebuild/2"
 
 
+def test_rebuild_folder_writer_is_the_nodes_first_engine_rank(monkeypatch):
+    """Colocated, local rank 0 writes; in the separate placement on one host (1 actor + 2 rollout ranks: local ranks
+    1, 2) no rollout rank is local rank 0, and the first rank of the engine's world (rollout rank 0) writes."""
+    from mcore_rl.rollout.rebuild_folder import writes_node_folder
+
+    for local, world_rank, writes in [("0", 0, True), ("1", 1, False), ("1", 0, True), ("2", 1, False), ("0", 8, True)]:
+        monkeypatch.setenv("LOCAL_RANK", local)
+        assert writes_node_folder(world_rank) == writes, (local, world_rank)
+
+
 def test_rebuild_folder_written_once_and_atomically(tmp_path):
     from mcore_rl.rollout.rebuild_folder import wait_for_folder, write_folder_once
 
@@ -227,7 +237,7 @@ def test_rebuild_folder_written_once_and_atomically(tmp_path):
     write_folder_once(folder, write)
     assert sorted(os.listdir(folder)) == ["model.safetensors"] and not os.path.exists(folder + ".partial")
     wait_for_folder(folder, timeout_s=1)
-    with pytest.raises(TimeoutError, match="local rank 0 of this node writes it"):
+    with pytest.raises(TimeoutError, match="the node's first engine rank writes it"):
         wait_for_folder(str(tmp_path / "never"), timeout_s=0.2, poll_s=0.05)
 
     def broken(tmp):

