@@ -1,14 +1,18 @@
 """Does the separate placement (one step off) learn like the colocated one? Reward curves over seeds.
 
     python benchmarks/placement_learning.py [--preset configs/tiny/gspo_multitoken_cpu.yaml] [--seeds 1 2 3]
-                                            [--steps 200] [--window 10] [--rollout-ranks 1] [key=value ...]
+                                            [--steps 200] [--window 10] [--rollout-ranks 1] [--save FILE]
+                                            [--colocated-from FILE] [--separate-extra KEY=VALUE ...] [key=value ...]
 
 For each seed (`trainer.seed`), the preset as it is (colocated, its own layout) and then `rollout.placement=separate`
 with `--rollout-ranks` of its `trainer.nproc` ranks generating (`actor.parallel.ep=1` when one actor rank is left),
 `--steps` steps each, no validation. Printed: each run's `window`-step mean reward at every `window`-th step; the
 colocated runs' band (min - max over the seeds) of that curve; for each separate run the share of its curve's
 points inside the band, and how far outside the farthest one lies; the last `window` steps' mean of every run.
-Step counts and rewards do not depend on the machine's load (the runs are deterministic per seed).
+Step counts and rewards do not depend on the machine's load (the runs are deterministic per seed). `--save` writes
+every curve to a JSON file; `--colocated-from` takes the colocated curves from such a file instead of running them
+(to compare another separate setting, e.g. `algo.rollout_is=sequence`, with the same band; the overrides then
+apply to the separate runs only).
 """
 
 from __future__ import annotations
@@ -47,10 +51,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--window", type=int, default=10)
     parser.add_argument("--rollout-ranks", type=int, default=1)
+    parser.add_argument("--separate-extra", nargs="*", default=[], help="overrides for the separate runs only")
+    parser.add_argument("--save", default=None, help="write the curves to this JSON file")
+    parser.add_argument("--colocated-from", default=None, help="the colocated curves from a --save file")
     args, overrides = parser.parse_known_args()
     common = [f"trainer.steps={args.steps}", "trainer.val_every=0", "checkpoint.save_every=0", *overrides]
-    placements = {"colocated": [], "separate": separate_overrides(args.preset, args.rollout_ranks)}
+    separate = [*separate_overrides(args.preset, args.rollout_ranks), *args.separate_extra]
+    placements = {"colocated": [], "separate": separate}
     curves: dict[str, dict[int, list[float]]] = {name: {} for name in placements}
+    if args.colocated_from:
+        saved = json.loads(Path(args.colocated_from).read_text())["colocated"]
+        curves["colocated"] = {int(seed): c for seed, c in saved.items()}
+        del placements["colocated"]
     goal = Goal(threshold=2.0, window=args.window, steps=args.steps)  # run every step
     print(f"# {args.preset}, {args.steps} steps, seeds {args.seeds}; load {os.getloadavg()[0]:.1f}", flush=True)
     with tempfile.TemporaryDirectory(prefix="placement-learning-") as tmp:
@@ -61,6 +73,8 @@ def main() -> None:
                 curves[name][seed] = curve(run_dir, args.window)
                 points = curves[name][seed][:: args.window]
                 print(f"{name:9s} seed {seed}: " + " ".join(f"{v:.2f}" for v in points), flush=True)
+    if args.save:
+        Path(args.save).write_text(json.dumps(curves))
     report(curves, args.window)
 
 
