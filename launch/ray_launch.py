@@ -9,6 +9,10 @@ exactly as under torchrun. Ray gives each actor one device and hides the others 
 ASCEND_RT_VISIBLE_DEVICES); the actor re-exposes the devices that this job holds on its node, ordered by
 local rank, so that `LOCAL_RANK` indexes its own device as it does under torchrun.
 
+On several nodes a NodeBeat actor on each node writes the heartbeat of mcore_rl.multinode into RUN_DIR/nodes and
+the driver reads them: a node silent for MCORE_RL_NODE_TIMEOUT_S seconds (default 15) ends the job with one line
+naming it, the newest checkpoint and checkpoint.resume=auto (docs/reliability.md#several-machines).
+
 Ray is an optional extra (pip install 'mcore-rl[ray]'): it is imported only when this script runs.
 """
 
