@@ -9,6 +9,10 @@ exactly as under torchrun. Ray gives each actor one device and hides the others 
 ASCEND_RT_VISIBLE_DEVICES); the actor re-exposes the devices that this job holds on its node, ordered by
 local rank, so that `LOCAL_RANK` indexes its own device as it does under torchrun.
 
+On several nodes a NodeBeat actor on each node writes the heartbeat of mcore_rl.multinode into RUN_DIR/nodes and
+the driver reads them: a node silent for MCORE_RL_NODE_TIMEOUT_S seconds (default 15) ends the job with one line
+naming it, the newest checkpoint and checkpoint.resume=auto (docs/reliability.md#several-machines).
+
 Ray is an optional extra (pip install 'mcore-rl[ray]'): it is imported only when this script runs.
 """
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -199,6 +204,7 @@ def parse_args(argv: Optional[Sequence[str]] = None):
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from mcore_rl.cli import preflight
     from mcore_rl.config import ConfigError, load_config
+    from mcore_rl.multinode import NodeWatch, node_timeout_s
     from mcore_rl.preflight.layout import LayoutError
 
     args = parse_args(argv)
@@ -215,7 +221,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 "platform = auto: pass --accelerator GPU|NPU|CPU (or set platform) so the bundles ask for the right device"
             )
         layout = preflight(cfg, world, args.model_config)
-    except (ConfigError, LayoutError) as e:
+        timeout_s = node_timeout_s(os.environ)
+    except (ConfigError, LayoutError, ValueError) as e:
         print(f"ray_launch: error: {e}", file=sys.stderr)
         return 2
     for warning in layout.warnings:
@@ -237,6 +244,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     elif accelerator == "NPU":
         options["resources"] = {"NPU": 1}
     Worker = ray.remote(RankWorker)
+    beats: list = []
     workers = [
         Worker.options(
             **options, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
@@ -248,41 +256,103 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         by_rank = sorted(zip(placements, workers), key=lambda pw: pw[0].rank)
         master_addr = by_rank[0][0].node_ip
         master_port = ray.get(by_rank[0][1].free_port.remote())
-        print(
-            f"ray_launch: {world} ranks on {len({p.node_ip for p in placements})} node(s), master {master_addr}:{master_port}",
-            flush=True,
-        )
+        nodes = len({p.node_ip for p in placements})
+        print(f"ray_launch: {world} ranks on {nodes} node(s), master {master_addr}:{master_port}", flush=True)
         from mcore_rl.platform.ascend_env import RunEnvironment
 
         run = RunEnvironment.of(cfg)
-        nodes = len({p.node_ip for p in placements})
+        watch = None
+        if nodes > 1:  # every node beats from before its ranks start (mcore_rl.multinode: a lost node)
+            beats = start_beats(pg, placements, cfg.trainer.run_dir, timeout_s)
+            watch = NodeWatch(cfg.trainer.run_dir, None, range(nodes), socket.gethostname(), timeout_s)
         pending = [
             w.run.remote(rank_env(p, world, master_addr, master_port, accelerator, run), cfg, args.entry, nodes)
             for p, w in by_rank
         ]
         rank_of = {ref: p.rank for ref, (p, _) in zip(pending, by_rank)}
         stop = request_stop_on_signals(cfg.trainer.run_dir)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            try:
-                result = ray.get(done[0])  # raises the rank's exception; the finally below stops the other ranks
-            except Exception as e:  # one rank failed: the rest would hang in collectives
-                print(f"ray_launch: a rank failed:\n{e}", file=sys.stderr)
-                print(failure_line(e, rank_of[done[0]]), file=sys.stderr, flush=True)  # the last line: its cause
-                return 1
-            if isinstance(result, str) and result.startswith("stopped: "):
-                print(f"ray_launch: {result[len('stopped: ') :]}", file=sys.stderr, flush=True)
+        line = wait_for_ranks(pending, rank_of, watch)
+        if line:
+            print(line, file=sys.stderr, flush=True)  # the last line: the cause
+            return 1
     except Exception as e:  # placing the ranks failed
         print(f"ray_launch: error: {e}", file=sys.stderr)
         return 1
     finally:
-        for w in workers:
+        for w in workers + beats:
             ray.kill(w)
         remove_placement_group(pg)
     if stop:
         return 128 + stop[0]
     print("ray_launch: all ranks finished", flush=True)
     return 0
+
+
+class NodeBeat:
+    """One node's heartbeat, RUN_DIR/nodes/node<R>.json every second (mcore_rl.multinode.NodeWatch), from a process
+    of its own on that node: a rank busy or hung in a collective still beats; the node gone, the beats stop."""
+
+    def start(self, run_dir: str, node_rank: int, timeout_s: float) -> str:
+        import socket
+        import threading
+
+        from mcore_rl.multinode import NodeWatch
+
+        self.watch = NodeWatch(run_dir, node_rank, (), socket.gethostname(), timeout_s)
+        self.watch.write("running")
+        threading.Thread(target=self.watch.run, args=(None,), daemon=True).start()
+        return self.watch.host
+
+
+def start_beats(pg, placements: Sequence[RankPlacement], run_dir: str, timeout_s: float) -> list:
+    """A NodeBeat on every node of the job, in the bundle of the node's first rank (it asks for no resources)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    first: dict[int, int] = {}
+    for i, p in enumerate(placements):
+        first.setdefault(p.node_rank, i)
+    Beat = ray.remote(NodeBeat)
+    beats = {
+        node: Beat.options(
+            num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+        ).remote()
+        for node, i in first.items()
+    }
+    ray.get([beat.start.remote(run_dir, node, timeout_s) for node, beat in beats.items()])
+    return list(beats.values())
+
+
+def wait_for_ranks(pending: list, rank_of: dict, watch) -> Optional[str]:
+    """Wait until every rank has returned; None, or the line that says why the job failed: a lost node (`watch`:
+    the nodes' heartbeats, None on one node) or a failed rank (after waiting for a node whose loss it echoes)."""
+    import ray
+
+    from mcore_rl.multinode import HEARTBEAT_S, lost_node_line
+
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=HEARTBEAT_S)
+        failure = None
+        for ref in done:
+            try:
+                result = ray.get(ref)  # raises the rank's exception; main's finally stops the other ranks
+            except Exception as e:  # one rank failed: the rest would hang in collectives
+                print(f"ray_launch: a rank failed:\n{e}", file=sys.stderr)
+                failure = failure_line(e, rank_of[ref])
+                if watch is not None:
+                    watch.settle_silent()
+                continue
+            if isinstance(result, str) and result.startswith("stopped: "):
+                print(f"ray_launch: {result[len('stopped: ') :]}", file=sys.stderr, flush=True)
+        if watch is not None:
+            watch.read()
+            watch.lost = watch.lost or watch.newly_lost()
+            if watch.lost:
+                again = "run launch/ray_launch.py again"
+                return lost_node_line(watch.lost, str(watch.folder.parent), watch.timeout_s, again)
+        if failure:
+            return failure
+    return None
 
 
 def request_stop_on_signals(run_dir: str) -> list[int]:

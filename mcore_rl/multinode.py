@@ -44,12 +44,13 @@ class Peer:
 
 
 class NodeWatch:
-    """This node's heartbeat in RUN_DIR/nodes/node<R>.json and its view of the other nodes' heartbeats."""
+    """This node's heartbeat in RUN_DIR/nodes/node<R>.json and its view of the `peers` nodes' heartbeats (the Ray
+    driver: every node's, node_rank None; a Ray node's beat: none)."""
 
-    def __init__(self, run_dir: str, node_rank: int, nnodes: int, host: str, timeout_s: float):
+    def __init__(self, run_dir: str, node_rank: Optional[int], peers: Sequence[int], host: str, timeout_s: float):
         self.folder = Path(run_dir) / "nodes"
         self.node_rank, self.host, self.timeout_s = node_rank, host, timeout_s
-        self.peers = [Peer(n) for n in range(nnodes) if n != node_rank]
+        self.peers = [Peer(n) for n in peers]
         self.beats = 0
         self.lost: Optional[Peer] = None
         self.stopped = threading.Event()
@@ -114,12 +115,33 @@ class NodeWatch:
                 return
             time.sleep(HEARTBEAT_S / 4)
 
+    def settle_silent(self, grace_s: float = 3 * HEARTBEAT_S) -> None:
+        """After a rank failed where no launcher writes its node's end (Ray): wait `grace_s`; a node that has not
+        beaten since the failure is given until it beats again or is lost (a rank's failure is often the echo of
+        a lost node: then the node is named)."""
+        failed = time.monotonic()
+        deadline = failed + self.timeout_s + 2 * HEARTBEAT_S
+        while self.lost is None and time.monotonic() < deadline:
+            self.read()
+            self.lost = self.newly_lost()
+            if time.monotonic() - failed >= grace_s and all(p.changed_at > failed for p in self.peers):
+                return
+            time.sleep(HEARTBEAT_S / 4)
+
     def first_peer_failure(self) -> Optional[dict]:
         failed = [p.info for p in self.peers if p.info and p.info.get("state") == "failed" and p.info.get("line")]
         return min(failed, key=lambda info: info["failed_at"]) if failed else None
 
 
-def lost_node_line(peer: Peer, run_dir: str, timeout_s: float) -> str:
+def node_timeout_s(env) -> float:
+    value = env.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S))
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV}={value!r}: give the seconds after which a silent node is lost") from None
+
+
+def lost_node_line(peer: Peer, run_dir: str, timeout_s: float, again: str = "start every node again") -> str:
     from mcore_rl.run_dir import CheckpointManager
 
     info = peer.info or {}
@@ -127,7 +149,7 @@ def lost_node_line(peer: Peer, run_dir: str, timeout_s: float) -> str:
     newest = f"the newest checkpoint is {latest.path}" if latest else "no checkpoint was published yet"
     return (
         f"mcore-rl: error: node {peer.node} ({info.get('host', '?')}) went away: no heartbeat for {timeout_s:g} s "
-        f"(RUN_DIR/nodes); {newest}; start every node again with checkpoint.resume=auto"
+        f"(RUN_DIR/nodes); {newest}; {again} with checkpoint.resume=auto"
     )
 
 
@@ -184,11 +206,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         run_dir = load_config(args.config, args.overrides).trainer.run_dir
         if args.nnodes > 1:
             print(network_env(args, env), flush=True)
-        timeout_s = float(env.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+        timeout_s = node_timeout_s(env)
     except (ConfigError, NetworkError, ValueError) as e:
         print(f"mcore-rl: error: {e}", file=sys.stderr)
         return 2
-    watch = NodeWatch(run_dir, args.node_rank, args.nnodes, socket.gethostname(), timeout_s)
+    peers = [n for n in range(args.nnodes) if n != args.node_rank]
+    watch = NodeWatch(run_dir, args.node_rank, peers, socket.gethostname(), timeout_s)
     child: list[int] = []
 
     def stop_job(peer: Peer) -> None:  # the workers hang in a collective: no step boundary will come

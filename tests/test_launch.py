@@ -286,3 +286,40 @@ def test_ray_launch_resolves_the_configs_paths_before_shipping(tmp_path, monkeyp
     assert rl.resolve_paths(cfg, "/elsewhere") == []  # absolute paths stay
     kept = load_config(None, ["checkpoint.resume=auto", "data.train_path=/abs/train.parquet"])
     assert rl.resolve_paths(kept, "/base") == ["trainer.run_dir"] and kept.checkpoint.resume == "auto"
+
+
+def test_a_failed_rank_waits_for_a_silent_node_and_names_it(tmp_path):
+    """The Ray driver's view after a rank failed (mcore_rl.multinode.NodeWatch.settle_silent), with real heartbeat
+    threads writing RUN_DIR/nodes: while every node beats it returns after 3 heartbeats, naming no node; when node 1
+    stops beating as the rank fails (its failure the echo of node 1's loss), node 1 is lost within the timeout."""
+    import threading
+    import time
+
+    from mcore_rl.multinode import HEARTBEAT_S, NodeWatch, lost_node_line
+
+    timeout_s = 3.0
+    beats = [NodeWatch(str(tmp_path), n, (), f"node{n}", timeout_s) for n in range(2)]
+    for beat in beats:
+        threading.Thread(target=beat.run, args=(None,), daemon=True).start()
+    driver = NodeWatch(str(tmp_path), None, range(2), "driver", timeout_s)
+    deadline = time.monotonic() + 30
+    while not all(p.changed_at for p in driver.peers):  # each node seen beating
+        assert time.monotonic() < deadline
+        driver.read()
+        time.sleep(0.1)
+
+    start = time.monotonic()
+    driver.settle_silent()
+    took = time.monotonic() - start
+    assert driver.lost is None and 3 * HEARTBEAT_S <= took < 3 * HEARTBEAT_S + 2, took
+
+    beats[1].stopped.set()  # node 1 goes away
+    start = time.monotonic()
+    driver.settle_silent()
+    took = time.monotonic() - start
+    beats[0].stopped.set()
+    assert driver.lost is not None and driver.lost.node == 1 and took < timeout_s + 2 * HEARTBEAT_S, took
+    assert lost_node_line(driver.lost, str(tmp_path), timeout_s, "run launch/ray_launch.py again") == (
+        "mcore-rl: error: node 1 (node1) went away: no heartbeat for 3 s (RUN_DIR/nodes); no checkpoint was "
+        "published yet; run launch/ray_launch.py again with checkpoint.resume=auto"
+    )

@@ -21,7 +21,6 @@ import pytest
 from mcore_rl.run_dir import CheckpointManager, verify_checkpoint
 from tests.netns_hosts import TwoHosts, can_make_hosts
 from tests.torchrun_util import REPO
-from tests.workers.harness import read_results
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(can_make_hosts() is not None, reason=str(can_make_hosts()))]
 
@@ -36,6 +35,17 @@ def task(tmp_path_factory):
 
     train, val = make_task_dataset(tmp_path_factory.mktemp("task"), train_size=64, val_size=8, seed=0)
     return str(train), str(val)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, task, tmp_path_factory) -> list[dict]:
+    """A single-host 2-process run of the demo preset's 4 steps, the rows the 2-node jobs must equal."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    proc = single_host(settings(tiny_model_dir, task, run_dir))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and sum(len(row) for row in rows) > 80
+    return rows
 
 
 @pytest.fixture
@@ -121,28 +131,15 @@ def single_host(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
 
 
-def test_two_nodes_train_as_one_host_and_a_lost_node_is_one_line(hosts, tiny_model_dir, task, tmp_path):
+def test_two_nodes_train_as_one_host_and_a_lost_node_is_one_line(hosts, tiny_model_dir, task, reference, tmp_path):
     """torchrun_multinode.sh on two hosts: node 1's link goes down after the step-2 checkpoint and its processes are
     killed (-9): node 0 ends within the stated bound with one line naming node 1, the newest checkpoint and
     checkpoint.resume=auto; a 2-node resume then continues, and the 2-node run's metrics (steps 1-2 before the
     loss, 3-4 after) equal a single-host 2-process run's, value for value."""
-    reference = tmp_path / "reference"
-    proc = single_host(settings(tiny_model_dir, task, reference))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    expected = metrics(reference)
-    assert [r["step"] for r in expected] == [1, 2, 3, 4]
-
-    assert sum(len(row) for row in expected) > 80
-
     lost = tmp_path / "lost"
     logs = tmp_path / "logs-b"
     procs = start_nodes(hosts, settings(tiny_model_dir, task, lost, steps=40), logs)
-    deadline = time.time() + 240
-    while (CheckpointManager(lost).latest() is None or CheckpointManager(lost).latest().step < 2) and procs[
-        0
-    ].poll() is None:
-        assert time.time() < deadline, (logs / "node0.log").read_text()[-3000:]
-        time.sleep(0.2)
+    wait_for_checkpoint(lost, 2, procs[0], logs / "node0.log")
     for i in range(2):  # the interface comes from the route to MASTER_ADDR, not from the hostname (node 1: 127.0.1.1)
         line = f"reaches MASTER_ADDR=10.77.0.1 through veth{i} (10.77.0.{i + 1}): GLOO_SOCKET_IFNAME=veth{i}"
         assert line in (logs / f"node{i}.log").read_text()
@@ -165,7 +162,17 @@ def test_two_nodes_train_as_one_host_and_a_lost_node_is_one_line(hosts, tiny_mod
     finish(start_nodes(hosts, resumed, tmp_path / "logs-c"), tmp_path / "logs-c")
     rows = metrics(lost)
     assert [r["step"] for r in rows] == [1, 2, 3, 4], rows
-    assert rows == expected
+    assert rows == reference
+
+
+def wait_for_checkpoint(run_dir: Path, step: int, proc: subprocess.Popen, log: Path, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while (CheckpointManager(run_dir).latest() is None or CheckpointManager(run_dir).latest().step < step) and (
+        proc.poll() is None
+    ):
+        assert time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+    assert proc.poll() is None, log.read_text()[-3000:]
 
 
 def on_host(hosts: TwoHosts, i: int, cmd: list[str], **extra) -> subprocess.CompletedProcess:
@@ -212,65 +219,109 @@ def test_a_run_directory_that_is_not_shared_is_refused(hosts, tiny_model_dir, ta
         assert "step 1/" not in out
 
 
-RAY_CONFIG = "platform: cpu\nmodel:\n  path: model\nrollout:\n  n: 2\ndata:\n  prompts_per_step: 2\n"
-
-
-def test_ray_head_on_one_host_and_a_worker_on_the_other(hosts, tiny_model_dir, tmp_path):
-    """launch/ray_launch.py with a Ray head on node 0 and a worker on node 1 (both started in `/`): one rank a node,
-    a gloo all-reduce across the hosts; the config's relative paths (model.path, trainer.run_dir) name the
-    driver's folders on the ranks too, not the folders of Ray's working directory."""
+def test_ray_two_nodes_train_as_one_host_and_a_lost_node_is_one_line(hosts, tiny_model_dir, task, reference, tmp_path):
+    """launch/ray_launch.py with a Ray head on node 0, a worker on node 1 (both started in `/`) and the driver on
+    node 0: the demo preset, one rank a node. Node 1's link goes down after the step-2 checkpoint and its Ray
+    processes are killed (-9): the driver ends within the stated bound with one line naming node 1 (its heartbeat
+    stopped), the newest checkpoint and checkpoint.resume=auto, and stops rank 0; a worker started again on node 1
+    and a resume through Ray continue, and the metrics (steps 1-2 before the loss, 3-4 after) equal a single-host
+    2-process run's. The config's relative paths (model.path, trainer.run_dir) name the driver's folders on the
+    ranks too, not the folders of Ray's working directory."""
     folders: list[Path] = []
+    logs = tmp_path / "logs"
     try:
-        head = start_ray(hosts, folders, tmp_path / "logs")
+        head = start_ray(hosts, (0, 1), folders, logs)
         (tmp_path / "model").symlink_to(tiny_model_dir)
-        (tmp_path / "c.yaml").write_text(RAY_CONFIG)
-        out = ray_job(hosts, head, tmp_path)
+        driver = ray_job(hosts, head, tmp_path, settings("model", task, "run", steps=40), logs / "driver-b.log")
+        wait_for_checkpoint(tmp_path / "run", 2, driver, logs / "driver-b.log")
+        hosts.link_down(1)  # node 1 vanishes without closing its connections, then dies
+        hosts.kill_host(1)
+        gone = time.time()
+        out = ray_finish(driver, logs / "driver-b.log", NODE_TIMEOUT_S + 60)
+        took = time.time() - gone
+        assert "ray_launch: 2 ranks on 2 node(s), master 10.77.0.1:" in out, out[-4000:]
+        newest = CheckpointManager(tmp_path / "run").latest()
+        assert newest.step == 2 and verify_checkpoint(newest) == []
+        errors = [line for line in out.splitlines() if line.startswith("mcore-rl: error:")]
+        assert len(errors) == 1 and errors[0] == last_line(out) and driver.returncode == 1, out[-3000:]
+        assert errors[0] == (
+            f"mcore-rl: error: node 1 (node1) went away: no heartbeat for {NODE_TIMEOUT_S} s (RUN_DIR/nodes); the "
+            f"newest checkpoint is {newest.path}; run launch/ray_launch.py again with checkpoint.resume=auto"
+        )
+        assert took < NODE_TIMEOUT_S + 30, took  # the stated bound: timeout + a few heartbeats + stopping the job
+        assert job_processes(hosts, 0) == []  # rank 0 (hung in a collective) and node 0's beat were stopped
+        print(f"the Ray driver ended {took:.1f} s after node 1 went away (MCORE_RL_NODE_TIMEOUT_S={NODE_TIMEOUT_S})")
+
+        hosts.link_up(1)
+        start_ray(hosts, (1,), folders, logs)
+        resumed = settings("model", task, "run", steps=4, **{"checkpoint.resume": "auto"})
+        again = ray_job(hosts, head, tmp_path, resumed, logs / "driver-c.log")
+        out = ray_finish(again, logs / "driver-c.log", 300)
+        assert again.returncode == 0 and "ray_launch: 2 ranks on 2 node(s), master 10.77.0.1:" in out, out[-4000:]
     finally:
         hosts.close()  # Ray's processes first, then their folders
         for folder in folders:
             shutil.rmtree(folder, ignore_errors=True)
-    assert "ray_launch: 2 ranks on 2 node(s), master 10.77.0.1:" in out, out[-4000:]
-    results = read_results(tmp_path / "run" / "results", 2, out)
-    assert [r["sum"] for r in results] == [3.0, 3.0]  # 1 + 2 over the two hosts
-    assert [(r["env"]["RANK"], r["env"]["GROUP_RANK"], r["env"]["MASTER_ADDR"]) for r in results] == [
-        ("0", "0", "10.77.0.1"),
-        ("1", "1", "10.77.0.1"),
-    ]
+    rows = metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4], rows
+    assert rows == reference
 
 
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
-def start_ray(hosts: TwoHosts, folders: list[Path], logs: Path) -> subprocess.Popen:
+def start_ray(hosts: TwoHosts, nodes: tuple[int, ...], folders: list[Path], logs: Path) -> subprocess.Popen:
+    """A Ray head on node 0, a worker on node 1 (those of `nodes`); the first process started."""
     ray = str(Path(sys.executable).parent / "ray")
     head = [ray, "start", "--head", "--node-ip-address=10.77.0.1", "--port=6379", "--include-dashboard=false"]
     worker = [ray, "start", "--address=10.77.0.1:6379", "--node-ip-address=10.77.0.2"]
-    logs.mkdir()
-    head_proc = None
-    for i, cmd in enumerate((head, worker)):
+    logs.mkdir(exist_ok=True)
+    first = None
+    for i in nodes:
         # each host its own Ray folder (a short path: Ray's unix sockets live there)
         folders.append(Path(tempfile.mkdtemp(prefix=f"mrl-ray{i}-")))
-        cmd += ["--num-cpus=1", "--disable-usage-stats", "--block", f"--temp-dir={folders[-1]}"]
-        log = logs / f"ray{i}.log"
+        cmd = (head, worker)[i] + ["--num-cpus=1", "--disable-usage-stats", "--block", f"--temp-dir={folders[-1]}"]
+        log = logs / f"ray{i}-{len(folders)}.log"
         started = hosts.popen(
             i, cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=node_env(i, **RAY_ENV), cwd="/"
         )
-        head_proc = head_proc or started
+        first = first or started
         deadline = time.time() + 180
         while "Ray runtime started" not in log.read_text():
             assert time.time() < deadline, log.read_text()[-3000:]
             time.sleep(0.5)
-    return head_proc
+    return first
 
 
-def ray_job(hosts: TwoHosts, head: subprocess.Popen, tmp_path: Path) -> str:
-    driver = [sys.executable, str(REPO / "launch" / "ray_launch.py"), "c.yaml", "--address", "10.77.0.1:6379"]
-    driver += ["--accelerator", "CPU", "--cpus-per-rank", "1", "--nnodes", "2", "--nproc-per-node", "1"]
-    driver += ["--entry", "tests.workers.ray_entry:run", "trainer.run_dir=run"]
+def ray_job(hosts: TwoHosts, head: subprocess.Popen, cwd: Path, args: list[str], log: Path) -> subprocess.Popen:
+    """The Ray driver on node 0 (among the head's processes), in `cwd`."""
+    driver = [sys.executable, str(REPO / "launch" / "ray_launch.py"), PRESET, "--address", "10.77.0.1:6379"]
+    driver += ["--accelerator", "CPU", "--cpus-per-rank", "1", "--nnodes", "2", "--nproc-per-node", "1", *args]
     env = node_env(0, **RAY_ENV)
-    got = hosts.join(
-        0, head, driver, str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
-    out = got.communicate(timeout=300)[0]
-    assert got.returncode == 0, out[-4000:]
-    return out
+    return hosts.join(0, head, driver, str(cwd), stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+
+
+def ray_finish(driver: subprocess.Popen, log: Path, timeout: float) -> str:
+    try:
+        driver.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the Ray driver did not end within {timeout} s:\n{log.read_text()[-4000:]}") from None
+    return log.read_text()
+
+
+def job_processes(hosts: TwoHosts, i: int, wait_s: float = 15) -> list[str]:
+    """The job's actors still alive on host i after `wait_s` (Ray titles a worker by its actor: `ray::RankWorker`)."""
+    import psutil
+
+    deadline = time.time() + wait_s
+    while True:
+        left = []
+        for pid in hosts.pids(i):
+            try:
+                left.append(" ".join(psutil.Process(pid).cmdline()))
+            except psutil.Error:
+                pass
+        left = [line for line in left if "RankWorker" in line or "NodeBeat" in line]
+        if not left or time.time() > deadline:
+            return left
+        time.sleep(0.5)
