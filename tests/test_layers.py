@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("models", ("models",)),
     ("engines and weights", ("rollout", "weights")),
     ("actor", ("megatron",)),
-    ("one step", ("step_data", "dynamic_sampling", "colocation", "generation", "placement", "separate")),
+    ("one step", ("step_data", "dynamic_sampling", "colocation", "generation", "placement", "separate", "streaming")),
     ("loop", ("trainer", "plot")),
     ("entry points", ("cli", "convert", "from_verl", "torchrun", "multinode")),
 ]

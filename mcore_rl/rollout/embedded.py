@@ -35,7 +35,7 @@ import difflib
 import inspect
 import logging
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -153,6 +153,10 @@ class EmbeddedEngine(RolloutEngine, WeightReader):
         self.sampled_vocab = min(len(self.tokenizer), self.config.vocab_size)
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self._noop_logged = False
+        # streaming (mcore_rl/streaming.py): called between decode steps with the in-flight `decode.Generation`,
+        # which it may give new weights; and the version every generated token records (None: not recorded)
+        self.between_steps: Optional[Callable[[Generation], None]] = None
+        self.weights_version: Optional[int] = None
         self._set_model(self._empty_model() if config is not None else self._load_pretrained())
 
     # ----- model lifecycle -----
@@ -330,8 +334,9 @@ class EmbeddedEngine(RolloutEngine, WeightReader):
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[RolloutSample]]:
-        generation = self.start(prompts, n, params)
-        generation.advance()
+        generation = self.start(prompts, n, params, self.weights_version)
+        while not generation.advance(1 if self.between_steps is not None else None):
+            self.between_steps(generation)
         return generation.result()
 
     def start(self, prompts: list[list[int]], n: int, params: SamplingParams, version: Optional[int] = None):
