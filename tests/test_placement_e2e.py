@@ -99,7 +99,8 @@ def test_one_step_off_policy_is_one_version_stale_and_resumes_exactly(tiny_model
 def test_streaming_bounds_the_lag_of_every_trained_token(tiny_model_dir, task, tmp_path):  # noqa: F811
     """rollout.streaming=true, max_staleness 2: the rollout rank generates ahead as admission allows and takes each
     session between decode steps; every trained token's lag behind the update's starting weights, from its own
-    version (the histogram over every token), stays within 2, and some samples span a weight update. (Here the
+    version (the histogram over every token), stays within 2, and some samples span a weight update; a resume trains
+    the checkpoint's samples as before and stays within the bound after. (Here the
     rollout rank, with 24-token responses, is the slower role: it never gets two steps ahead, the lag stays 0-1.)"""
     run_dir = tmp_path / "run"
     extra = {
@@ -121,6 +122,17 @@ def test_streaming_bounds_the_lag_of_every_trained_token(tiny_model_dir, task, t
     # a weight update landed mid-generation: one step's tokens at two lags (a step's samples start at one version)
     assert any(0 < h[1] < 1 for h in hist) and sum(r["rollout/interrupted_samples"] for r in rows) > 0, hist
     assert all(0 <= r["perf/rollout_idle_fraction"] <= 1 for r in rows)
+
+    # resume from step 4: its checkpoint holds step 5's samples (trained as before); the steps after are generated
+    # again from the checkpoint's weights (docs/async.md, "Checkpoint and resume"), within the same bound
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000008")
+    shutil.rmtree(run_dir / "hf")
+    out = run_train("gspo_cpu.yaml", args)
+    assert "resumed from" in out and "step_00000004" in out, out[-3000:]
+    resumed = read_metrics(run_dir)
+    assert [r["step"] for r in resumed] == list(range(1, 9))
+    assert untimed(resumed[:5]) == untimed(rows[:5])
+    assert all(r["train/staleness_max"] <= 2 for r in resumed)
 
 
 def test_a_rollout_rank_killed_is_named_and_the_checkpoints_stay(tiny_model_dir, task, tmp_path):  # noqa: F811
