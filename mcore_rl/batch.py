@@ -69,6 +69,9 @@ class RolloutSample:
     # token of the sequence (prompt too: replaying routes in training needs them for every position), or None
     # where the engine cannot capture them.
     routed_experts: Optional[torch.Tensor] = None
+    # the weight version that drew each response token (partial rollout: a sample can span a weight update; its
+    # log-probs and routes are each token's own version's); None: every token has the sample's version
+    token_versions: Optional[list[int]] = None
 
 
 @dataclass

@@ -134,6 +134,8 @@ class RolloutConfig:
     placement: PlacementName = "colocated"  # separate: rollout on rollout.ranks of its own, the actor on the rest
     ranks: Optional[int] = None  # separate: ranks that generate (replicas of rollout.tp each); None: half the world
     max_staleness: Optional[int] = None  # weight versions a trained token may lag; None: 0 colocated, 1 separate
+    # separate: generate continuously, taking each new weight version between decode steps (docs/async.md)
+    streaming: bool = False
 
 
 @dataclass
@@ -554,6 +556,11 @@ def _check_combinations(cfg: Config) -> list[str]:
 
 def _check_placement(r: RolloutConfig) -> None:
     """rollout.placement's own rules (the split against the world and the devices: mcore_rl.preflight)."""
+    _require(
+        not r.streaming or r.placement == "separate",
+        f"rollout.streaming=true with rollout.placement={r.placement}: streaming generates on rollout ranks of their "
+        f"own while the actor trains; set rollout.placement=separate (or rollout.streaming=false)",
+    )
     if r.placement == "colocated":  # rollout.ranks there has no effect: a warning of the pre-flight's
         _require(
             r.max_staleness in (None, 0),
@@ -561,10 +568,17 @@ def _check_placement(r: RolloutConfig) -> None:
             f"generating ahead needs rollout.placement=separate",
         )
         return
+    if r.streaming:
+        _require(
+            r.max_staleness is None or r.max_staleness >= 0,
+            f"rollout.max_staleness = {r.max_staleness}: a token's lag in weight versions is never negative; use 0 "
+            f"(exactly the synchronous run), 1 or 2",
+        )
+        return
     _require(
         r.max_staleness in (None, 0, 1),
         f"rollout.max_staleness = {r.max_staleness}: the separate placement generates at most one step ahead; use 1 "
-        f"(one-step off-policy) or 0 (waits: exactly the colocated run)",
+        f"(one-step off-policy) or 0 (waits: exactly the colocated run), or rollout.streaming=true for larger lags",
     )
 
 

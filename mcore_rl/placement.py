@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from mcore_rl.colocation import Colocation, Phase
@@ -26,13 +27,38 @@ from mcore_rl.generation import EngineRounds, RoundSource, validation_reward
 if TYPE_CHECKING:
     from mcore_rl.weight_sync.verify import ProbeBatch
 
-__all__ = ["ColocatedPlacement", "Phase", "Placement", "staleness_metrics"]
+__all__ = ["ColocatedPlacement", "Phase", "Placement", "staleness_metrics", "token_staleness"]
 
 
 def staleness_metrics(staleness: int) -> dict:
     """Weight versions between the trained tokens' behaviour policy (the engine's weights that sampled them) and
     the update's starting weights; every token of a step has the same (one-step overlap)."""
     return {"train/staleness_max": float(staleness), "train/staleness_mean": float(staleness)}
+
+
+def token_staleness(samples, step: int, bound: int) -> dict:
+    """Streaming (rollout.streaming): the lag of every token of the step's samples (`StepSamples`, every round)
+    behind the update's starting weights (version `step`), from each token's own version; its histogram over
+    0 .. `bound` (the same keys every step). The admission rule (mcore_rl/streaming.py) keeps every lag within
+    `bound`, so nothing is ever dropped; a lag beyond it is a bug, and an error rather than a silent drop."""
+    lags = Counter(
+        step - version
+        for r in samples.rounds
+        for group in r["groups"]
+        for s in group
+        for version in (s.token_versions or [samples.version] * len(s.response_ids))
+    )
+    tokens = sum(lags.values())
+    if max(lags, default=0) > bound:
+        raise RuntimeError(
+            f"step {step + 1} got tokens {max(lags)} weight versions old, beyond rollout.max_staleness = {bound}: "
+            f"the streaming admission rule failed (a bug: report it with the run's config.yaml)"
+        )
+    return {
+        "train/staleness_max": float(max(lags, default=0)),
+        "train/staleness_mean": sum(lag * n for lag, n in lags.items()) / max(tokens, 1),
+        **{f"train/staleness_hist/{lag}": lags.get(lag, 0) / max(tokens, 1) for lag in range(bound + 1)},
+    }
 
 
 class Placement(abc.ABC):

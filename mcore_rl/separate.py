@@ -39,7 +39,7 @@ import torch.distributed as dist
 from mcore_rl.batch import RolloutSample
 from mcore_rl.generation import EngineRounds, StepGenerator, build_engine, load_step_inputs, validation_examples
 from mcore_rl.generation import validation_reward as local_validation_reward
-from mcore_rl.placement import Phase, Placement, staleness_metrics
+from mcore_rl.placement import Phase, Placement, staleness_metrics, token_staleness
 from mcore_rl.platform import collectives
 from mcore_rl.rewards import RewardBatch
 from mcore_rl.rollout.base import EngineCapabilities, RolloutEngine, WeightReader
@@ -86,7 +86,7 @@ class StepSamples:
     wait_seconds: float = 0.0  # the rollout ranks' time waiting for the actor since their last samples
     generated_tokens: int = 0
     stop_signal: int = 0  # a SIGTERM / SIGINT that a rollout rank received (0: none): the actor stops for it too
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # metrics of the rollout role for the step's row (streaming)
 
 
 _CLASS = "__class__"
@@ -124,6 +124,8 @@ class _Link(BridgeSender):
         self.open = False
 
     def command(self, kind: str, *args) -> None:
+        if not self.open:
+            self.bridge.ring()  # a session begins: a streaming rollout rank takes it between decode steps
         self.bridge.object((kind, args), from_actor=True)
         self.open = kind != "end"
 
@@ -286,12 +288,18 @@ class SeparatePlacement(Placement):
 
     def step_metrics(self, step: int) -> dict:
         got = self.current
+        if self.cfg.rollout.streaming:
+            staleness = token_staleness(got, step, self.max_staleness)
+        else:
+            staleness = staleness_metrics(step - got.version)
         return {
-            **staleness_metrics(step - got.version),
+            **staleness,
+            **got.extra,
             "time/actor_wait": self.actor_wait,
             "time/rollout_generate": got.generate_seconds,
             "time/rollout_wait": got.wait_seconds,
             "perf/rollout_role_tokens_per_s": got.generated_tokens / max(got.generate_seconds, 1e-9),
+            "perf/rollout_idle_fraction": got.wait_seconds / max(got.wait_seconds + got.generate_seconds, 1e-9),
         }
 
     def validation_reward(self, examples, seed: int) -> float:
@@ -360,6 +368,7 @@ class RolloutWorker:
             self.engine, self.inputs.reward_fn, self.inputs.tokenizer, cfg.rollout, [self.inputs.tokenizer.eos_token_id]
         )
         self.synced = 0
+        self.served = 0  # sessions served (the resume's too): the actor rings the doorbell once for each
         self.waited = 0.0
         # a signal does not end this rank where it is: the actor ranks stop at a step boundary and say "stop"
         self.signals = StopSignals(at_once=_quiet_exit)
@@ -397,8 +406,12 @@ class RolloutWorker:
             None,
             dist.get_rank(),
         )
+        self._steps(start["first"], generator, recorder)
+
+    def _steps(self, first: int, generator: StepGenerator, recorder: RecordingRounds) -> None:
+        """Generate steps `first` .. the last, each sent after the session before it (the bridge's order)."""
         steps, lag = self.cfg.trainer.steps, self.staleness
-        for step in range(start["first"], steps + 1):
+        for step in range(first, steps + 1):
             self._serve_until(step - 1 - lag)
             samples = self._generate(generator, recorder, step)
             self._serve_until(step - 1)
@@ -433,6 +446,7 @@ class RolloutWorker:
 
     def _serve(self) -> None:
         """One session of the actor's requests, until its "end"."""
+        self.served += 1
         collecting: Optional[list] = None
         while True:
             kind, args = self.bridge.object(from_actor=True)

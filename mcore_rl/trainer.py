@@ -76,6 +76,7 @@ from mcore_rl.safety import (
 )
 from mcore_rl.separate import RolloutWorker, SeparatePlacement, split_sizes
 from mcore_rl.step_data import ExchangeStats, dp_ranks, local_mini_batches
+from mcore_rl.streaming import StreamingWorker
 from mcore_rl.supervise import tell_launcher
 from mcore_rl.weight_sync.sync import WeightSync
 
@@ -475,7 +476,8 @@ def run(cfg: Config, inputs: "PromptInputs | None" = None) -> None:
     np.random.seed(cfg.trainer.seed % 2**32)  # else the checkpoints' saved state is the OS's entropy, run to run
     bridge = start_processes(cfg)
     if bridge is not None and not bridge.is_actor:
-        RolloutWorker(cfg, inputs, get_platform(cfg.platform), bridge).run()
+        worker = StreamingWorker if cfg.rollout.streaming else RolloutWorker
+        worker(cfg, inputs, get_platform(cfg.platform), bridge).run()
         _end_process_group()
         return
     trainer = None

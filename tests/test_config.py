@@ -268,6 +268,8 @@ def test_an_empty_run_dir_is_refused(run_dir):
     [
         (("rollout.max_staleness=1",), "needs rollout.placement=separate"),
         (("rollout.placement=separate", "rollout.max_staleness=2"), "at most one step ahead"),
+        (("rollout.streaming=true",), "rollout.streaming=true with rollout.placement=colocated: streaming generates"),
+        (("rollout.placement=separate", "rollout.streaming=true", "rollout.max_staleness=-1"), "never negative"),
     ],
 )
 def test_placement_value_rules_name_the_fix(overrides, fix):
@@ -275,7 +277,12 @@ def test_placement_value_rules_name_the_fix(overrides, fix):
 
 
 def test_separate_placement_defaults_accepted():
-    for overrides in (["rollout.placement=separate"], ["rollout.placement=separate", "rollout.max_staleness=0"]):
+    streaming = ["rollout.placement=separate", "rollout.streaming=true", "rollout.max_staleness=2"]
+    for overrides in (
+        ["rollout.placement=separate"],
+        ["rollout.placement=separate", "rollout.max_staleness=0"],
+        streaming,
+    ):
         cfg = load_config(None, overrides)
         assert cfg.rollout.placement == "separate"
 

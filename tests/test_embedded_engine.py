@@ -249,3 +249,54 @@ def test_padded_vocabulary_ids_are_never_sampled(tiny_model_dir, tmp_path, promp
                 if temperature == 0:
                     assert s.response_ids[0] == int(logits[len(prompt) - 1].argmax())
     assert engine.sampled_vocab == 128
+
+
+def test_partial_rollout_is_right(tiny_model_dir, tmp_path, prompts):
+    """Interrupt a generation twice between decode steps, load other weights, continue: the tokens drawn before an
+    update are kept (those an uninterrupted generation draws), each token records the version that drew it, and its
+    log-prob is what a fresh engine scores for the sequence under that version's weights (its routes: what the HF
+    model of that version routes). The second batch starts after both updates, wholly on the newest weights."""
+    from safetensors.torch import load_file
+
+    from mcore_rl.models.tiny import make_tiny_checkpoint
+
+    folders = [tiny_model_dir] + [str(make_tiny_checkpoint(tmp_path / f"v{v}", seed=v)) for v in (1, 2)]
+    scorers = [EmbeddedEngine(f, return_routed_experts=False, share_weights=False) for f in folders]
+    models = [AutoModelForCausalLM.from_pretrained(f, dtype=torch.float32).eval() for f in folders]
+    params = SamplingParams(temperature=0.9, max_new_tokens=20, seed=11)
+    engine = EmbeddedEngine(tiny_model_dir, share_weights=False)
+    engine.max_batch_tokens = 6 * (max(len(p) for p in prompts) + params.max_new_tokens)  # batches of 6 and 2 rows
+    plain = [s for g in engine.generate(prompts, 2, params) for s in g]
+    generation = engine.start(prompts, 2, params, version=0)
+    assert not generation.advance(4)
+    for version in (1, 2):
+        engine.load_weights(load_file(f"{folders[version]}/model.safetensors").items())
+        generation.weights_changed(version)
+        generation.advance(5)
+    assert generation.advance()
+    samples = [s for g in generation.result() for s in g]
+    assert [s.prompt_ids for s in samples] == [p for p in prompts for _ in range(2)]
+    first, second = samples[:6], samples[6:]
+    lengths = [len(s.response_ids) for s in first]
+    assert generation.interrupted == sum((n > 4) + (n > 9) for n in lengths) > 0
+    for s, p in zip(first, plain):
+        assert s.token_versions == ([0] * 4 + [1] * 5 + [2] * 11)[: len(s.response_ids)]
+        assert s.response_ids[:4] == p.response_ids[:4] and torch.equal(s.logprobs[:4], p.logprobs[:4])
+    assert all(s.token_versions == [2] * len(s.response_ids) for s in second)
+    assert all(p.token_versions is None for p in plain)
+    spans = 0
+    for s in samples:
+        seq, start, versions = s.prompt_ids + s.response_ids, len(s.prompt_ids), torch.tensor(s.token_versions)
+        spans += len(set(s.token_versions)) > 1
+        for v in set(s.token_versions):
+            own = versions == v
+            scored = scorers[v].score([seq], [start], 0.9)[0]
+            assert (s.logprobs[own] - scored[own]).abs().max().item() <= 1e-4, (v, s.token_versions)
+            _, routes = hf_reference(models[v], seq, start, 0.9)
+            positions = torch.cat([torch.full((start,), v == s.token_versions[0]), own])  # prompt: the first version
+            got, ref = s.routed_experts[positions].long(), routes[positions]
+            assert torch.equal(got.sort(-1).values, ref.sort(-1).values), (v, s.token_versions)
+            if v > 0:  # the check can tell the versions apart: the older weights score these tokens otherwise
+                older = scorers[v - 1].score([seq], [start], 0.9)[0]
+                assert (s.logprobs[own] - older[own]).abs().max().item() > 1e-3
+    assert spans == sum(n > 4 for n in lengths)

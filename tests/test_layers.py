@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("weight sync", ("weight_sync",)),
     ("engines", ("rollout",)),
     ("actor", ("megatron",)),
-    ("one step", ("step_data", "dynamic_sampling", "colocation", "generation", "placement", "separate")),
+    ("one step", ("step_data", "dynamic_sampling", "colocation", "generation", "placement", "separate", "streaming")),
     ("loop", ("trainer", "plot")),
     ("entry points", ("cli", "convert", "from_verl", "torchrun", "multinode")),
 ]

@@ -25,6 +25,8 @@ SEPARATE = {"trainer.nproc": 2, "rollout.placement": "separate", "rollout.ranks"
 # files of a checkpoint that name its own run: its config (the placement keys differ), its publication time and the
 # checksums over those
 RUN_NAMING = {"config.yaml", "COMPLETE", "CHECKSUMS.json", "actor/.metadata"}
+# the metrics only rollout.streaming writes: the token lags' histogram, interrupted samples, steps queued behind
+STREAMING_KEYS = ("train/staleness_hist/0", "rollout/interrupted_samples", "rollout/queued_steps")
 
 
 def untimed(rows: list[dict]) -> list[dict]:
@@ -46,14 +48,21 @@ def dcp_metadata(ckpt: Path):
 
 
 def test_separate_at_zero_staleness_equals_colocated(tiny_model_dir, task, tmp_path):  # noqa: F811
-    colocated, separate = tmp_path / "colocated", tmp_path / "separate"
-    run_train(
-        "gspo_cpu.yaml", overrides(tiny_model_dir, task, colocated, **{"trainer.nproc": 1, "actor.parallel.ep": 1})
-    )
-    run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, separate, **SEPARATE, **{"rollout.max_staleness": 0}))
+    """... and rollout.streaming=true at max_staleness 0 (admission waits for every session: no weights arrive mid
+    generation) writes the synchronous separate run's rows, its own metrics besides."""
+    colocated, separate, streaming = tmp_path / "colocated", tmp_path / "separate", tmp_path / "streaming"
+    tokens = {"rollout.max_new_tokens": 6}  # decode steps between which a streaming engine could take weights
+    one = {"trainer.nproc": 1, "actor.parallel.ep": 1}
+    run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, colocated, **one, **tokens))
+    exact = {**SEPARATE, **tokens, "rollout.max_staleness": 0}
+    run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, separate, **exact))
+    run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, streaming, **exact, **{"rollout.streaming": "true"}))
     rows_c, rows_s = read_metrics(colocated), read_metrics(separate)
     assert [r["step"] for r in rows_s] == [1, 2, 3, 4]
     assert untimed(rows_c) == untimed(rows_s)
+    rows_z = read_metrics(streaming)
+    assert [[r[k] for k in STREAMING_KEYS] for r in rows_z] == [[1.0, 0, 0]] * 4  # lag 0, no interruption, no queue
+    assert [{k: v for k, v in r.items() if k not in STREAMING_KEYS} for r in untimed(rows_z)] == untimed(rows_s)
     assert all(r["train/staleness_max"] == 0 for r in rows_s)
     assert "sync/verify_max_diff" in rows_s[1] and "val/reward_mean" in rows_s[1]  # verified, validated across
     assert "time/rollout_wait" in rows_s[0] and "time/actor_wait" in rows_s[0]
@@ -85,6 +94,45 @@ def test_one_step_off_policy_is_one_version_stale_and_resumes_exactly(tiny_model
     rows_b = read_metrics(run_dir)
     assert [r["step"] for r in rows_b] == [1, 2, 3, 4]
     assert untimed(rows) == untimed(rows_b)
+
+
+def test_streaming_bounds_the_lag_of_every_trained_token(tiny_model_dir, task, tmp_path):  # noqa: F811
+    """rollout.streaming=true, max_staleness 2: the rollout rank generates ahead as admission allows and takes each
+    session between decode steps; every trained token's lag behind the update's starting weights, from its own
+    version (the histogram over every token), stays within 2, and some samples span a weight update; a resume trains
+    the checkpoint's samples as before and stays within the bound after. (Here the
+    rollout rank, with 24-token responses, is the slower role: it never gets two steps ahead, the lag stays 0-1.)"""
+    run_dir = tmp_path / "run"
+    extra = {
+        "rollout.streaming": "true",
+        "rollout.max_staleness": 2,
+        "rollout.max_new_tokens": 24,
+        "algo.routing_replay": "r3",
+        "trainer.steps": 8,
+        "checkpoint.save_every": 4,
+    }
+    args = overrides(tiny_model_dir, task, run_dir, **SEPARATE, **extra)
+    run_train("gspo_cpu.yaml", args)
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    hist = [[r[f"train/staleness_hist/{lag}"] for lag in range(3)] for r in rows]
+    assert all(abs(sum(h) - 1) < 1e-9 for h in hist), hist  # every token has a lag in 0..2
+    assert not any(k.startswith("train/staleness_hist/") and int(k.rsplit("/", 1)[1]) > 2 for r in rows for k in r)
+    assert all(r["train/staleness_max"] <= 2 for r in rows) and hist[0] == [1.0, 0.0, 0.0]
+    # a weight update landed mid-generation: one step's tokens at two lags (a step's samples start at one version)
+    assert any(0 < h[1] < 1 for h in hist) and sum(r["rollout/interrupted_samples"] for r in rows) > 0, hist
+    assert all(0 <= r["perf/rollout_idle_fraction"] <= 1 for r in rows)
+
+    # resume from step 4: its checkpoint holds step 5's samples (trained as before); the steps after are generated
+    # again from the checkpoint's weights (docs/async.md, "Checkpoint and resume"), within the same bound
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000008")
+    shutil.rmtree(run_dir / "hf")
+    out = run_train("gspo_cpu.yaml", args)
+    assert "resumed from" in out and "step_00000004" in out, out[-3000:]
+    resumed = read_metrics(run_dir)
+    assert [r["step"] for r in resumed] == list(range(1, 9))
+    assert untimed(resumed[:5]) == untimed(rows[:5])
+    assert all(r["train/staleness_max"] <= 2 for r in resumed)
 
 
 def test_a_rollout_rank_killed_is_named_and_the_checkpoints_stay(tiny_model_dir, task, tmp_path):  # noqa: F811

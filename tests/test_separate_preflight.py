@@ -47,6 +47,12 @@ def test_the_actor_layout_spans_the_world_less_the_rollout_ranks():
         (("rollout.ranks=8",), 8, "rollout.ranks = 8 must lie in 1 .. 7 in a world of 8"),
         (("rollout.ranks=0",), 8, "rollout.ranks = 0 must lie in 1 .. 7"),
         (("actor.offload=true",), 8, "actor.offload with rollout.placement=separate: the actor's ranks hold no engine"),
+        (
+            ("rollout.streaming=true",),
+            8,
+            "rollout.streaming=true takes new weights between decode steps on one engine replica; rollout.ranks = 4 "
+            "make 2: set rollout.ranks=2 (or rollout.streaming=false)",
+        ),
         # the engine's TP against the rollout ranks, then against the heads
         (("rollout.ranks=3",), 8, "rollout.tp = 2 must be >= 1 and divide rollout.ranks 3: use rollout.tp in [1, 3]"),
         (("rollout.ranks=6", "rollout.tp=6"), 8, "rollout.tp = 6 must divide the model's 32 attention heads"),

@@ -10,6 +10,8 @@ by key prefix:
                 verification cross here. A group made for it, never the default group's world: gloo on cpu; on
                 cuda / npu the device's own (`ProcessGroupNCCL`, torch_npu's `ProcessGroupHCCL`) over the same store,
                 so the weights go device to device (written against those constructors; never run on a device)
+  bridge-doorbell  one counter: the sessions actor rank 0 has begun, which a streaming rollout rank reads between
+                decode steps without blocking (rollout.streaming, mcore_rl/streaming.py)
 
 Every message on the bridge is a broadcast from bridge rank 0 (the actor's) or 1 (the rollout leader's), so the two
 roles call the same sequence of broadcasts (mcore_rl.separate defines the sequence). A peer that went away makes
@@ -99,15 +101,25 @@ def init_split(
     bridge = None
     if split.bridge_rank is not None:
         group = _bridge_group(platform_name, store, split.bridge_rank, 1 + split.rollout_ranks, timeout)
-        bridge = Bridge(group, split, device)
+        bridge = Bridge(group, split, device, dist.PrefixStore("bridge-doorbell", store))
     return split, bridge
 
 
 class Bridge:
     """Broadcasts between actor rank 0 (bridge rank 0) and the rollout ranks (bridge ranks 1..R, leader 1)."""
 
-    def __init__(self, group, split: RoleSplit, device: torch.device):
+    def __init__(self, group, split: RoleSplit, device: torch.device, store=None):
         self.group, self.split, self.device = group, split, device
+        self.store = store  # the doorbell: a counter actor rank 0 raises before each session (rung / ring)
+
+    def ring(self) -> None:
+        """Actor rank 0: a session begins; a streaming rollout rank sees it between decode steps (`rung`)."""
+        if self.store is not None:
+            self.store.add("sessions", 1)
+
+    def rung(self) -> int:
+        """The sessions actor rank 0 has begun (one store round trip, never blocks)."""
+        return self.store.add("sessions", 0)
 
     @property
     def is_actor(self) -> bool:

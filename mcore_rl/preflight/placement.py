@@ -88,6 +88,12 @@ def check_split(cfg: Config, world: int, dims: Any) -> tuple[Optional[RoleSplit]
             "actor.offload with rollout.placement=separate: the actor's ranks hold no engine, so there is nothing "
             "to offload for; set actor.offload=false"
         )
+    if r.streaming and split.rollout_ranks != engine_tp(r):
+        raise LayoutError(
+            f"rollout.streaming=true takes new weights between decode steps on one engine replica; rollout.ranks = "
+            f"{split.rollout_ranks} make {split.rollout_ranks // engine_tp(r)}: set rollout.ranks={engine_tp(r)} "
+            f"(or rollout.streaming=false)"
+        )
     if r.engine != "vllm":
         return split, []
     ranks = validate_rollout_tp(r.tp, split.rollout_ranks, ModelDims.from_hf(dims), ranks_name="rollout.ranks")

@@ -24,6 +24,9 @@ once per distinct prompt and its n rows start from copies of its cache and logit
   parameters live in one shared-memory region (mcore_rl/platform/shared_memory.py) whose table of weight names
   ``capabilities.receiver.shared`` hands out: the exporter's other ranks on the same host map it and write their shards
   straight into the engine (mcore_rl/weight_sync/direct_write.py); ``share_weights=False`` keeps plain memory.
+- partial rollout: ``start`` returns a generation that stops between decode steps, takes new weights and continues
+  its in-flight rows with their tokens kept, the KV cache recomputed under the new weights; every token records
+  its weight version, its log-prob and routes are those of that version (mcore_rl/rollout/decode.py says why).
 """
 
 from __future__ import annotations
@@ -31,9 +34,8 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -50,6 +52,7 @@ from mcore_rl.rollout.base import (
     check_generate_request,
     check_score_request,
 )
+from mcore_rl.rollout.decode import Generation, moe_routers
 from mcore_rl.weight_sync.fingerprints import fingerprint
 
 log = logging.getLogger(__name__)
@@ -93,54 +96,6 @@ def _checkpoint_names(model: torch.nn.Module) -> set[str]:
                 for proj in ("gate_proj", "up_proj", "down_proj")
             }
     return names
-
-
-def _moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The router of every MoE block, in layer order (a block has both `gate` and `experts`)."""
-    return [m.gate for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
-
-
-def _router_topk(output, top_k: int) -> torch.Tensor:
-    """Top-k expert ids from a router's forward output.
-
-    transformers >= 5: the router module returns (logits, weights, indices); 4.x: the gate is a Linear that
-    returns logits and the block takes top-k of their softmax (same order as top-k of the logits).
-    """
-    if isinstance(output, tuple):
-        return output[2]
-    return torch.topk(output, top_k, dim=-1).indices
-
-
-class _RouteRecorder:
-    """Forward hooks that collect [tokens, k] expert ids per MoE layer for each forward call."""
-
-    def __init__(self, model: torch.nn.Module, top_k: int):
-        self.routers = _moe_routers(model)
-        self.top_k = top_k
-        self.current: list[Optional[torch.Tensor]] = [None] * len(self.routers)
-        self.handles = []
-
-    def __enter__(self) -> "_RouteRecorder":
-        for i, router in enumerate(self.routers):
-            self.handles.append(router.register_forward_hook(self._hook(i)))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
-
-    def _hook(self, layer: int):
-        def hook(module, args, output):
-            self.current[layer] = _router_topk(output, self.top_k).to(torch.int16)
-
-        return hook
-
-    def take(self, batch: int, seq: int) -> torch.Tensor:
-        """Routes of the last forward as [batch, seq, layers, k]."""
-        routes = torch.stack([r.reshape(batch, seq, self.top_k) for r in self.current], dim=2)
-        self.current = [None] * len(self.routers)
-        return routes
 
 
 def _filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -198,6 +153,10 @@ class EmbeddedEngine(RolloutEngine, WeightReader):
         self.sampled_vocab = min(len(self.tokenizer), self.config.vocab_size)
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self._noop_logged = False
+        # streaming (mcore_rl/streaming.py): called between decode steps with the in-flight `decode.Generation`,
+        # which it may give new weights; and the version every generated token records (None: not recorded)
+        self.between_steps: Optional[Callable[[Generation], None]] = None
+        self.weights_version: Optional[int] = None
         self._set_model(self._empty_model() if config is not None else self._load_pretrained())
 
     # ----- model lifecycle -----
@@ -252,7 +211,7 @@ class EmbeddedEngine(RolloutEngine, WeightReader):
             self._shared = SharedTensors.describe(region, {n: t.detach() for n, t in self._targets.items()})
         self._names = _checkpoint_names(self.model)
         self.top_k_experts = getattr(self.config, "num_experts_per_tok", 0)
-        self.num_moe_layers = len(_moe_routers(self.model))
+        self.num_moe_layers = len(moe_routers(self.model))
         # transformers 5 renamed the forward's `past_key_values` argument to `cache`
         params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -375,17 +334,17 @@ class EmbeddedEngine(RolloutEngine, WeightReader):
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[RolloutSample]]:
+        generation = self.start(prompts, n, params, self.weights_version)
+        while not generation.advance(1 if self.between_steps is not None else None):
+            self.between_steps(generation)
+        return generation.result()
+
+    def start(self, prompts: list[list[int]], n: int, params: SamplingParams, version: Optional[int] = None):
+        """An interruptible generation (`decode.Generation`): advance it step by step, give it new weights between
+        steps (`load_weights`, then its `weights_changed(version)`); with `version`, every sample records each
+        token's version (`RolloutSample.token_versions`)."""
         self._check_sampling(prompts, n, params)
-        expanded = [list(p) for p in prompts for _ in range(n)]
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
-        gen = torch.Generator(device=self.device).manual_seed(seed)
-        stop = set(params.stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None else set())
-        longest = max(len(p) for p in expanded) + params.max_new_tokens
-        per_batch = max(1, self.max_batch_tokens // longest)
-        samples: list[RolloutSample] = []
-        for start in range(0, len(expanded), per_batch):
-            samples += self._sample_batch(expanded[start : start + per_batch], params, stop, gen)
-        return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
+        return Generation(self, prompts, n, params, version)
 
     def _check_sampling(self, prompts: list[list[int]], n: int, params: SamplingParams) -> None:
         check_generate_request(prompts, n, params, self.config.vocab_size)
@@ -416,46 +375,6 @@ class EmbeddedEngine(RolloutEngine, WeightReader):
     def _padded_ids(self, width: int) -> torch.Tensor:
         return torch.arange(width, device=self.device) >= self.sampled_vocab
 
-    def _sample_batch(
-        self, prompts: list[list[int]], params: SamplingParams, stop: set[int], gen: torch.Generator
-    ) -> list[RolloutSample]:
-        batch, width = len(prompts), max(len(p) for p in prompts)
-        distinct, rows = _distinct_rows(prompts)
-        ids, mask = self._left_padded(distinct, width)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        stop_ids = torch.tensor(sorted(stop), dtype=torch.long, device=self.device)
-        capture = self.num_moe_layers > 0 and self.return_routed_experts
-        cache = self._new_cache()
-        tokens, logps, step_routes = [], [], []
-        finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
-        lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
-        with _RouteRecorder(self.model, self.top_k_experts) if capture else _null() as rec:
-            logits = self._forward(ids, mask, positions, cache, keep=1)[:, -1]
-            prompt_routes = rec.take(len(distinct), width) if capture else None
-            if len(distinct) < batch:  # each distinct prompt was prefilled once: its rows start from copies
-                rows = rows.to(self.device)
-                cache.reorder_cache(rows)
-                logits, mask, positions = logits[rows], mask[rows], positions[rows]
-                prompt_routes = prompt_routes[rows] if capture else None
-            for step in range(params.max_new_tokens):
-                token, logp = self._pick(logits, params, gen)
-                tokens.append(token)
-                logps.append(logp)
-                lengths += (~finished).long()
-                finished |= torch.isin(token, stop_ids)
-                last = bool(finished.all()) or step == params.max_new_tokens - 1
-                if last and not capture:
-                    break
-                # feed the token: its logits give the next draw, and its routes are the token's routes
-                mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=self.device)], dim=1)
-                positions = positions[:, -1:] + 1
-                logits = self._forward(token[:, None], mask, positions, cache, keep=1)[:, -1]
-                if capture:
-                    step_routes.append(rec.take(batch, 1))
-                if last:
-                    break
-        return self._collect(prompts, width, tokens, logps, lengths, stop_ids, prompt_routes, step_routes)
-
     def _left_padded(self, prompts: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids and attention mask [rows, width], left-padded: every prompt ends at the same column."""
         ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
@@ -464,32 +383,6 @@ class EmbeddedEngine(RolloutEngine, WeightReader):
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
         return ids.to(self.device), mask.to(self.device)
-
-    def _collect(self, prompts, width, tokens, logps, lengths, stop_ids, prompt_routes, step_routes):
-        tokens = torch.stack(tokens, 1).cpu()
-        logps = torch.stack(logps, 1).float().cpu()
-        lengths = lengths.cpu()
-        # whole-batch tensor work, then plain lists per row: every response has at least one token, and it ended
-        # by a stop token ("stop") or at max_new_tokens ("length")
-        stopped = torch.isin(tokens.gather(1, (lengths - 1)[:, None]).squeeze(1), stop_ids.cpu()).tolist()
-        rows, counts = tokens.tolist(), lengths.tolist()
-        response_routes = torch.cat(step_routes, 1).cpu() if step_routes else None
-        out = []
-        for i, p in enumerate(prompts):
-            n = counts[i]
-            routes = None
-            if prompt_routes is not None:
-                routes = torch.cat([prompt_routes[i, width - len(p) :].cpu(), response_routes[i, :n]], 0)
-            out.append(
-                RolloutSample(
-                    prompt_ids=list(p),
-                    response_ids=rows[i][:n],
-                    logprobs=logps[i, :n].clone(),
-                    finish_reason="stop" if stopped[i] else "length",
-                    routed_experts=routes,
-                )
-            )
-        return out
 
     # ----- score -----
 
@@ -518,17 +411,5 @@ class EmbeddedEngine(RolloutEngine, WeightReader):
         return [logp[i, p - 1 : len(s) - 1].cpu().clone() for i, (s, p) in enumerate(zip(sequences, prompt_lens))]
 
 
-def _distinct_rows(prompts: list[list[int]]) -> tuple[list[list[int]], torch.Tensor]:
-    """The distinct prompts in first-seen order, and for each row of `prompts` the index of its distinct prompt."""
-    index: dict[tuple[int, ...], int] = {}
-    rows = [index.setdefault(tuple(p), len(index)) for p in prompts]
-    return [list(p) for p in index], torch.tensor(rows, dtype=torch.long)
-
-
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.dtype == b.dtype and a.device == b.device
-
-
-@contextmanager
-def _null() -> Iterator[None]:
-    yield None
