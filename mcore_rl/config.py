@@ -568,6 +568,24 @@ def _check_placement(r: RolloutConfig) -> None:
     )
 
 
+def _check_proximal(cfg: Config) -> list[str]:
+    """algo.proximal=loglinear interpolates by each token's version lag: off-policy only (docs/async-objective.md)."""
+    if cfg.algo.proximal != "loglinear":
+        return []
+    _require(
+        cfg.rollout.placement == "separate" and cfg.rollout.max_staleness != 0,
+        f"algo.proximal=loglinear approximates the proximal log-probs from each token's weight-version lag, but with "
+        f"rollout.placement={cfg.rollout.placement} rollout.max_staleness={cfg.rollout.max_staleness} every token is "
+        f"on-policy (lag 0): set algo.proximal=recompute, or rollout.placement=separate with rollout.max_staleness >= 1",
+    )
+    if cfg.algo.rollout_is is not None:
+        return []
+    return [
+        "algo.proximal=loglinear without algo.rollout_is: the ratio is taken against the interpolated proximal "
+        "policy, but nothing weights the tokens by proximal / behaviour; set algo.rollout_is (e.g. token)"
+    ]
+
+
 # The collective timeout when trainer.collective_timeout_minutes is null. After each rollout every rank waits in
 # a collective for the slowest replica, so the timeout must outlast one replica's longest generation: this many
 # minutes for everything else (loading, a checkpoint save, a rebuild), plus SECONDS_PER_RESPONSE_TOKEN for each
@@ -589,7 +607,7 @@ def validate_config(cfg: Config) -> list[str]:
     """Raise ConfigError on a bad value or an impossible combination; return non-fatal warnings."""
     _check_choices(cfg)
     _check_placement(cfg.rollout)
-    warnings = check_algo(cfg.algo)
+    warnings = check_algo(cfg.algo) + _check_proximal(cfg)
     _check_ranges(cfg)
     return warnings + _check_combinations(cfg)
 
