@@ -74,6 +74,13 @@ class RolloutSample:
     # sequence continued across a weight update spans versions; None: every token has its step's version
     token_versions: Optional[list[int]] = None
 
+    def __post_init__(self):
+        if self.token_versions is not None and len(self.token_versions) != len(self.response_ids):
+            raise ValueError(
+                f"RolloutSample.token_versions has {len(self.token_versions)} versions for "
+                f"{len(self.response_ids)} response tokens: one per token, or None"
+            )
+
 
 @dataclass
 class MicroBatch:

@@ -213,6 +213,8 @@ def test_token_versions_cross_the_wire_and_the_bridge():
         assert back.token_versions == s.token_versions and torch.equal(back.routed_experts, s.routed_experts)
         assert back.response_ids == s.response_ids and torch.equal(back.logprobs, s.logprobs)
     assert _restored(_plain(tagged)).token_versions == [3, 3, 4, 5]
+    with pytest.raises(ValueError, match="one per token"):
+        RolloutSample([5], [8, 9], torch.tensor([-0.5, -1.0]), "stop", None, [3])
 
 
 @pytest.mark.parametrize(
@@ -244,3 +246,6 @@ def test_config_accepts_loglinear_off_policy():
     assert validate_config(load_config(None, [*base, "algo.rollout_is=token"])) == []
     (warning,) = validate_config(load_config(None, base, validate=False))
     assert "without algo.rollout_is" in warning
+    from mcore_rl.preflight.check import _old_log_probs  # what `mcore-rl check` prints
+
+    assert "interpolated by each token's version lag" in _old_log_probs(load_config(None, base, validate=False), True)
