@@ -19,7 +19,8 @@ from mcore_rl.typed_yaml import ConfigError
 AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 AdvEstimator = Literal["grpo", "drgrpo"]  # drgrpo: no division by the group's std
 KlType = Literal["k1", "k2", "k3"]
-RolloutCorrection = Literal["token", "sequence", "icepop"]
+RolloutCorrection = Literal["token", "sequence", "sequence_geomean", "icepop"]
+ProximalLogProbs = Literal["recompute", "loglinear"]
 RoutingReplayMode = Literal["r2", "r3"]
 OldLogProbPass = Literal["auto", "always"]
 DynamicSamplingAtCap = Literal["train", "error"]  # at the round cap: train on the groups there are, or stop
@@ -42,8 +43,12 @@ class AlgoConfig:
     entropy_coef: float = 0.0
     rollout_is: Optional[RolloutCorrection] = None  # rollout importance correction; None: off
     rollout_is_cap: float = 2.0
-    rollout_is_low: float = 0.5  # icepop lower bound
-    rollout_is_high: float = 2.0  # icepop upper bound
+    rollout_is_low: float = 0.5  # icepop / sequence_geomean: the rejection's lower bound
+    rollout_is_high: float = 2.0  # icepop / sequence_geomean: the rejection's upper bound
+    # The proximal policy's log-probs (the old ones off-policy, docs/async-objective.md): recompute: the actor's
+    # pass on the update's starting weights; loglinear: interpolated per token between the engine's log-prob and
+    # the update's own by the token's weight-version lag (no pass; off-policy only).
+    proximal: ProximalLogProbs = "recompute"
     temperature: float = 1.0  # must equal rollout.temperature so train log-probs match sampling
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer steps per rollout batch
@@ -155,11 +160,16 @@ def check_algo(a: AlgoConfig) -> list[str]:
             f"mcore_rl.algos.losses.PolicyLoss).{hint}"
         )
     _require(a.rollout_is_cap > 0, f"algo.rollout_is_cap = {a.rollout_is_cap} must be > 0")
-    if a.rollout_is == "icepop":
+    if a.rollout_is in ("icepop", "sequence_geomean"):
         _require(
             0 <= a.rollout_is_low < 1 < a.rollout_is_high,
-            f"algo.rollout_is=icepop needs rollout_is_low < 1 < rollout_is_high, got [{a.rollout_is_low}, {a.rollout_is_high}]",
+            f"algo.rollout_is={a.rollout_is} needs rollout_is_low < 1 < rollout_is_high, got [{a.rollout_is_low}, {a.rollout_is_high}]",
         )
+    _require(
+        a.proximal != "loglinear" or a.routing_replay != "r2",
+        "algo.proximal=loglinear skips the proximal pass, where routing_replay=r2 records the routes the update "
+        "replays: set algo.routing_replay=r3 (the engine's routes) or algo.proximal=recompute",
+    )
     spec = LOSSES.get(a.loss)
     return (spec.check(a) if spec is not None else []) + _no_effect_without_dynamic_sampling(a)
 
@@ -174,4 +184,22 @@ def _no_effect_without_dynamic_sampling(a: AlgoConfig) -> list[str]:
         f"algo.dynamic_sampling=true"
         for key in ("dynamic_sampling_max_rounds", "dynamic_sampling_at_cap")
         if getattr(a, key) != getattr(defaults, key)
+    ]
+
+
+def check_proximal(a: AlgoConfig, placement: str, max_staleness: Optional[int]) -> list[str]:
+    """algo.proximal=loglinear interpolates by each token's version lag: off-policy only (docs/async-objective.md)."""
+    if a.proximal != "loglinear":
+        return []
+    _require(
+        placement == "separate" and max_staleness != 0,
+        f"algo.proximal=loglinear approximates the proximal log-probs from each token's weight-version lag, but with "
+        f"rollout.placement={placement} rollout.max_staleness={max_staleness} every token is "
+        f"on-policy (lag 0): set algo.proximal=recompute, or rollout.placement=separate with rollout.max_staleness >= 1",
+    )
+    if a.rollout_is is not None:
+        return []
+    return [
+        "algo.proximal=loglinear without algo.rollout_is: the ratio is taken against the interpolated proximal "
+        "policy, but nothing weights the tokens by proximal / behaviour; set algo.rollout_is (e.g. token)"
     ]

@@ -47,6 +47,7 @@ TOKEN_FIELDS = (
     "ref_log_prob",
     "entropy",
     "route_valid",
+    "version_lag",
 )
 
 
@@ -69,9 +70,16 @@ class RolloutSample:
     # token of the sequence (prompt too: replaying routes in training needs them for every position), or None
     # where the engine cannot capture them.
     routed_experts: Optional[torch.Tensor] = None
-    # the weight version that drew each response token (partial rollout: a sample can span a weight update; its
-    # log-probs and routes are each token's own version's); None: every token has the sample's version
+    # the weight version that generated each response token (0: the initial weights, k: after step k's update): a
+    # sequence continued across a weight update spans versions; None: every token has its step's version
     token_versions: Optional[list[int]] = None
+
+    def __post_init__(self):
+        if self.token_versions is not None and len(self.token_versions) != len(self.response_ids):
+            raise ValueError(
+                f"RolloutSample.token_versions has {len(self.token_versions)} versions for "
+                f"{len(self.response_ids)} response tokens: one per token, or None"
+            )
 
 
 @dataclass
@@ -92,6 +100,8 @@ class MicroBatch:
     entropy: Optional[torch.Tensor] = None  # of the old policy, for metrics
     routed_experts: Optional[torch.Tensor] = None  # [b, s, moe_layers, k] the engine's experts per token (R3)
     route_valid: Optional[torch.Tensor] = None  # [b, s] bool: real tokens of routed_experts
+    # [b, s] float: weight versions between each token's behaviour policy and the update's starting weights
+    version_lag: Optional[torch.Tensor] = None
     # Routes the update replays (R2: recorded by the old-policy pass; R3: from routed_experts), in the
     # actor's router order: a mcore_rl.megatron.routing_replay.MicroBatchRoutes, set by the actor.
     replay_routes: Optional[Any] = None
@@ -190,6 +200,7 @@ class RolloutBatch:
     prompt_lengths: torch.Tensor  # [B]
     routed_experts: Optional[list] = None  # per sequence [T, layers, k] or None
     pad_id: int = 0
+    version_lag: Optional[torch.Tensor] = None  # [B, S] float, aligned like loss_mask (MicroBatch.version_lag)
 
     @property
     def size(self) -> int:
@@ -218,6 +229,7 @@ class RolloutBatch:
             self.prompt_lengths[index],
             routes,
             self.pad_id,
+            None if self.version_lag is None else self.version_lag[index],
         )
 
 
@@ -229,12 +241,14 @@ def pad_rollouts(
     multiple: int = 8,
     valid: Optional[torch.Tensor] = None,
     seq_len: Optional[int] = None,
+    versions: Optional[tuple[int, int]] = None,
 ) -> RolloutBatch:
     """Pad samples (in group order) into right-padded tensors; S is the longest length rounded up to
     `multiple`, or `seq_len` (a rank padding part of a step pads like the whole step: `step_seq_len`).
 
     Samples whose `valid` flag is False (their reward failed) keep their tokens but get no loss-mask
-    entries, so they add nothing to the loss nor to its token and sequence counts."""
+    entries, so they add nothing to the loss nor to its token and sequence counts. `versions` (the update's
+    starting weight version, the version of tokens without their own): fills `version_lag`."""
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     if seq_len is None:
         seq_len = step_seq_len(lengths, multiple)
@@ -245,6 +259,7 @@ def pad_rollouts(
     mask = torch.zeros(batch, seq_len)
     rollout_lp = torch.zeros(batch, seq_len)
     adv = torch.zeros(batch, seq_len)
+    lag = None if versions is None else torch.zeros(batch, seq_len)
     for i, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
         tokens[i, :p] = torch.tensor(s.prompt_ids)
@@ -253,6 +268,8 @@ def pad_rollouts(
         mask[i, p - 1 : p + r - 1] = 1.0 if valid is None or bool(valid[i]) else 0.0
         rollout_lp[i, p - 1 : p + r - 1] = s.logprobs.float()
         adv[i, p - 1 : p + r - 1] = float(advantages[i])
+        if lag is not None:
+            lag[i, p - 1 : p + r - 1] = versions[0] - torch.tensor(s.token_versions or [versions[1]] * r).float()
     routes = [s.routed_experts for s in samples]
     return RolloutBatch(
         tokens=tokens,
@@ -264,6 +281,7 @@ def pad_rollouts(
         prompt_lengths=torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long),
         routed_experts=routes if all(r is not None for r in routes) else None,
         pad_id=pad_id,
+        version_lag=lag,
     )
 
 
@@ -316,6 +334,7 @@ def _micro_batch(part: RolloutBatch, route_experts: Optional[int]) -> MicroBatch
         rollout_log_prob=part.rollout_log_prob,
         routed_experts=routes,
         route_valid=valid,
+        version_lag=part.version_lag,
     )
 
 
@@ -378,7 +397,8 @@ def pack_sequences(
     row = _round_up(max(total, 1), multiple)
     seq_lengths = lengths + ([row - total] if row > total else [])
     tokens = torch.full((1, row), part.pad_id, dtype=torch.long)
-    fields = {name: torch.zeros(1, row) for name in ("loss_mask", "advantages", "rollout_log_prob")}
+    names = ("loss_mask", "advantages", "rollout_log_prob") + (("version_lag",) if part.version_lag is not None else ())
+    fields = {name: torch.zeros(1, row) for name in names}
     start = 0
     for i, n in enumerate(lengths):
         tokens[0, start : start + n] = part.tokens[i, :n]

@@ -15,7 +15,7 @@ import re
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any, Literal, Optional, Sequence, get_type_hints
 
-from mcore_rl.algo_config import AlgoConfig, check_algo
+from mcore_rl.algo_config import AlgoConfig, check_algo, check_proximal
 from mcore_rl.typed_yaml import (
     ConfigError,
     coerce,
@@ -603,7 +603,7 @@ def validate_config(cfg: Config) -> list[str]:
     """Raise ConfigError on a bad value or an impossible combination; return non-fatal warnings."""
     _check_choices(cfg)
     _check_placement(cfg.rollout)
-    warnings = check_algo(cfg.algo)
+    warnings = check_algo(cfg.algo) + check_proximal(cfg.algo, cfg.rollout.placement, cfg.rollout.max_staleness)
     _check_ranges(cfg)
     return warnings + _check_combinations(cfg)
 

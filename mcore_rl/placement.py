@@ -106,6 +106,10 @@ class Placement(abc.ABC):
     def probe_scores(self, probe: ProbeBatch) -> list:
         """The engine's log-probs of `probe` at the weights that generated the first step (the calibration)."""
 
+    def samples_version(self, step: int) -> int:
+        """The weight version that generated step `step + 1`'s samples (of the tokens without their own versions)."""
+        return step
+
     def step_metrics(self, step: int) -> dict:
         """Staleness and per-role times of step `step + 1` (after its update)."""
         return staleness_metrics(0)

@@ -286,6 +286,9 @@ class SeparatePlacement(Placement):
             raise RuntimeError("the rollout ranks scored another calibration probe than the actor built")
         return self.current.probe_scores
 
+    def samples_version(self, step: int) -> int:
+        return self.current.version
+
     def step_metrics(self, step: int) -> dict:
         got = self.current
         if self.cfg.rollout.streaming:

@@ -6,12 +6,13 @@ generated it). Then, on every rank:
 
 1. `exchange_meta`: the few values of EVERY sample that the plan, the loss normalisation (`GlobalCounts`),
    group advantages and metrics need - prompt and response length, truncated, reward, validity, the shape
-   of the engine's routes - as tensors: a [B, 6] int64 and a [B] float32 tensor, all-reduced (summed) over
+   of the engine's routes, whether it carries its tokens' weight versions - as tensors: a [B, 7] int64 and a [B] float32 tensor, all-reduced (summed) over
    the world. Each rank writes only the samples it scored, so each sum has exactly one non-zero term (exact).
 2. `batch.plan_mini_batches` from those lengths: the same token-balanced partition over data-parallel ranks
    and micro-batches that `batch.split_for_rank` decides for the whole batch, computed identically on every
    rank (pure).
-3. `exchange_samples`: tokens (int32), rollout log-probs (float32) and routes (int16, R3) of each sample move
+3. `exchange_samples`: tokens (int32), rollout log-probs (float32), routes (int16, R3) and token versions (int32,
+   where the engine gave them) of each sample move
    as raw bytes in one `all_to_all_single`, from one rank that holds the sample to every rank that trains on it
    and does not hold it: the ranks of its data-parallel rank, i.e. that DP rank's model-parallel peers (TP, PP,
    EP inside it), which run the same micro-batches. Every rank knows every sample's size from step 1, so
@@ -43,7 +44,8 @@ from mcore_rl.batch import (
 from mcore_rl.platform import collectives
 from mcore_rl.rollout.data_parallel import LocalRollout
 
-_META_COLUMNS = 6  # prompt length, response length, truncated, valid, route layers, route top-k
+# prompt length, response length, truncated, valid, route layers, route top-k, carries token versions
+_META_COLUMNS = 7
 _TRUNCATED = "length"
 
 
@@ -57,6 +59,7 @@ class StepMeta:
     valid: torch.Tensor  # [B] bool: the reward was scored (False: left out of its group and the loss)
     rewards: torch.Tensor  # [B] float32 (0.0 where not valid)
     route_shape: Optional[tuple[int, int]]  # (MoE layers, top-k) when every sample carries engine routes
+    versioned: Optional[torch.Tensor] = None  # [B] bool: the sample carries its tokens' weight versions
 
     @property
     def size(self) -> int:
@@ -82,10 +85,14 @@ class StepMeta:
         return replace(self, valid=self.valid & ~self.truncated)
 
     def sample_nbytes(self, index: int) -> int:
-        """Bytes of sample `index` on the wire: tokens int32, rollout log-probs float32, routes int16."""
+        """Bytes of sample `index` on the wire: tokens int32, rollout log-probs float32, routes int16, token versions
+        int32."""
         p, r = int(self.prompt_lengths[index]), int(self.response_lengths[index])
         layers, k = self.route_shape or (0, 0)
-        return 4 * (p + r) + 4 * r + 2 * (p + r) * layers * k
+        return 4 * (p + r) + 4 * r + 2 * (p + r) * layers * k + 4 * r * int(self.has_versions(index))
+
+    def has_versions(self, index: int) -> bool:
+        return self.versioned is not None and bool(self.versioned[index])
 
 
 @dataclass
@@ -152,7 +159,7 @@ def _world() -> int:
 
 
 def local_meta(local: LocalRollout, rewards: list[float], valid: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's contribution: [B, 6] int64 and [B] float32, zero except the samples it scored."""
+    """This rank's contribution: [B, 7] int64 and [B] float32, zero except the samples it scored."""
     total = local.num_prompts * local.n
     ints = torch.zeros(total, _META_COLUMNS, dtype=torch.int64)
     floats = torch.zeros(total, dtype=torch.float32)
@@ -165,7 +172,15 @@ def local_meta(local: LocalRollout, rewards: list[float], valid: list[bool]) -> 
         routes = s.routed_experts
         layers, top_k = (int(routes.shape[1]), int(routes.shape[2])) if routes is not None else (0, 0)
         rows.append(
-            [len(s.prompt_ids), len(s.response_ids), int(s.finish_reason == _TRUNCATED), int(valid[k]), layers, top_k]
+            [
+                len(s.prompt_ids),
+                len(s.response_ids),
+                int(s.finish_reason == _TRUNCATED),
+                int(valid[k]),
+                layers,
+                top_k,
+                int(s.token_versions is not None),
+            ]
         )
         floats[i] = float(rewards[k])
     if rows:  # one tensor, not one per sample
@@ -187,6 +202,7 @@ def meta_from_tensors(ints: torch.Tensor, floats: torch.Tensor) -> StepMeta:
         valid=ints[:, 3].bool(),
         rewards=floats.clone(),
         route_shape=(int(layers[0]), int(top_k[0])) if uniform else None,
+        versioned=ints[:, 6].bool(),
     )
 
 
@@ -206,7 +222,7 @@ def exchange_meta(
 
 def meta_nbytes(size: int, world: int) -> int:
     """Bytes one rank receives in the metadata all-reduce of a `size`-sample step: a ring all-reduce moves
-    2 (world - 1) / world of the tensors ([B, 6] int64 + [B] float32) into each rank."""
+    2 (world - 1) / world of the tensors ([B, 7] int64 + [B] float32) into each rank."""
     return 2 * (world - 1) * size * (_META_COLUMNS * 8 + 4) // world
 
 
@@ -224,11 +240,14 @@ def first_reward_error(local_first: Optional[str]) -> Optional[str]:
 
 
 def encode_sample(sample: RolloutSample, route_shape: Optional[tuple[int, int]]) -> torch.Tensor:
-    """A sample's tokens (int32), rollout log-probs (float32) and routes (int16, when `route_shape`) as bytes."""
+    """A sample's tokens (int32), rollout log-probs (float32), routes (int16, when `route_shape`) and token versions
+    (int32, when it has them) as bytes."""
     tokens = torch.tensor(list(sample.prompt_ids) + list(sample.response_ids), dtype=torch.int32)
     parts = [tokens.view(torch.uint8), sample.logprobs.to(torch.float32).contiguous().view(torch.uint8)]
     if route_shape is not None:
         parts.append(sample.routed_experts.to(torch.int16).contiguous().view(torch.uint8).flatten())
+    if sample.token_versions is not None:
+        parts.append(torch.tensor(sample.token_versions, dtype=torch.int32).view(torch.uint8))
     return torch.cat(parts)
 
 
@@ -237,12 +256,16 @@ def decode_sample(data: torch.Tensor, meta: StepMeta, index: int) -> RolloutSamp
     p, r = int(meta.prompt_lengths[index]), int(meta.response_lengths[index])
     tokens = data[: 4 * (p + r)].clone().view(torch.int32).tolist()
     logprobs = data[4 * (p + r) : 4 * (p + 2 * r)].clone().view(torch.float32)
-    routes = None
+    routes = versions = None
+    end = 4 * (p + 2 * r)
     if meta.route_shape is not None:
         layers, k = meta.route_shape
-        routes = data[4 * (p + 2 * r) :].clone().view(torch.int16).view(p + r, layers, k)
+        routes = data[end : end + 2 * (p + r) * layers * k].clone().view(torch.int16).view(p + r, layers, k)
+        end += 2 * (p + r) * layers * k
+    if meta.has_versions(index):
+        versions = data[end : end + 4 * r].clone().view(torch.int32).tolist()
     finish = _TRUNCATED if bool(meta.truncated[index]) else "stop"
-    return RolloutSample(tokens[:p], tokens[p:], logprobs, finish, routes)
+    return RolloutSample(tokens[:p], tokens[p:], logprobs, finish, routes, versions)
 
 
 def encode_sends(local: LocalRollout, meta: StepMeta, plan: ExchangePlan, world: int) -> tuple[torch.Tensor, list[int]]:
@@ -311,9 +334,10 @@ def assemble(
     pad_id: int,
     multiple: int,
     route_experts: Optional[int] = None,
+    versions: Optional[tuple[int, int]] = None,
 ) -> list[MiniBatch]:
     """Data-parallel rank `dp_rank`'s micro-batches from the samples it trains on (step indices `needed`):
-    packed like the whole step (same padded width), cut by the plan."""
+    packed like the whole step (same padded width), cut by the plan; `versions`: `batch.pad_rollouts`'."""
     index = torch.tensor(needed, dtype=torch.long)
     rows = pad_rollouts(
         samples,
@@ -323,6 +347,7 @@ def assemble(
         multiple,
         valid=meta.valid[index],
         seq_len=step_seq_len(meta.lengths, multiple),
+        versions=versions,
     )
     row_of = {i: k for k, i in enumerate(needed)}
     return build_mini_batches(plans, dp_rank, rows, row_of, route_experts, meta.route_shape, multiple)
@@ -338,11 +363,15 @@ def local_mini_batches(
     multiple: int,
     route_experts: Optional[int] = None,
     stats: Optional[ExchangeStats] = None,
+    versions: Optional[tuple[int, int]] = None,
 ) -> list[MiniBatch]:
     """Collective: this rank's micro-batches of every mini-batch, receiving only the samples it trains on.
 
-    dp_of_rank[r]: the data-parallel rank of global rank r; advantages: [B], from the step's rewards."""
+    dp_of_rank[r]: the data-parallel rank of global rank r; advantages: [B], from the step's rewards; versions
+    (the update's starting weight version, the version of samples without their own token versions): each
+    micro-batch's `version_lag`."""
     rank = local.replicas.rank
     plan = plan_exchange(rank, needs_by_rank(plans, dp_of_rank), local.holder_ranks)
     samples = exchange_samples(local, meta, plan, stats)
-    return assemble(samples, plan.needed, meta, plans, advantages, dp_of_rank[rank], pad_id, multiple, route_experts)
+    dp_rank = dp_of_rank[rank]
+    return assemble(samples, plan.needed, meta, plans, advantages, dp_rank, pad_id, multiple, route_experts, versions)

@@ -169,8 +169,10 @@ class Trainer:
         self.sample_log = SampleLog(cfg.trainer.run_dir, cfg.trainer.sample_log, self.rank)
         parts = (self.placement.rounds, self.unit, self.sample_log, self.rank)
         self.generator = StepGenerator(cfg, self.train_set, self.sampler, self.tokenizer, *parts)
-        # off-policy the proximal (old-policy) pass always runs: the update's weights did not sample the batch
+        # off-policy the proximal (old-policy) pass runs unless algo.proximal=loglinear interpolates it: the update's
+        # weights did not sample the batch
         self.old_from_update = cfg.algo.old_from_update and self.placement.skips_old_pass
+        self.old_pass = not self.old_from_update and cfg.algo.proximal == "recompute"
 
     def _placement(self, bridge) -> Placement:
         """The colocated placement (the engine in this process, Colocation holding the device) or the separate one's
@@ -229,7 +231,7 @@ class Trainer:
         }
         if entropy_sum is not None:
             metrics["train/entropy_old"] = entropy_sum / max(1, sum(meta.loss_tokens))
-        else:  # on-policy: the update's forward ran on the old policy's weights
+        else:  # no old-policy pass: the update's forward ran on the old policy's weights (loglinear: the proximal's)
             metrics["train/entropy_old"] = metrics["train/entropy"]
         return metrics
 
@@ -262,6 +264,7 @@ class Trainer:
             layout.seq_len_multiple,
             route_experts=self.actor.hf_config.num_experts if cfg.algo.routing_replay == "r3" else None,
             stats=exchanged,
+            versions=(self.step, self.placement.samples_version(self.step)),  # each token's lag behind this update
         )
 
     def _actor_passes(self, mini_batches, timer: PhaseTimer) -> "tuple[dict[str, list[float]], float | None]":
@@ -270,7 +273,7 @@ class Trainer:
         algo = self.cfg.algo
         micro_all = [mb for mini in mini_batches for mb in mini.micro_batches]
         entropy_sum = None
-        if not self.old_from_update:
+        if self.old_pass:
             with timer("old_logprob"):
                 entropy_sum = self.old_policy_pass(micro_all)
         if self.ref_actor is not None:

@@ -2,7 +2,8 @@
 
 One fixed global batch (8 sequences of 3-6 prompt and 1-10 response tokens: one response of a single token, two
 cut at the budget, one of them filling its row; old log-probs perturbed so ratios are away from 1 and the clip /
-dual-clip / IS / KL / entropy paths are hit). The world-1,
+dual-clip / IS / KL / entropy paths are hit; sapo with the geometric-mean sequence weight, some sequences rejected,
+gspo_token with the loglinear proximal log-probs from each token's version lag: docs/async-objective.md). The world-1,
 one-micro-batch run (TP1 x DP1) is the reference. Each 2-process layout below combines factors to
 save wall time: TP2(+SP) x 4 micro-batches, EP2 x DP2, PP2 x 2 micro-batches. Compared: the global
 loss (relative difference <= 1e-5) and the one-step Adam update of ALL 69 parameters by their HF

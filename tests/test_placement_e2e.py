@@ -166,15 +166,20 @@ def test_a_rollout_rank_killed_is_named_and_the_checkpoints_stay(tiny_model_dir,
 def test_dynamic_sampling_rounds_are_generated_ahead_too(tiny_model_dir, task, tmp_path):  # noqa: F811
     """DAPO dynamic sampling one step off-policy: the rollout ranks run the step's extra rounds ahead (their own
     sampler, the same decisions from the same rewards) and the actor ranks train on exactly those rounds, checked
-    against their own sampler's prompts; every step has its groups with signal."""
+    against their own sampler's prompts; every step has its groups with signal. The same job runs the loglinear
+    proximal log-probs with the geometric-mean sequence weight (docs/async-objective.md): no proximal pass runs, the
+    update's forward gives the entropy metric."""
     run_dir = tmp_path / "run"
     extra = {"algo.dynamic_sampling": "true", "reward.fn": "tests.dapo_reward:score", "trainer.val_every": 0}
+    extra.update({"algo.proximal": "loglinear", "algo.rollout_is": "sequence_geomean"})
     run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, run_dir, **SEPARATE, **extra))
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["groups/kept"] == 4 for r in rows), [r.get("groups/kept") for r in rows]
     assert any(r["groups/rounds"] > 1 for r in rows), [r["groups/rounds"] for r in rows]
     assert [r["train/staleness_max"] for r in rows] == [0, 1, 1, 1]
+    assert not any("time/old_logprob" in r for r in rows), [sorted(r) for r in rows]
+    assert all(r["train/entropy_old"] == r["train/entropy"] and 0 < r["train/is_weight_mean"] for r in rows), rows
 
 
 def _start(args: list[str]):

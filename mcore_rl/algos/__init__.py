@@ -4,7 +4,7 @@ from mcore_rl.algos.advantages import group_advantages
 from mcore_rl.algos.aggregation import GlobalCounts, aggregate
 from mcore_rl.algos.kl import kl_estimate
 from mcore_rl.algos.losses import LossInputs, PolicyLoss, build_loss
-from mcore_rl.algos.objective import policy_loss
+from mcore_rl.algos.objective import loglinear_proximal, policy_loss
 
 __all__ = [
     "group_advantages",
@@ -15,4 +15,5 @@ __all__ = [
     "PolicyLoss",
     "build_loss",
     "policy_loss",
+    "loglinear_proximal",
 ]

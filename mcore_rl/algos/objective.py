@@ -19,18 +19,35 @@ ROLLOUT_IS_MODES = (None, *get_args(RolloutCorrection))
 
 
 def rollout_is_weight(x: LossInputs, algo: AlgoConfig) -> torch.Tensor:
-    """Detached train/inference importance weight per token (see AlgoConfig.rollout_is)."""
+    """Detached importance weight proximal / behaviour (`old_log_prob` / `rollout_log_prob`, each token its own)
+    per token, by algo.rollout_is (docs/async-objective.md): token and sequence (the product of the sequence's token
+    weights) truncated at rollout_is_cap; sequence_geomean: the geometric mean of the sequence's token weights, the
+    sequence rejected (0) outside [rollout_is_low, rollout_is_high], else truncated at rollout_is_cap; icepop: each
+    token rejected outside the bounds, else unchanged."""
     log_w = (x.old_log_prob - x.rollout_log_prob).detach() * x.mask
     if algo.rollout_is == "token":
         return torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).clamp(max=algo.rollout_is_cap)
     if algo.rollout_is == "sequence":
         seq = x.sequence_sum(log_w.sum(dim=-1)).unsqueeze(-1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         return torch.exp(seq).clamp(max=algo.rollout_is_cap).expand_as(log_w)
+    if algo.rollout_is == "sequence_geomean":
+        w = torch.exp(x.masked_seq_mean(log_w).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        keep = (w >= algo.rollout_is_low) & (w <= algo.rollout_is_high)
+        return torch.where(keep, w.clamp(max=algo.rollout_is_cap), torch.zeros_like(w)).expand_as(log_w)
     if algo.rollout_is == "icepop":
         w = torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         keep = (w >= algo.rollout_is_low) & (w <= algo.rollout_is_high)
         return torch.where(keep, w, torch.zeros_like(w))
     raise ValueError(f"unknown rollout_is {algo.rollout_is!r}; use one of {ROLLOUT_IS_MODES}")
+
+
+def loglinear_proximal(rollout_log_prob: torch.Tensor, log_prob: torch.Tensor, lag: torch.Tensor) -> torch.Tensor:
+    """algo.proximal=loglinear: the proximal log-probs interpolated per token between the behaviour policy's (the
+    engine's) and the current policy's, detached, by the token's lag d behind the update's starting weights (their
+    version v; the update makes v + 1): alpha = d / (d + 1), log pi_prox ~ log pi_b + alpha (log pi_theta - log pi_b).
+    Lag 0: the behaviour policy is the proximal one."""
+    alpha = lag / (lag + 1.0)
+    return (rollout_log_prob + alpha * (log_prob.detach() - rollout_log_prob)).detach()
 
 
 def _check_inputs(x: LossInputs, algo: AlgoConfig) -> None:

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from mcore_rl.algos import GlobalCounts, LossInputs, build_loss, policy_loss
+from mcore_rl.algos import GlobalCounts, LossInputs, build_loss, loglinear_proximal, policy_loss
 from mcore_rl.batch import MicroBatch, next_token_targets, segment_rows
 from mcore_rl.config import AlgoConfig
 from mcore_rl.megatron.context_parallel import row_sum as cp_row_sum
@@ -53,10 +53,12 @@ def make_policy_loss_fn(algo: AlgoConfig, counts: GlobalCounts, tp_group, on_pol
     advantages (rollout_log_prob with algo.rollout_is, ref_log_prob with algo.kl_coef > 0).
     `on_policy` (AlgoConfig.old_from_update): old_log_prob is not read; the log-probs of this forward,
     detached, take its place (ratio exactly 1), and the entropy is always computed (the metric the
-    skipped old-policy pass would have given).
+    skipped old-policy pass would have given). algo.proximal=loglinear (off-policy): neither; the proximal
+    log-probs are interpolated from rollout_log_prob, this forward's and each token's `version_lag`.
     """
     counts.validate()
-    with_entropy = algo.entropy_coef > 0 or on_policy
+    loglinear = algo.proximal == "loglinear" and not on_policy
+    with_entropy = algo.entropy_coef > 0 or on_policy or loglinear
     loss = build_loss(algo)  # the PolicyLoss of algo.loss, once per update
 
     def loss_fn(head: OutputHead, mb: MicroBatch):
@@ -65,7 +67,13 @@ def make_policy_loss_fn(algo: AlgoConfig, counts: GlobalCounts, tp_group, on_pol
         )
         if entropy is not None and algo.entropy_coef == 0:
             entropy = entropy.detach()  # a metric only: no backward through it
-        old = log_prob.detach() if on_policy else mb.old_log_prob.float()
+        if on_policy:
+            old = log_prob.detach()
+        elif loglinear:
+            mb.require("rollout_log_prob", "version_lag")
+            old = loglinear_proximal(mb.rollout_log_prob.float(), log_prob, mb.version_lag.float())
+        else:
+            old = mb.old_log_prob.float()
         # packed: one row per sequence, so per-sequence reductions see the same rows as the padded layout
         rows = (lambda t: segment_rows(t, mb.seq_lengths)) if mb.packed else (lambda t: t)
         optional = lambda t: None if t is None else rows(t.float())

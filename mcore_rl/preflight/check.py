@@ -67,6 +67,8 @@ def describe_run(cfg: Config, layout: Layout, nnodes: int, nproc: int) -> str:
 def _old_log_probs(cfg: Config, separate: bool) -> str:
     """Where the old policy's log-probs come from. One step off (separate, rollout.max_staleness null or > 0) the
     samples come from the weights before the last update, so the proximal pass runs whatever algo says."""
+    if separate and cfg.rollout.max_staleness != 0 and cfg.algo.proximal == "loglinear":
+        return ", proximal log-probs interpolated by each token's version lag (algo.proximal=loglinear, no pass)"
     if separate and cfg.rollout.max_staleness != 0:
         return ", old log-probs from the proximal pass (the samples are up to one update stale)"
     if cfg.algo.old_from_update:

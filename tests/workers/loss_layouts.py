@@ -56,12 +56,27 @@ ALGOS = {
     "grpo": dict(loss="grpo", agg_mode="token-mean", clip_low=0.2, clip_high=0.28, dual_clip=1.5, rollout_is="token"),
     # sequence ratio + k3 KL to a reference policy
     "gspo": dict(loss="gspo", agg_mode="seq-mean-token-mean", clip_low=0.1, clip_high=0.12, kl_coef=0.05),
-    # soft gate + entropy bonus (exercises the entropy gradient through vocab-parallel logits) + temperature
-    "sapo": dict(loss="sapo", agg_mode="seq-mean-token-sum-norm", entropy_coef=0.01, temperature=0.8),
+    # soft gate + entropy bonus (exercises the entropy gradient through vocab-parallel logits) + temperature +
+    # the geometric-mean sequence weight (a sequence mean: over the CP group under context parallelism), some
+    # sequences rejected above rollout_is_high
+    "sapo": dict(
+        loss="sapo",
+        agg_mode="seq-mean-token-sum-norm",
+        entropy_coef=0.01,
+        temperature=0.8,
+        rollout_is="sequence_geomean",
+        rollout_is_high=1.1,
+    ),
     # the token-level gradient with the sequence ratio's value + sequence-level rollout IS: both reduce a
-    # sequence's tokens (over the CP group under context parallelism)
+    # sequence's tokens (over the CP group under context parallelism); the proximal log-probs interpolated by each
+    # token's version lag (loglinear: from the update's own log-probs, no proximal pass)
     "gspo_token": dict(
-        loss="gspo_token", agg_mode="seq-mean-token-mean", clip_low=0.1, clip_high=0.12, rollout_is="sequence"
+        loss="gspo_token",
+        agg_mode="seq-mean-token-mean",
+        clip_low=0.1,
+        clip_high=0.12,
+        rollout_is="sequence",
+        proximal="loglinear",
     ),
 }
 
@@ -83,6 +98,11 @@ def global_batch():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.3, 0.9, 0.1, 0.5])
     noise = torch.randn(3, B, S, generator=g)
     return tokens, loss_mask, rewards, noise
+
+
+def version_lag(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Each response token's weight-version lag (0, 1 or 2 by position: sequences that span versions)."""
+    return (torch.arange(S) % 3).float() * loss_mask
 
 
 def compare(tag, name, metrics, update, want, layout_text, loss_abs_tol=0.0, strict=True):
@@ -121,6 +141,7 @@ def packed_step(actor, algo, tokens, loss_mask, advantages, lp_full, fields, cou
         torch.zeros(B),
         loss_mask.sum(-1).long(),
         prompt_lens,
+        version_lag=version_lag(loss_mask),
     )
     (mini,) = split_for_rank(batch, 1, layout.dp, layout.ranks.dp, max_tokens=BUDGET, multiple=layout.seq_len_multiple)
     assert mini.counts == counts, (mini.counts, counts)
@@ -413,6 +434,10 @@ def run_layout(case: LayoutCase, args, checks: set, ref: dict, platform):
         old = lp_full + 0.3 * noise[0, rows.start : rows.stop]  # ratios away from 1: clipping paths hit
         rollout = old + 0.2 * noise[1, rows.start : rows.stop]
         ref_lp = lp_full + 0.5 * noise[2, rows.start : rows.stop]
+        if mode == "ref" and algo.rollout_is == "sequence_geomean":  # some sequences rejected, some weighted
+            m = loss_mask[rows.start : rows.stop]
+            geo = torch.exp(((old - rollout) * m).sum(-1) / m.sum(-1))
+            assert 0 < int((geo > algo.rollout_is_high).sum()) < len(geo), geo
         train_mbs = []
         for k in range(n_micro):
             sl = slice(k * size, (k + 1) * size)
@@ -425,6 +450,7 @@ def run_layout(case: LayoutCase, args, checks: set, ref: dict, platform):
                     advantages=advantages[r0 : r0 + size],
                     rollout_log_prob=rollout[sl],
                     ref_log_prob=ref_lp[sl],
+                    version_lag=version_lag(loss_mask[r0 : r0 + size]),
                 )
             )
         assert actor.tf_config.moe_router_load_balancing_type == "none", actor.tf_config.moe_router_load_balancing_type
