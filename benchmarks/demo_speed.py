@@ -305,7 +305,8 @@ def run_mcore(preset: str, overrides: list[str], run_dir: Path, goal: Goal, repo
     while True:
         done = proc.poll() is not None
         if metrics.is_file():
-            lines = metrics.read_text().splitlines()
+            # only whole lines: the trainer may be writing the last one as it is read
+            lines = [line for line in metrics.read_text().splitlines(keepends=True) if line.endswith("\n")]
             for line in lines[seen:]:
                 if line.strip():
                     row = json.loads(line)
