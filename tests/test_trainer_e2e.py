@@ -65,7 +65,13 @@ def train_cmd(preset: str, args: list[str]) -> list[str]:
     return [sys.executable, "-m", "mcore_rl.cli", "train", str(REPO / "configs/tiny" / preset), *args]
 
 
+# A single-process vLLM engine built earlier in this pytest process sets these (vllm_engine._ensure_launcher_env);
+# inherited, they would tell `mcore-rl train` it already runs inside torchrun as a world of one.
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
 def run_train(preset: str, args: list[str], timeout: float = 600) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     proc = subprocess.run(
         train_cmd(preset, args),
         stdout=subprocess.PIPE,
@@ -73,7 +79,7 @@ def run_train(preset: str, args: list[str], timeout: float = 600) -> str:
         text=True,
         cwd=REPO,
         timeout=timeout,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        env=dict(env, OMP_NUM_THREADS="1"),
     )
     out = proc.stdout
     assert proc.returncode == 0, out[-6000:]
