@@ -12,8 +12,9 @@ rank is left). Each run stops at a `window`-step mean reward of `threshold` (or 
 Printed per run: the step and wall seconds to the goal, trained tokens/s over the run (tokens trained / wall time
 after the first step), and for the separate run the per-role busy / waiting seconds summed from its metrics
 (time/actor_wait: the actor waiting for samples; time/rollout_generate and time/rollout_wait: the rollout ranks
-generating and waiting for the weights). At the end: the median and spread (min - max) of separate / colocated
-wall time and tokens/s over the rounds.
+generating and waiting for the weights), and for the colocated run the share of its step spent in rollout
+(time/rollout over perf/step_seconds, steps 2 on). At the end: the median and spread (min - max) of separate /
+colocated wall time and tokens/s over the rounds.
 """
 
 from __future__ import annotations
@@ -54,6 +55,13 @@ def _roles(rows: list[dict], upto: int) -> str:
     )
 
 
+def _rollout_share(rows: list[dict], upto: int) -> float:
+    """The colocated step's share spent in rollout (generation and rewards), steps 2..upto (step 1: start-up)."""
+    used = [r for r in rows if 2 <= r["step"] <= upto]
+    step = sum(r["perf/step_seconds"] for r in used)
+    return sum(r.get("time/rollout", 0.0) for r in used) / step if step else float("nan")
+
+
 def run(name: str, preset: str, overrides: list[str], goal: Goal, tmp: Path) -> dict:
     run_dir = tmp / name
     before = os.getloadavg()[0]
@@ -64,6 +72,7 @@ def run(name: str, preset: str, overrides: list[str], goal: Goal, tmp: Path) -> 
     print(
         f"{name:10s} {status}: {result['wall_s']:.1f} s, {result['tokens_per_s']:.0f} trained tokens/s"
         + (f"; {result['roles']}" if name == "separate" else "")
+        + (f"; rollout {_rollout_share(rows, result['step'] or 0):.0%} of the step" if name == "colocated" else "")
         + f" (load {before:.1f} -> {os.getloadavg()[0]:.1f})",
         flush=True,
     )
