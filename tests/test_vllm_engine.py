@@ -293,6 +293,67 @@ def test_weight_sync_verified_with_exact_rebuild(engine, tiny_model_dir, tmp_pat
     assert max_diff(engine.score(seqs, plens), ref_old) < tol
 
 
+def test_partial_rollout_is_right(engine, tiny_model_dir, tmp_path):
+    """Partial rollout on vLLM (rollout/vllm_stream.py, docs/async.md): a generation driven step by step is
+    interrupted after 4 engine steps; while it is parked a session uses the engine (scores a probe, rebuilds it
+    with another checkpoint's weights: version 1), then the in-flight samples continue under version 1 as new
+    requests of prompt + tokens so far. Every token's recorded log-prob equals a fresh `engine.score` of its
+    sequence under its own version's weights and the Hugging Face model of that version (an independent
+    reference), and differs from the other version's; the tokens before the update are an uninterrupted
+    generation's; and without an interruption the stepped path samples what `LLM.generate` samples."""
+    v1 = tmp_path / "v1"
+    perturbed_checkpoint(tiny_model_dir, v1, scale=0.05, seed=3)
+    folders = {0: tiny_model_dir, 1: str(v1)}
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=7)
+    plain = [s for g in engine.generate(PROMPTS, n=2, params=params) for s in g]
+    steps, probe = [0], probe_batch(engine)
+
+    def update(generation):
+        steps[0] += 1
+        if steps[0] == 4:
+            engine.score(*probe)  # a verification's request: the in-flight requests leave the engine first
+            engine.rebuild_from(folders[1])
+            engine.weights_version = 1
+            generation.weights_changed(1)
+
+    def stepped(between):
+        engine.weights_version, engine.between_steps = 0, between
+        try:
+            return [s for g in engine.generate(PROMPTS, n=2, params=params) for s in g]
+        finally:
+            engine.weights_version, engine.between_steps = None, None
+
+    assert engine.capabilities.interruptible
+    try:
+        got = stepped(update)
+        seqs, plens = [s.prompt_ids + s.response_ids for s in got], [len(s.prompt_ids) for s in got]
+        scored = {1: engine.score(seqs, plens)}
+    finally:
+        engine.rebuild_from(tiny_model_dir)
+    scored[0] = engine.score(seqs, plens)
+    versions = [torch.tensor(s.token_versions) for s in got]
+    assert all(v.numel() == len(s.response_ids) for v, s in zip(versions, got))
+    assert sum(bool((v == 0).any() and (v == 1).any()) for v in versions) >= 2  # samples spanning the update
+    for version, folder in folders.items():
+        reference = hf_logprobs(folder, seqs, plens, 1.0)
+        for s, v, mine, ref in zip(got, versions, scored[version], reference):
+            own = v == version
+            if own.any():
+                assert (s.logprobs[own] - mine[own]).abs().max() < 1e-3, (version, s.logprobs, mine)
+                assert (s.logprobs[own] - ref[own]).abs().max() < 0.01, (version, s.logprobs, ref)
+    # version 1's tokens are not what version 0 scores: the checks above tell the versions apart
+    moved = [
+        (s.logprobs[v == 1] - old[v == 1]).abs().max() for s, v, old in zip(got, versions, scored[0]) if (v == 1).any()
+    ]
+    assert max(moved) > 0.05
+    for s, p in zip(got, plain):  # before the update: what the uninterrupted generation drew
+        before = int((torch.tensor(s.token_versions) == 0).sum())
+        assert s.response_ids[:before] == p.response_ids[:before]
+    assert [(s.response_ids, s.finish_reason) for s in stepped(lambda g: None)] == [
+        (p.response_ids, p.finish_reason) for p in plain
+    ]
+
+
 def test_rebuild_mode_buffers_a_sync_and_rebuilds_once_complete(engine, tiny_model_dir, tmp_path):
     """reload="rebuild" (the CPU default for MoE models): nothing changes until the last weight arrives, then
     one exact rebuild; repeated, to show a rebuilt engine can be rebuilt again."""

@@ -96,6 +96,12 @@ def check_split(cfg: Config, world: int, dims: Any) -> tuple[Optional[RoleSplit]
         )
     if r.engine != "vllm":
         return split, []
+    if r.streaming and cfg.algo.routing_replay == "r3":
+        raise LayoutError(
+            "rollout.streaming=true with rollout.engine=vllm and algo.routing_replay=r3: an interrupted vLLM request "
+            "continues as a new one, which does not return the routes of the tokens before the update; use "
+            "algo.routing_replay=r2 (routes recorded in the actor's old-log-prob pass) or rollout.engine=embedded"
+        )
     ranks = validate_rollout_tp(r.tp, split.rollout_ranks, ModelDims.from_hf(dims), ranks_name="rollout.ranks")
     return split, list(ranks.warnings)
 

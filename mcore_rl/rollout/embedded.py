@@ -233,6 +233,7 @@ class EmbeddedEngine(RolloutEngine, WeightReader):
             routes=self.return_routed_experts and self.num_moe_layers > 0,
             reads_weights=True,
             receiver=WeightReceiver(buffer=self.weight_buffer, shared=self._shared),
+            interruptible=True,
         )
 
     # ----- weights -----
