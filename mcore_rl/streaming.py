@@ -16,6 +16,9 @@ then sends every queued step the session made due. Blocking waits remain only fo
 - **Queue**: at most max_staleness finished steps wait for their session; `rollout/queued_steps` is how many stood
   behind a step when it was sent.
 
+The engine stops between decode steps where it is interruptible (`EngineCapabilities.interruptible`: the embedded
+engine's `decode.Generation`, the vLLM engine's `rollout/vllm_stream.py`): `between_steps` and `weights_changed`.
+
 Groups are whole when they are sent (a step's rounds, dynamic sampling's included, finish before it is queued);
 one engine replica (the pre-flight refuses more: replicas would take a session at different decode steps while
 their own collectives wait for each other).
@@ -35,6 +38,8 @@ class StreamingWorker(RolloutWorker):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        if not self.engine.capabilities.interruptible:
+            raise RuntimeError(f"rollout.streaming needs an interruptible engine; {type(self.engine).__name__} is not")
         self.queue: deque[StepSamples] = deque()
         self.interrupted = 0  # samples in flight at a weight update, over the run
         self.serving = 0.0  # seconds spent serving sessions between decode steps (not generation)

@@ -92,6 +92,15 @@ def check_capabilities(engine: RolloutEngine, prompt: list[int]) -> EngineCapabi
     # routes: the samples carry them exactly where the engine says so
     (group,) = engine.generate([prompt], 2, SamplingParams(max_new_tokens=3, seed=5))
     assert {s.routed_experts is not None for s in group} == {caps.routes}
+    if caps.interruptible:  # between decode steps the generation goes to between_steps; every token its version
+        seen: list = []
+        engine.between_steps, engine.weights_version = seen.append, 3
+        try:
+            (group,) = engine.generate([prompt], 2, SamplingParams(max_new_tokens=3, seed=5))
+        finally:
+            engine.between_steps, engine.weights_version = None, None
+        assert seen and all(callable(g.weights_changed) for g in seen)
+        assert all(s.token_versions == [3] * len(s.response_ids) for s in group)
     return caps
 
 

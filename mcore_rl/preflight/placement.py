@@ -96,6 +96,18 @@ def check_split(cfg: Config, world: int, dims: Any) -> tuple[Optional[RoleSplit]
         )
     if r.engine != "vllm":
         return split, []
+    if r.streaming and cfg.algo.routing_replay == "r3":
+        raise LayoutError(
+            "rollout.streaming=true with rollout.engine=vllm and algo.routing_replay=r3: an interrupted vLLM request "
+            "continues as a new one, which does not return the routes of the tokens before the update; use "
+            "algo.routing_replay=r2 (routes recorded in the actor's old-log-prob pass) or rollout.engine=embedded"
+        )
+    if r.streaming and r.tp > 1:
+        raise LayoutError(
+            f"rollout.streaming=true with rollout.engine=vllm and rollout.tp = {r.tp}: the ranks of a tensor-parallel "
+            f"replica would each read the doorbell and could take a session at different decode steps (not agreed "
+            f"among them yet); set rollout.tp=1 (and rollout.ranks=1) or rollout.streaming=false"
+        )
     ranks = validate_rollout_tp(r.tp, split.rollout_ranks, ModelDims.from_hf(dims), ranks_name="rollout.ranks")
     return split, list(ranks.warnings)
 

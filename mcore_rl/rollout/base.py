@@ -77,13 +77,17 @@ class EngineCapabilities:
     reads_weights: the engine reads its weights back (`WeightReader`: name the tensors a failed sync got wrong,
         compare fingerprints).
     sleeps: `sleep` releases device memory (else `sleep` / `wake_up` keep it allocated).
-    receiver: where a sync may write the weights (`WeightReceiver`)."""
+    receiver: where a sync may write the weights (`WeightReceiver`).
+    interruptible: with `between_steps` set, `generate` calls it between two decode steps with the in-flight
+        generation, which continues under new weights after its `weights_changed(version)`; every token then
+        records `weights_version` (streaming, mcore_rl/streaming.py; partial rollout, docs/async.md)."""
 
     handles_data_parallel: bool = False
     routes: bool = False
     reads_weights: bool = False
     sleeps: bool = False
     receiver: WeightReceiver = COPY_IN
+    interruptible: bool = False
 
 
 class RolloutEngine(abc.ABC):

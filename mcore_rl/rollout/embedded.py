@@ -228,11 +228,12 @@ class EmbeddedEngine(RolloutEngine, WeightReader):
     @property
     def capabilities(self) -> EngineCapabilities:
         """One process, one replica; routes where the model has MoE layers and they are recorded; it reads its
-        weights back; it never sleeps; the sync writes into its parameters (shared on the CPU)."""
+        weights back; it never sleeps; the sync writes into its parameters (shared on the CPU); interruptible."""
         return EngineCapabilities(
             routes=self.return_routed_experts and self.num_moe_layers > 0,
             reads_weights=True,
             receiver=WeightReceiver(buffer=self.weight_buffer, shared=self._shared),
+            interruptible=True,
         )
 
     # ----- weights -----

