@@ -20,7 +20,7 @@ def _worker(rank: int, world: int, port: int, die: bool, out) -> None:
     import torch.distributed as dist
 
     from mcore_rl.platform.split import PeerLost, init_split
-    from mcore_rl.separate import _bucket_header, _bucket_tensors
+    from mcore_rl.weight_sync.bridge import bucket_header, bucket_tensors
 
     try:
         split, bridge = init_split("cpu", "gloo", torch.device("cpu"), 2, timedelta(seconds=60))
@@ -34,9 +34,9 @@ def _worker(rank: int, world: int, port: int, die: bool, out) -> None:
                 ("a", torch.arange(6, dtype=torch.float32).reshape(2, 3)),
                 ("b", torch.tensor([1, 2], dtype=torch.int16)),
             ]
-            header = _bucket_header(bucket)
+            header = bucket_header(bucket)
             flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in bucket]) if bridge.is_actor else None
-            received = _bucket_tensors(header, bridge.tensors(header, flat, from_actor=True))
+            received = bucket_tensors(header, bridge.tensors(header, flat, from_actor=True))
             got["bucket_ok"] = all(torch.equal(x, y) for (_, x), (_, y) in zip(bucket, received))
             got["reply"] = bridge.object(None if bridge.is_actor else [1.5, "ok"], from_actor=False)
             if die and not bridge.is_actor:
@@ -121,7 +121,7 @@ def test_split_sizes_and_staleness_defaults():
 def test_a_bucket_survives_the_byte_stream_whatever_its_dtypes():
     """Tensors of 2-, 4- and 8-byte types packed back to back (odd element counts: offsets not aligned to the next
     tensor's element size) come out equal, with their shapes."""
-    from mcore_rl.separate import _bucket_header, _bucket_tensors
+    from mcore_rl.weight_sync.bridge import bucket_header, bucket_tensors
 
     bucket = [
         ("h", torch.tensor([1.5, -2.0, 3.25], dtype=torch.bfloat16)),
@@ -130,6 +130,6 @@ def test_a_bucket_survives_the_byte_stream_whatever_its_dtypes():
         ("s", torch.tensor([[1, 2, 3]], dtype=torch.int16)),
     ]
     flat = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for _, t in bucket])
-    out = _bucket_tensors(_bucket_header(bucket), flat)
+    out = bucket_tensors(bucket_header(bucket), flat)
     assert [n for n, _ in out] == [n for n, _ in bucket]
     assert all(t.dtype == u.dtype and torch.equal(t, u) for (_, t), (_, u) in zip(bucket, out))
