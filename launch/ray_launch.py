@@ -245,6 +245,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         options["resources"] = {"NPU": 1}
     Worker = ray.remote(RankWorker)
     beats: list = []
+    line, stop = None, []
     workers = [
         Worker.options(
             **options, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
@@ -272,16 +273,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rank_of = {ref: p.rank for ref, (p, _) in zip(pending, by_rank)}
         stop = request_stop_on_signals(cfg.trainer.run_dir)
         line = wait_for_ranks(pending, rank_of, watch)
-        if line:
-            print(line, file=sys.stderr, flush=True)  # the last line: the cause
-            return 1
     except Exception as e:  # placing the ranks failed
-        print(f"ray_launch: error: {e}", file=sys.stderr)
-        return 1
+        line = f"ray_launch: error: {e}"
     finally:
         for w in workers + beats:
             ray.kill(w)
         remove_placement_group(pg)
+        # Ray forwards the ranks' output to this console from a thread of its own, late lines too: disconnect
+        # first, so that nothing of theirs prints after the last line below
+        sys.stdout.flush()
+        ray.shutdown()
+    if line:
+        print(line, file=sys.stderr, flush=True)  # the last line: the cause
+        return 1
     if stop:
         return 128 + stop[0]
     print("ray_launch: all ranks finished", flush=True)
