@@ -27,21 +27,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.demo_speed import Goal, run_mcore  # noqa: E402
+from benchmarks.placement_speed import _rows, separate_overrides  # noqa: E402
 from mcore_rl.config import load_config  # noqa: E402
 
 
 def curve(run_dir: Path, window: int) -> list[float]:
     """The trailing `window`-step mean reward at every step from `window` on."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
+    rewards = [r["reward/mean"] for r in _rows(run_dir) if "reward/mean" in r]
     return [sum(rewards[i - window : i]) / window for i in range(window, len(rewards) + 1)]
-
-
-def separate_overrides(preset: str, rollout_ranks: int) -> list[str]:
-    cfg = load_config(preset, [])
-    actor_ranks = cfg.trainer.nproc - rollout_ranks
-    extra = ["actor.parallel.ep=1"] if actor_ranks == 1 else []
-    return ["rollout.placement=separate", f"rollout.ranks={rollout_ranks}", *extra]
 
 
 def main() -> None:
@@ -56,7 +49,8 @@ def main() -> None:
     parser.add_argument("--colocated-from", default=None, help="the colocated curves from a --save file")
     args, overrides = parser.parse_known_args()
     common = [f"trainer.steps={args.steps}", "trainer.val_every=0", "checkpoint.save_every=0", *overrides]
-    separate = [*separate_overrides(args.preset, args.rollout_ranks), *args.separate_extra]
+    nproc = load_config(args.preset, []).trainer.nproc
+    separate = [*separate_overrides(nproc, args.rollout_ranks), *args.separate_extra]
     placements = {"colocated": [], "separate": separate}
     curves: dict[str, dict[int, list[float]]] = {name: {} for name in placements}
     if args.colocated_from:

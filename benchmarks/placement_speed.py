@@ -37,6 +37,13 @@ def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
+def separate_overrides(nproc: int, rollout_ranks: int) -> list[str]:
+    """The overrides that split a preset's `nproc` ranks: `rollout_ranks` generate, the rest train
+    (`actor.parallel.ep=1` when one actor rank is left)."""
+    split = ["rollout.placement=separate", f"rollout.ranks={rollout_ranks}"]
+    return split + (["actor.parallel.ep=1"] if nproc - rollout_ranks == 1 else [])
+
+
 def _tokens_per_s(rows: list[dict], upto: int) -> float:
     """Trained response tokens per wall second, from the end of step 1 to the end of step `upto`."""
     used = [r for r in rows if r["step"] <= upto]
@@ -99,9 +106,7 @@ def main() -> None:
     from mcore_rl.config import load_config
 
     nproc = load_config(str(REPO / args.preset), args.overrides).trainer.nproc
-    separate = ["rollout.placement=separate", f"rollout.ranks={args.rollout_ranks}"]
-    if nproc - args.rollout_ranks == 1:
-        separate.append("actor.parallel.ep=1")
+    separate = separate_overrides(nproc, args.rollout_ranks)
     common = [f"trainer.steps={args.steps or args.max_steps}", "trainer.val_every=0", "checkpoint.save_hf=false"]
     print(f"{args.preset}: to {goal.describe()}; {nproc} ranks, separate: {args.rollout_ranks} rollout", flush=True)
     ratios_wall, ratios_tps = [], []

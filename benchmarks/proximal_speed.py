@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.demo_speed import REPO, Goal, run_mcore  # noqa: E402
-from benchmarks.placement_speed import _rows  # noqa: E402
+from benchmarks.placement_speed import _rows, separate_overrides  # noqa: E402
 
 
 def _median(rows: list[dict], key: str) -> float:
@@ -74,10 +74,8 @@ def main() -> None:
     from mcore_rl.config import load_config
 
     nproc = load_config(str(REPO / args.preset), args.overrides, validate=False).trainer.nproc
-    common = ["rollout.placement=separate", f"rollout.ranks={args.rollout_ranks}", f"trainer.steps={args.steps}"]
+    common = [*separate_overrides(nproc, args.rollout_ranks), f"trainer.steps={args.steps}"]
     common += ["trainer.val_every=0", "checkpoint.save_hf=false", "checkpoint.save_every=1000"]
-    if nproc - args.rollout_ranks == 1:
-        common.append("actor.parallel.ep=1")
     print(f"{args.preset}, separate ({args.rollout_ranks} rollout ranks of {nproc}), {args.steps} steps", flush=True)
     summary = []
     with tempfile.TemporaryDirectory(prefix="proximal-speed-") as tmp:
