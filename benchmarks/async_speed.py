@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.demo_speed import Goal, run_mcore  # noqa: E402
-from benchmarks.placement_speed import _rows, _spread  # noqa: E402
+from benchmarks.placement_speed import _rows, _spread, separate_overrides  # noqa: E402
 from mcore_rl.data.task import TaskSpec, make_example, write_rows  # noqa: E402
 
 # The long tail: most prompts 2-4 digits, a few 9-12 (answers 3-5 and 10-13 tokens with <|im_end|>)
@@ -58,7 +58,7 @@ def make_longtail_task(out_dir: str, train_size: int = 4096, val_size: int = 256
     print(f"wrote {out}/train.parquet ({train_size} rows), val.parquet ({val_size} rows)")
 
 
-SPLIT = ["trainer.nproc=2", "rollout.placement=separate", "rollout.ranks=1", "actor.parallel.ep=1"]
+SPLIT = ["trainer.nproc=2", *separate_overrides(2, 1)]  # 1 actor rank + 1 rollout rank
 
 
 def modes(staleness: list[int]) -> dict[str, list[str]]:
