@@ -184,6 +184,7 @@ class TrainerConfig:
     nnodes: int = 1  # machines of `nproc` processes each (world size = nnodes * nproc); launch/ scripts
     log_every: int = 1
     tensorboard: bool = True
+    plots: bool = True  # RUN_DIR/plots at the end (false: draw them later with `mcore-rl plot RUN_DIR`)
     wandb: bool = False
     wandb_project: str = "mcore-rl"
     max_consecutive_skips: int = 3  # optimizer steps skipped in a row (NaN/inf loss or grad norm) before stopping

@@ -432,6 +432,8 @@ class Trainer:
     def _plot(self) -> None:
         """Every rank writes its share of the plots (plot.plot_run's part); a failure on any (a full disk) stops
         every rank with the same message."""
+        if not self.cfg.trainer.plots:
+            return
         failed = None
         try:
             plot_run(self.run_dir, part=(self.rank, self.world))

@@ -56,6 +56,7 @@ def overrides(model_dir, task, run_dir, **extra):
         "rollout.n": 4,
         "actor.parallel.micro_batch_size": 4,
         "rollout.verify_every": 2,
+        "trainer.plots": "false",  # ~60 PNGs a run, the largest cost of a short job; the tests that check them ask
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
@@ -138,7 +139,7 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
 def test_short_run(tiny_arch_dir, task, tmp_path, preset, arch, extra):
     run_dir = tmp_path / "run"
     tiny_model_dir = tiny_arch_dir(arch)
-    out = run_train(preset, overrides(tiny_model_dir, task, run_dir, **extra))
+    out = run_train(preset, overrides(tiny_model_dir, task, run_dir, **extra, **{"trainer.plots": "true"}))
     assert "step 4/4 | " in out and " s/step | ETA 0:00 | reward " in out and "tok/s" in out  # the progress line
     # The first screen: the launcher's line, versions, what is absent and why that is fine, data, engine; the
     # library warnings (36 lines on the MoE preset, megatron-core 0.16.1) only with trainer.verbose.
