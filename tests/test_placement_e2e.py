@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import EXACT_TOKENS
 from tests.test_trainer_e2e import TIMING_PREFIXES, load_hf, overrides, read_metrics, run_train, task  # noqa: F401
 
 pytestmark = pytest.mark.slow
@@ -53,16 +54,16 @@ def dcp_metadata(ckpt: Path):
     return meta.state_dict_metadata, meta.planner_data, meta.storage_data
 
 
-def test_separate_at_zero_staleness_equals_colocated(tiny_model_dir, task, tmp_path):  # noqa: F811
-    """... and rollout.streaming=true at max_staleness 0 (admission waits for every session: no weights arrive mid
-    generation) writes the synchronous separate run's rows, its own metrics besides."""
-    colocated, separate, streaming = tmp_path / "colocated", tmp_path / "separate", tmp_path / "streaming"
-    tokens = {"rollout.max_new_tokens": 6}  # decode steps between which a streaming engine could take weights
-    one = {"trainer.nproc": 1, "actor.parallel.ep": 1}
-    run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, colocated, **one, **tokens))
-    exact = {**SEPARATE, **tokens, "rollout.max_staleness": 0}
-    run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, separate, **exact))
-    run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, streaming, **exact, **{"rollout.streaming": "true"}))
+def test_separate_at_zero_staleness_equals_colocated(tiny_model_dir, colocated_reference, tmp_path):
+    """The colocated run on 1 process (conftest.colocated_reference, shared with tests/test_ray_launch.py) against
+    separate on 2 at max_staleness 0; and rollout.streaming=true at max_staleness 0 (admission waits for every
+    session: no weights arrive mid generation) writes the synchronous separate run's rows, its own metrics besides."""
+    colocated, reference_task = colocated_reference
+    separate, streaming = tmp_path / "separate", tmp_path / "streaming"
+    exact = {**SEPARATE, **EXACT_TOKENS, "rollout.max_staleness": 0}
+    run_train("gspo_cpu.yaml", overrides(tiny_model_dir, reference_task, separate, **exact))
+    streams = {**exact, "rollout.streaming": "true"}
+    run_train("gspo_cpu.yaml", overrides(tiny_model_dir, reference_task, streaming, **streams))
     rows_c, rows_s = read_metrics(colocated), read_metrics(separate)
     assert [r["step"] for r in rows_s] == [1, 2, 3, 4]
     assert untimed(rows_c) == untimed(rows_s)
