@@ -94,7 +94,7 @@ class SyncVerifier:
         except SyncVerificationError as e:
             if not where:
                 raise
-            raise SyncVerificationError(f"{where}, after the sync of step {step + 1}: {e}") from None
+            raise SyncVerificationError(f"{where}, at step {step + 1}: {e}") from None
         if self.rank == 0 and (report.rebuilt or step <= self.every):
             log.info(report.summary())
         return {
