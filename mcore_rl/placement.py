@@ -68,6 +68,7 @@ class Placement(abc.ABC):
     engine: object
     rounds: RoundSource
     max_staleness: int
+    engine_label = ""  # whose engine a failed verification names ("": this rank's own, as the launcher's line says)
 
     @property
     def receiver(self):

@@ -214,6 +214,13 @@ class SeparatePlacement(Placement):
     def receiver(self):
         return EngineCapabilities().receiver  # copy-in: the export's own gather, then the bridge
 
+    @property
+    def engine_label(self) -> str:
+        """The engine the verification scores: the first replica's, led by the first rollout rank (its global rank
+        is the actor ranks' count), as the launcher names ranks."""
+        leader = dist.get_world_size()
+        return f"the engine of rollout rank {leader} (the first rollout replica, which the verification scores)"
+
     # the device: each role holds its own
     def ensure(self, phase: Phase) -> None:
         pass

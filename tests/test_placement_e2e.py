@@ -6,17 +6,24 @@
 - one step off-policy (max_staleness 1, the default): every step after the first trains on samples exactly one
   weight version old (train/staleness_max = mean = 1), the proximal pass runs every step, and a resume from the
   step-2 checkpoint (which holds step 3's samples, generated before step 2's update) reproduces the run bit for bit
+- the verification across the split: a sync the rollout rank's engine did not fully apply is seen and rebuilt from
+  the export sent over the bridge (rollout.verify_fallback=rebuild), or ends the run with one line naming the rollout
+  rank (error)
 """
 
 import contextlib
 import hashlib
+import os
 import pickle
+import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.conftest import EXACT_TOKENS
 from tests.test_trainer_e2e import TIMING_PREFIXES, load_hf, overrides, read_metrics, run_train, task  # noqa: F401
 
 pytestmark = pytest.mark.slow
@@ -47,16 +54,16 @@ def dcp_metadata(ckpt: Path):
     return meta.state_dict_metadata, meta.planner_data, meta.storage_data
 
 
-def test_separate_at_zero_staleness_equals_colocated(tiny_model_dir, task, tmp_path):  # noqa: F811
-    """... and rollout.streaming=true at max_staleness 0 (admission waits for every session: no weights arrive mid
-    generation) writes the synchronous separate run's rows, its own metrics besides."""
-    colocated, separate, streaming = tmp_path / "colocated", tmp_path / "separate", tmp_path / "streaming"
-    tokens = {"rollout.max_new_tokens": 6}  # decode steps between which a streaming engine could take weights
-    one = {"trainer.nproc": 1, "actor.parallel.ep": 1}
-    run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, colocated, **one, **tokens))
-    exact = {**SEPARATE, **tokens, "rollout.max_staleness": 0}
-    run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, separate, **exact))
-    run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, streaming, **exact, **{"rollout.streaming": "true"}))
+def test_separate_at_zero_staleness_equals_colocated(tiny_model_dir, colocated_reference, tmp_path):
+    """The colocated run on 1 process (conftest.colocated_reference, shared with tests/test_ray_launch.py) against
+    separate on 2 at max_staleness 0; and rollout.streaming=true at max_staleness 0 (admission waits for every
+    session: no weights arrive mid generation) writes the synchronous separate run's rows, its own metrics besides."""
+    colocated, reference_task = colocated_reference
+    separate, streaming = tmp_path / "separate", tmp_path / "streaming"
+    exact = {**SEPARATE, **EXACT_TOKENS, "rollout.max_staleness": 0}
+    run_train("gspo_cpu.yaml", overrides(tiny_model_dir, reference_task, separate, **exact))
+    streams = {**exact, "rollout.streaming": "true"}
+    run_train("gspo_cpu.yaml", overrides(tiny_model_dir, reference_task, streaming, **streams))
     rows_c, rows_s = read_metrics(colocated), read_metrics(separate)
     assert [r["step"] for r in rows_s] == [1, 2, 3, 4]
     assert untimed(rows_c) == untimed(rows_s)
@@ -163,16 +170,63 @@ def test_a_rollout_rank_killed_is_named_and_the_checkpoints_stay(tiny_model_dir,
     assert newest is not None and newest.step >= 1 and (newest.path / "actor").is_dir()
 
 
+# the tensor tests/dropped_sync_tensor.py leaves out of the rollout rank's engine: one every step's update changes
+DROPPED = "model.layers.0.self_attn.q_proj.weight"
+
+
+def dropping_cmd(arrival: int, args: list[str]) -> list[str]:
+    """`mcore-rl train` (gspo_cpu.yaml) whose rollout rank (global rank 1) does not apply the `arrival`-th sync of
+    DROPPED: the fault is in the receiving engine's load, every other part of the run is real."""
+    import sys
+
+    from tests.test_trainer_e2e import REPO
+
+    drop = ["--rank", "1", "--tensor", DROPPED, "--arrival", str(arrival)]
+    return [
+        sys.executable,
+        "-m",
+        "tests.dropped_sync_tensor",
+        *drop,
+        "--",
+        "train",
+        str(REPO / "configs/tiny/gspo_cpu.yaml"),
+        *args,
+    ]
+
+
+def _train(cmd: list[str]) -> subprocess.CompletedProcess:
+    """`cmd` run as run_train runs `mcore-rl train`: from the repository, without launcher variables, one thread."""
+    from tests.test_trainer_e2e import LAUNCHER_VARS, REPO
+
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    return subprocess.run(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+        env=dict(env, OMP_NUM_THREADS="1"),
+    )
+
+
 def test_dynamic_sampling_rounds_are_generated_ahead_too(tiny_model_dir, task, tmp_path):  # noqa: F811
     """DAPO dynamic sampling one step off-policy: the rollout ranks run the step's extra rounds ahead (their own
     sampler, the same decisions from the same rewards) and the actor ranks train on exactly those rounds, checked
     against their own sampler's prompts; every step has its groups with signal. The same job runs the loglinear
     proximal log-probs with the geometric-mean sequence weight (docs/async-objective.md): no proximal pass runs, the
-    update's forward gives the entropy metric."""
+    update's forward gives the entropy metric.
+
+    And the rebuild across the split: the rollout rank's engine leaves one tensor of sync 2 (verified: verify_every 2)
+    unapplied (tests/dropped_sync_tensor.py). The verification sees it on the rollout side (that tensor's fingerprint,
+    the probe's log-probs against the actor's), the fallback rebuilds the engine from the export sent over the bridge,
+    the rebuilt engine matches the actor, and the run goes on: step 4 is generated from it, sync 4 verifies clean."""
     run_dir = tmp_path / "run"
     extra = {"algo.dynamic_sampling": "true", "reward.fn": "tests.dapo_reward:score", "trainer.val_every": 0}
     extra.update({"algo.proximal": "loglinear", "algo.rollout_is": "sequence_geomean"})
-    run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, run_dir, **SEPARATE, **extra))
+    proc = _train(dropping_cmd(2, overrides(tiny_model_dir, task, run_dir, **SEPARATE, **extra)))
+    out = proc.stdout
+    assert proc.returncode == 0, out[-6000:]
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["groups/kept"] == 4 for r in rows), [r.get("groups/kept") for r in rows]
@@ -181,11 +235,34 @@ def test_dynamic_sampling_rounds_are_generated_ahead_too(tiny_model_dir, task, t
     assert not any("time/old_logprob" in r for r in rows), [sorted(r) for r in rows]
     assert all(r["train/entropy_old"] == r["train/entropy"] and 0 < r["train/is_weight_mean"] for r in rows), rows
 
+    verified = {r["step"]: r for r in rows if "sync/rebuilt" in r}
+    assert sorted(verified) == [2, 4] and f"rank 1 left {DROPPED} (arrival 2) out" in out, out[-4000:]
+    assert verified[2]["sync/rebuilt"] == 1 and verified[2]["sync/verify_weights_differ"] == 1, verified[2]
+    assert f"1 of 69 tensors differ (e.g. {DROPPED}): FAILED; rebuilt the engine from exported weights" in out
+    after = float(re.search(r"rebuilt the engine from exported weights -> max (\S+)", out).group(1))
+    assert after <= 1e-5 < verified[2]["sync/verify_max_diff"], (after, verified[2])  # fp32: exact after the rebuild
+    assert verified[4]["sync/rebuilt"] == 0 and verified[4]["sync/verify_weights_differ"] == 0
+    assert verified[4]["sync/verify_max_diff"] <= 1e-5, verified[4]
+
+
+def test_a_sync_the_rollout_rank_did_not_apply_ends_the_run_with_fallback_error(tiny_model_dir, task, tmp_path):  # noqa: F811
+    """rollout.verify_fallback=error and the same fault in sync 1: the job ends with one line naming the rollout rank
+    whose engine differs, the tensor and the fix; no worker's traceback."""
+    from tests.test_faults_e2e import assert_no_worker_traceback, last_line
+
+    extra = {"trainer.steps": 1, "rollout.verify_every": 1, "rollout.verify_fallback": "error", "trainer.val_every": 0}
+    extra["reward.fn"] = "tests.dapo_reward:score"  # groups with signal: the first update changes the weights
+    run_dir = tmp_path / "run"
+    proc = _train(dropping_cmd(1, overrides(tiny_model_dir, task, run_dir, **SEPARATE, **extra)))
+    out, line = proc.stdout, last_line(proc.stdout)
+    assert proc.returncode == 1, out[-6000:]
+    assert line.startswith("mcore-rl: error: the engine of rollout rank 1 ") and ", at step 1: sync " in line, line
+    assert f"tensors differ (e.g. {DROPPED})" in line and "use rollout.verify_fallback=rebuild to recover" in line
+    assert_no_worker_traceback(out)
+    assert not (run_dir / "checkpoints" / "step_00000001").exists()  # nothing trained past a failed sync is saved
+
 
 def _start(args: list[str]):
-    import os
-    import subprocess
-
     from tests.test_trainer_e2e import REPO, train_cmd
 
     return subprocess.Popen(

@@ -310,6 +310,7 @@ class _EngineHere(Colocation):
     """The colocated placement's weight-sync surface (placement.py's Placement) without its rounds."""
 
     receiver = property(lambda self: self.engine.capabilities.receiver)
+    engine_label = ""
 
     def probe_scores(self, probe):
         return self.engine.score(probe.sequences, probe.prompt_lens, probe.temperature)

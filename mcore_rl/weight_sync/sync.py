@@ -13,7 +13,8 @@ from mcore_rl.weight_sync.verifier import SyncVerifier
 
 class WeightSync:
     """The actor's weights into the placement's engine. `placement`: mcore_rl.placement.Placement (its `handover`,
-    `receiver`, `engine`, `actor_reads`, `probe_scores`); `actor`: the Megatron actor (its export and probe pass)."""
+    `receiver`, `engine`, `engine_label`, `actor_reads`, `probe_scores`); `actor`: the Megatron actor (its export
+    and probe pass)."""
 
     def __init__(self, cfg, actor, placement, rank: int, release: Callable[[], None]):
         self.actor, self.placement = actor, placement
@@ -33,7 +34,8 @@ class WeightSync:
                 reference, export_fn = placement.actor_reads(self.verifier.probe)
         out = {"sync/seconds": stats.seconds, "sync/gb_per_s": stats.gb_per_s}
         if verify:
-            out.update(self.verifier.verify(placement.engine, reference, export_fn, stats.fingerprints, step))
+            where = placement.engine_label
+            out.update(self.verifier.verify(placement.engine, reference, export_fn, stats.fingerprints, step, where))
         return out
 
     def after_rollout(self, step: int, selection) -> None:

@@ -9,6 +9,7 @@ from typing import Callable
 
 from mcore_rl.weight_sync.verify import (
     ProbeBatch,
+    SyncVerificationError,
     default_tolerance,
     log_prob_gap,
     shared_probe,
@@ -73,19 +74,27 @@ class SyncVerifier:
             "sync/calibration_max_diff": gap.worst,
         }
 
-    def verify(self, engine, reference: Callable, export_fn: Callable, fingerprints: dict, step: int) -> dict:
+    def verify(
+        self, engine, reference: Callable, export_fn: Callable, fingerprints: dict, step: int, where: str = ""
+    ) -> dict:
         """Verify the sync just done (`reference`, `export_fn`: the actor's reads, Placement.actor_reads; `step`: the
-        steps trained before it); its metrics. The report is logged on rebuilds and over the first syncs."""
-        report = verify_sync(
-            engine,
-            reference,
-            self.probe,
-            self.tolerance,
-            fallback=self.fallback,
-            export_fn=export_fn,
-            fingerprints=fingerprints,
-            release=self.release,  # a rebuild maps memory beside the awake engine
-        )
+        steps trained before it; `where`: whose engine, for the error - Placement.engine_label); its metrics. The
+        report is logged on rebuilds and over the first syncs."""
+        try:
+            report = verify_sync(
+                engine,
+                reference,
+                self.probe,
+                self.tolerance,
+                fallback=self.fallback,
+                export_fn=export_fn,
+                fingerprints=fingerprints,
+                release=self.release,  # a rebuild maps memory beside the awake engine
+            )
+        except SyncVerificationError as e:
+            if not where:
+                raise
+            raise SyncVerificationError(f"{where}, at step {step + 1}: {e}") from None
         if self.rank == 0 and (report.rebuilt or step <= self.every):
             log.info(report.summary())
         return {

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from mcore_rl.batch import RolloutSample
 from mcore_rl.platform import collectives
+from mcore_rl.safety import TrainingHalted
 from mcore_rl.weight_sync.buckets import Engine, WeightStream
 
 log = logging.getLogger(__name__)
@@ -28,8 +29,9 @@ log = logging.getLogger(__name__)
 ReferenceLogprobFn = Callable[[list[list[int]], list[int], float], list[torch.Tensor]]
 
 
-class SyncVerificationError(RuntimeError):
-    """The engine's log-probs disagree with the actor's after a weight sync."""
+class SyncVerificationError(TrainingHalted):
+    """The engine's log-probs disagree with the actor's after a weight sync: the run stops with one line (the
+    message names the worst tensors and the fix), not a crash's traceback."""
 
 
 @dataclass(frozen=True)
