@@ -66,6 +66,7 @@ def settings(model, task, run_dir, steps: int = 4, **extra) -> list[str]:
         "data.prompts_per_step": 4,
         "rollout.n": 4,
         "actor.parallel.micro_batch_size": 4,
+        "trainer.plots": "false",  # not what these jobs check
         **extra,
     }
     return [f"{k}={v}" for k, v in values.items()]
