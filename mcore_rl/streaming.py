@@ -22,15 +22,53 @@ engine's `decode.Generation`, the vLLM engine's `rollout/vllm_stream.py`): `betw
 Groups are whole when they are sent (a step's rounds, dynamic sampling's included, finish before it is queued);
 one engine replica (the pre-flight refuses more: replicas would take a session at different decode steps while
 their own collectives wait for each other).
+
+What the rollout rank is doing can be seen from outside the job in RUN_DIR/rollout_status.json (`RolloutStatus`):
+generating which step under which weights, waiting for which session, or interrupted: samples paused mid-generation
+while a session is served.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections import deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
 
 from mcore_rl.generation import StepGenerator
 from mcore_rl.separate import RecordingRounds, RolloutWorker, StepSamples
+
+STATUS_FILE = "rollout_status.json"  # RUN_DIR/rollout_status.json: RolloutStatus, written by the rollout leader
+
+
+@dataclass
+class RolloutStatus:
+    """What the streaming rollout rank is doing, for whoever watches the run (`cat RUN_DIR/rollout_status.json`):
+    the file is replaced whole at each change of state, a few times a step and never per decode step, without
+    fsync (a view of the present, not a record: after a crash it shows where the rank was)."""
+
+    path: Optional[Path]  # None: this rank does not write it (only the rollout leader does)
+    state: str = "starting"  # generating | waiting (admission or the queue) | interrupted | serving | done
+    step: int = 0  # the step being generated (waiting: the next one to generate; after the last step: the last)
+    version: int = 0  # the weights the engine holds (interrupted: those of the tokens generated so far)
+    session: Optional[int] = None  # interrupted / serving / waiting: the version whose session is awaited or served
+    in_flight: int = 0  # interrupted: the samples paused mid-generation (serving: none were in flight)
+    interruptions: int = 0  # weight updates that landed mid-generation, since this process started
+    interrupted_samples: int = 0  # the samples they paused (rollout/interrupted_samples summed)
+    queued_steps: int = 0  # finished steps waiting for their session
+
+    def update(self, **changes) -> None:
+        for name, value in changes.items():
+            setattr(self, name, value)
+        if self.path is None:
+            return
+        fields = {k: v for k, v in asdict(self).items() if k != "path"}
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(json.dumps({**fields, "pid": os.getpid(), "time": time.time()}) + "\n")
+        os.replace(tmp, self.path)  # a reader sees the old state or the new one, never half of one
 
 
 class StreamingWorker(RolloutWorker):
@@ -43,24 +81,29 @@ class StreamingWorker(RolloutWorker):
         self.queue: deque[StepSamples] = deque()
         self.interrupted = 0  # samples in flight at a weight update, over the run
         self.serving = 0.0  # seconds spent serving sessions between decode steps (not generation)
+        self.status = RolloutStatus(Path(self.cfg.trainer.run_dir) / STATUS_FILE if self._leads else None)
 
     def _steps(self, first: int, generator: StepGenerator, recorder: RecordingRounds) -> None:
         steps = self.cfg.trainer.steps
         self.engine.between_steps = self._between_steps
         try:
             for step in range(first, steps + 1):
+                self.status.step = step
                 self._serve_until(step - 1 - self.staleness)  # admission
                 self.engine.weights_version = self.synced
+                self.status.update(state="generating", step=step, version=self.synced, session=None)
                 self.queue.append(self._generate(generator, recorder, step))
                 self._deliver()
         finally:
             self.engine.between_steps = None
         self._serve_until(steps)
+        self.status.update(state="done", version=self.synced, session=None)
 
     def _serve_until(self, version: int) -> None:
         """Serve sessions until the weights of `version`, sending each step a session made due at once (the actor
         waits for it before its next session)."""
         while self.synced < version:
+            self.status.update(state="waiting", version=self.synced, session=self.synced + 1)
             super()._serve_until(self.synced + 1)
             self._deliver()
 
@@ -71,6 +114,7 @@ class StreamingWorker(RolloutWorker):
             begin = time.perf_counter()
             self.bridge.object(samples, from_actor=False)
             self.waited += time.perf_counter() - begin
+        self.status.queued_steps = len(self.queue)
 
     def _between_steps(self, generation) -> None:
         """Between two decode steps: a session rung is served now, and the in-flight samples continue under its
@@ -78,15 +122,27 @@ class StreamingWorker(RolloutWorker):
         if self.bridge.rung() <= self.served:
             return
         begin = time.perf_counter()
+        paused = generation.in_flight
+        self.status.update(state="interrupted" if paused else "serving", session=self.synced + 1, in_flight=paused)
         self.engine.between_steps = None  # a session's validation generates too
         try:
-            self._serve_until(self.synced + 1)
+            super()._serve_until(self.synced + 1)
+            self._deliver()
         finally:
             self.engine.between_steps = self._between_steps
         self.engine.weights_version = self.synced
         before = generation.interrupted
         generation.weights_changed(self.synced)
         self.interrupted += generation.interrupted - before
+        interruptions = self.status.interruptions + bool(paused)
+        self.status.update(
+            state="generating",
+            version=self.synced,
+            session=None,
+            in_flight=0,
+            interruptions=interruptions,
+            interrupted_samples=self.interrupted,
+        )
         self.serving += time.perf_counter() - begin
 
     def _generate(self, generator: StepGenerator, recorder: RecordingRounds, step: int) -> StepSamples:

@@ -170,12 +170,17 @@ class Generation:
                 self.current = None
         return self.done
 
+    @property
+    def in_flight(self) -> int:
+        """The samples a weight update now would interrupt: the unfinished rows of the batch in flight."""
+        return 0 if self.current is None else self.current.interrupted_rows
+
     @torch.no_grad()
     def weights_changed(self, version: Optional[int]) -> None:
         """The engine now holds the weights of `version`: the in-flight rows continue under them."""
         self.version = version
         if self.current is not None:
-            self.interrupted += self.current.interrupted_rows
+            self.interrupted += self.in_flight
             self.current.refill(version)
 
     def result(self) -> list[list[RolloutSample]]:

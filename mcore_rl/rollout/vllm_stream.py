@@ -76,6 +76,11 @@ class VllmGeneration:
     def done(self) -> bool:
         return not self.running and not self.parked
 
+    @property
+    def in_flight(self) -> int:
+        """The samples a weight update now would interrupt: those running or parked."""
+        return len(self.running) + len(self.parked)
+
     def _submit(self, sample: _Sample) -> None:
         remaining = dataclasses.replace(self.params, max_new_tokens=self.params.max_new_tokens - len(sample.tokens))
         seed = None if sample.seed is None else sample.seed + _RESEED * len(sample.tokens)

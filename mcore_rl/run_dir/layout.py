@@ -7,6 +7,7 @@ RUN_DIR/checkpoints/step_00000020/  a complete checkpoint: payload + CHECKSUMS.j
 RUN_DIR/checkpoints/step_00000030.tmp/  a checkpoint being written (or left by a crash; never read)
 RUN_DIR/checkpoints/latest          name of the newest published checkpoint (atomically replaced)
 RUN_DIR/hf/                         the trained model as a Hugging Face folder (checkpoint.save_hf)
+RUN_DIR/rollout_status.json         what a streaming rollout rank is doing (streaming.RolloutStatus)
 RUN_DIR/checkpoints/abandoned/      checkpoints newer than the one a run resumed from, and beside the newest of
                                     them (step_N.metrics.jsonl, step_N.hf/) that line's metrics and export
 RUN_DIR/previous_runs/<time>/       an older run moved aside (checkpoint.move_old_run)
