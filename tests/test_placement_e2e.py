@@ -4,8 +4,8 @@
   writes the same metrics rows (timings aside), the same checkpoint bytes and the same export as the colocated run
   on 1 process with the same actor layout and engine replicas (docs/placement.md)
 - one step off-policy (max_staleness 1, the default): every step after the first trains on samples exactly one
-  weight version old (train/staleness_max = mean = 1), the proximal pass runs every step, and a resume from the
-  step-2 checkpoint (which holds step 3's samples, generated before step 2's update) reproduces the run bit for bit
+  weight version old (train/staleness_max = mean = 1), the proximal pass runs every step, and resumes after kill -9
+  (a checkpoint holds the next step's samples, generated before its update) reproduce the run bit for bit
 - the verification across the split: a sync the rollout rank's engine did not fully apply is seen and rebuilt from
   the export sent over the bridge (rollout.verify_fallback=rebuild), or ends the run with one line naming the rollout
   rank (error)
@@ -17,8 +17,8 @@ import json
 import os
 import pickle
 import re
-import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -80,28 +80,6 @@ def test_separate_at_zero_staleness_equals_colocated(tiny_model_dir, colocated_r
         assert dcp_metadata(a) == dcp_metadata(b), step
     hf_c, hf_s = load_hf(colocated), load_hf(separate)
     assert hf_c.keys() == hf_s.keys() and all(torch.equal(hf_c[k], hf_s[k]) for k in hf_c)
-
-
-def test_one_step_off_policy_is_one_version_stale_and_resumes_exactly(tiny_model_dir, task, tmp_path):  # noqa: F811
-    run_dir = tmp_path / "run"
-    args = overrides(tiny_model_dir, task, run_dir, **SEPARATE, **{"algo.routing_replay": "r3"})
-    run_train("gspo_cpu.yaml", args)
-    rows = read_metrics(run_dir)
-    assert [(r["train/staleness_max"], r["train/staleness_mean"]) for r in rows] == [(0, 0)] + [(1, 1)] * 3
-    # the proximal (old-policy) pass ran every step: off-policy it is never taken from the update
-    assert all("time/old_logprob" in r for r in rows), [sorted(r) for r in rows]
-    straight = load_hf(run_dir)
-
-    shutil.rmtree(run_dir / "checkpoints" / "step_00000004")
-    shutil.rmtree(run_dir / "hf")
-    out = run_train("gspo_cpu.yaml", args)
-    assert "resumed from" in out and "step_00000002" in out, out[-3000:]
-    resumed = load_hf(run_dir)
-    assert straight.keys() == resumed.keys()
-    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
-    rows_b = read_metrics(run_dir)
-    assert [r["step"] for r in rows_b] == [1, 2, 3, 4]
-    assert untimed(rows) == untimed(rows_b)
 
 
 def test_streaming_bounds_the_lag_of_every_trained_token(tiny_model_dir, task, tmp_path):  # noqa: F811
@@ -388,11 +366,13 @@ def test_sigterm_stops_the_separate_placement_like_the_colocated_one(tiny_model_
 
 
 def test_kill_9_of_the_actor_rank_and_of_the_launcher_lose_nothing_and_resume_exactly(tiny_model_dir, task, tmp_path):  # noqa: F811
-    """One step off-policy, a checkpoint every step: kill -9 of the actor rank while checkpoint 2 is written (the
-    last line names it: `actor rank 0`, SIGKILL), resume, kill -9 of the launcher alone while checkpoint 4 is written
-    (every process of the job ends, the lock is free), resume again: each time the newest published checkpoint
-    verifies, and the run that went through both kills writes the same metrics rows (timings aside) and the same
-    export as the uninterrupted run of the same seed."""
+    """One step off-policy with R3, a checkpoint every step. The uninterrupted run: every step after the first
+    trains on samples exactly one version old and runs the proximal (old-policy) pass. Then kill -9 of the actor
+    rank while checkpoint 2 is written (the last line names it: `actor rank 0`, SIGKILL), resume (its checkpoint
+    holds the next step's samples, generated before its update), kill -9 of the launcher alone while checkpoint 4 is
+    written (every process of the job ends within seconds, nothing more is written, the lock is free), resume again:
+    each time the newest published checkpoint verifies, and the run that went through both kills writes the same
+    metrics rows (timings aside) and the same export as the uninterrupted run of the same seed."""
     import signal
 
     import psutil
@@ -401,9 +381,13 @@ def test_kill_9_of_the_actor_rank_and_of_the_launcher_lose_nothing_and_resume_ex
     from tests.test_faults_e2e import last_line
     from tests.test_trainer_e2e import _wait_for_checkpoint_write, kill_job
 
-    extra = {**SEPARATE, "trainer.steps": 5, "checkpoint.save_every": 1}
+    extra = {**SEPARATE, "trainer.steps": 5, "checkpoint.save_every": 1, "algo.routing_replay": "r3"}
     straight, run_dir = tmp_path / "straight", tmp_path / "killed"
     run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, straight, **extra))
+    rows = read_metrics(straight)
+    assert [(r["train/staleness_max"], r["train/staleness_mean"]) for r in rows] == [(0, 0)] + [(1, 1)] * 4
+    # the proximal (old-policy) pass ran every step: off-policy it is never taken from the update
+    assert all("time/old_logprob" in r for r in rows), [sorted(r) for r in rows]
     args = overrides(tiny_model_dir, task, run_dir, **extra)
 
     proc = _start(args)
@@ -434,13 +418,16 @@ def test_kill_9_of_the_actor_rank_and_of_the_launcher_lose_nothing_and_resume_ex
                 p.kill()
         proc.stdout.close()
     assert len(started) >= 3 and not alive, [(p.pid, p.cmdline()[:4]) for p in alive]
+    written = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
+    time.sleep(3)
+    assert sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*")) == written  # nothing more
     newest = CheckpointManager(run_dir).latest()
     assert newest.step in (3, 4) and not verify_checkpoint(newest) and not (run_dir / "hf").exists()
     RunLock.acquire(run_dir).release()
 
     out = run_train("gspo_cpu.yaml", args)
     assert "resumed from" in out and f"step_{newest.step:08d}" in out, out[-3000:]
-    rows, rows_b = read_metrics(straight), read_metrics(run_dir)
+    rows_b = read_metrics(run_dir)
     assert [r["step"] for r in rows_b] == [1, 2, 3, 4, 5]
     assert untimed(rows) == untimed(rows_b)
     hf_a, hf_b = load_hf(straight), load_hf(run_dir)
