@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Optional, Protocol
 
 import numpy as np
 import torch
@@ -105,11 +105,16 @@ class EngineRounds:
     tokenizer: object
     rollout_cfg: object  # RolloutConfig
     stop_ids: list[int]
+    # called once this rank's share is generated, before the round's collectives: streaming with several replicas
+    # keeps serving sessions there until no replica generates (mcore_rl/streaming.py)
+    settle: Optional[Callable[[], None]] = None
 
     def round(self, examples, n: int, temperature: float, seed: int, stats=None):
         params = sampling_params(self.rollout_cfg, stop_token_ids=self.stop_ids)
         params.temperature = temperature
         local = generate_local(self.engine, [ex.prompt_ids for ex in examples], n, params, seed=seed)
+        if self.settle is not None:
+            self.settle()
         samples = [local.sample(i) for i in local.scored]
         mine = [examples[i // n] for i in local.scored]
         texts = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)

@@ -19,11 +19,20 @@ then sends every queued step the session made due. Blocking waits remain only fo
 The engine stops between decode steps where it is interruptible (`EngineCapabilities.interruptible`: the embedded
 engine's `decode.Generation`, the vLLM engine's `rollout/vllm_stream.py`): `between_steps` and `weights_changed`.
 
-Groups are whole when they are sent (a step's rounds, dynamic sampling's included, finish before it is queued);
-one engine replica (the pre-flight refuses more: replicas would take a session at different decode steps while
-their own collectives wait for each other).
+Groups are whole when they are sent (a step's rounds, dynamic sampling's included, finish before it is queued).
 
-What the rollout rank is doing can be seen from outside the job in RUN_DIR/rollout_status.json (`RolloutStatus`):
+**Several replicas (`rollout.ranks` > 1, the embedded engine) take every session together** (`Agreement`). A session
+is a sequence of broadcasts on the bridge that every rollout rank joins, and a round ends in collectives over the
+rollout ranks (the rewards' exchange, the samples' gather): a replica that read the doorbell on its own would sit in
+the session's broadcast while another, its share done, sat in the gather - a deadlock. So between every two decode
+steps every rollout rank joins one tick: a MAX all-reduce over the rollout ranks' own group of [the sessions the
+leader read rung, whether this rank still generates]. All serve a session when the leader saw it rung (the same
+tick on every rank); a replica whose share is done keeps ticking, idle (serving the sessions that come), until no
+replica generates, and only then does the round's gather run. The cost: one all-reduce of two integers per decode
+step (and per idle tick), and one store read per tick on the leader alone (docs/async.md). Inside a session no rank
+ticks (its validation generates too, on every replica).
+
+What the rollout leader is doing can be seen from outside the job in RUN_DIR/rollout_status.json (`RolloutStatus`):
 generating which step under which weights, waiting for which session, or interrupted: samples paused mid-generation
 while a session is served.
 """
@@ -36,9 +45,10 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from mcore_rl.generation import StepGenerator
+from mcore_rl.platform import collectives
 from mcore_rl.separate import RecordingRounds, RolloutWorker, StepSamples
 
 STATUS_FILE = "rollout_status.json"  # RUN_DIR/rollout_status.json: RolloutStatus, written by the rollout leader
@@ -71,6 +81,37 @@ class RolloutStatus:
         os.replace(tmp, self.path)  # a reader sees the old state or the new one, never half of one
 
 
+class Agreement:
+    """Where the rollout ranks take a session (the module docstring): one tick between every two decode steps of
+    every replica, and idle ticks (`settle`) of a replica whose share is done until no replica generates."""
+
+    def __init__(self, bridge, leads: bool, served: Callable[[], int], take: Callable[[Any], None]):
+        self.bridge, self.leads = bridge, leads
+        self.served = served  # the sessions this rank has served (the resume's and admission's included)
+        self.take = take  # serves the session rung; its argument: the generation in flight here, None when idle
+        self.ticks = 0
+
+    def between_steps(self, generation) -> None:
+        """The engine's hook: `generation`, this replica's, is between two decode steps."""
+        self._tick(generation)
+
+    def settle(self) -> None:
+        """EngineRounds' hook: this replica's share is done; tick with the others until none generates (the
+        round's collectives come next)."""
+        while self._tick(None):
+            pass
+
+    def _tick(self, generation) -> bool:
+        """One MAX all-reduce of [the sessions the leader read rung, whether this rank generates]: every rank takes
+        the session rung at the same tick. Whether any replica still generates."""
+        rung = self.bridge.rung() if self.leads else 0
+        rung, generating = collectives.max_ints([rung, int(generation is not None)])
+        self.ticks += 1
+        if rung > self.served():
+            self.take(generation)
+        return generating > 0
+
+
 class StreamingWorker(RolloutWorker):
     """A rollout rank that never waits for the actor except where admission says so (see the module docstring)."""
 
@@ -82,10 +123,11 @@ class StreamingWorker(RolloutWorker):
         self.interrupted = 0  # samples in flight at a weight update, over the run
         self.serving = 0.0  # seconds spent serving sessions between decode steps (not generation)
         self.status = RolloutStatus(Path(self.cfg.trainer.run_dir) / STATUS_FILE if self._leads else None)
+        self.agreement = Agreement(self.bridge, self._leads, lambda: self.served, self._between_steps)
 
     def _steps(self, first: int, generator: StepGenerator, recorder: RecordingRounds) -> None:
         steps = self.cfg.trainer.steps
-        self.engine.between_steps = self._between_steps
+        self._ticking(True)
         try:
             for step in range(first, steps + 1):
                 self.status.step = step
@@ -95,9 +137,14 @@ class StreamingWorker(RolloutWorker):
                 self.queue.append(self._generate(generator, recorder, step))
                 self._deliver()
         finally:
-            self.engine.between_steps = None
+            self._ticking(False)
         self._serve_until(steps)
         self.status.update(state="done", version=self.synced, session=None)
+
+    def _ticking(self, on: bool) -> None:
+        """The agreement's ticks between decode steps and after this replica's share (off inside a session)."""
+        self.engine.between_steps = self.agreement.between_steps if on else None
+        self.source.settle = self.agreement.settle if on else None
 
     def _serve_until(self, version: int) -> None:
         """Serve sessions until the weights of `version`, sending each step a session made due at once (the actor
@@ -117,30 +164,28 @@ class StreamingWorker(RolloutWorker):
         self.status.queued_steps = len(self.queue)
 
     def _between_steps(self, generation) -> None:
-        """Between two decode steps: a session rung is served now, and the in-flight samples continue under its
-        weights."""
-        if self.bridge.rung() <= self.served:
-            return
+        """A session rung, agreed at a tick: served now, and the in-flight samples (`generation`; None where this
+        replica's share is done) continue under its weights."""
         begin = time.perf_counter()
-        paused = generation.in_flight
+        paused = generation.in_flight if generation is not None else 0
         self.status.update(state="interrupted" if paused else "serving", session=self.synced + 1, in_flight=paused)
-        self.engine.between_steps = None  # a session's validation generates too
+        self._ticking(False)  # a session's validation generates too
         try:
             super()._serve_until(self.synced + 1)
             self._deliver()
         finally:
-            self.engine.between_steps = self._between_steps
+            self._ticking(True)
         self.engine.weights_version = self.synced
-        before = generation.interrupted
-        generation.weights_changed(self.synced)
-        self.interrupted += generation.interrupted - before
-        interruptions = self.status.interruptions + bool(paused)
+        if generation is not None:
+            before = generation.interrupted
+            generation.weights_changed(self.synced)
+            self.interrupted += generation.interrupted - before
         self.status.update(
             state="generating",
             version=self.synced,
             session=None,
             in_flight=0,
-            interruptions=interruptions,
+            interruptions=self.status.interruptions + bool(paused),
             interrupted_samples=self.interrupted,
         )
         self.serving += time.perf_counter() - begin
@@ -149,5 +194,5 @@ class StreamingWorker(RolloutWorker):
         interrupted, serving = self.interrupted, self.serving
         samples = super()._generate(generator, recorder, step)
         samples.generate_seconds -= self.serving - serving  # serving counts as the engine's wait (waited)
-        samples.extra["rollout/interrupted_samples"] = self.interrupted - interrupted
+        (samples.extra["rollout/interrupted_samples"],) = collectives.sum_ints([self.interrupted - interrupted])
         return samples

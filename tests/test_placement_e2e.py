@@ -462,3 +462,31 @@ def test_ctrl_c_twice_stops_the_separate_placement_at_once(tiny_model_dir, task,
     assert_no_worker_traceback(out)
     newest = CheckpointManager(run_dir).latest()
     assert newest.step in (1, 2) and not verify_checkpoint(newest) and f"newest checkpoint: {newest.path}" in line
+
+
+def test_streaming_over_two_replicas_takes_each_session_together(tiny_model_dir, task, tmp_path):  # noqa: F811
+    """rollout.streaming=true over 2 embedded replicas (1 actor rank + 2 rollout ranks): the replicas agree at every
+    decode step where a session is taken (mcore_rl/streaming.py, `Agreement`). At max_staleness 0 the rows equal the
+    synchronous separate run's with the same 2 replicas (its streaming metrics aside; validation in the session after
+    step 2). At 1, with 24-token responses and dynamic sampling's extra rounds, the run ends (no deadlock), every
+    token's lag is within 1, and updates landed mid-generation on both replicas: some step had more samples
+    interrupted than one replica generates (8, and at K = 1 at most one update lands in a step's generation)."""
+    replicas = {**SEPARATE, "trainer.nproc": 3, "rollout.ranks": 2, "checkpoint.save_every": 0}
+    exact = {**replicas, "trainer.steps": 3, "rollout.max_new_tokens": 6, "rollout.max_staleness": 0}
+    separate, streaming, ahead = tmp_path / "separate", tmp_path / "streaming", tmp_path / "ahead"
+    run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, separate, **exact))
+    run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, streaming, **exact, **{"rollout.streaming": "true"}))
+    rows_s, rows_z = read_metrics(separate), read_metrics(streaming)
+    assert [r["step"] for r in rows_s] == [1, 2, 3] and "val/reward_mean" in rows_s[1]
+    assert [[r[k] for k in STREAMING_KEYS] for r in rows_z] == [[1.0, 0, 0]] * 3  # lag 0, no interruption, no queue
+    assert [{k: v for k, v in r.items() if k not in STREAMING_KEYS} for r in untimed(rows_z)] == untimed(rows_s)
+
+    extra = {"rollout.streaming": "true", "rollout.max_staleness": 1, "rollout.max_new_tokens": 24}
+    extra.update({"algo.dynamic_sampling": "true", "reward.fn": "tests.dapo_reward:score"})
+    run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, ahead, **replicas, **extra))
+    rows = read_metrics(ahead)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and "val/reward_mean" in rows[1]
+    hist = [[r[f"train/staleness_hist/{lag}"] for lag in range(2)] for r in rows]
+    assert all(abs(sum(h) - 1) < 1e-9 for h in hist) and all(r["train/staleness_max"] <= 1 for r in rows), hist
+    assert all(r["groups/kept"] == 4 for r in rows) and any(r["groups/rounds"] > 1 for r in rows), rows
+    assert max(r["rollout/interrupted_samples"] for r in rows) > 8, [r["rollout/interrupted_samples"] for r in rows]

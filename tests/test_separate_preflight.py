@@ -35,6 +35,9 @@ def test_the_actor_layout_spans_the_world_less_the_rollout_ranks():
     assert (lay.world_size, lay.rollout_ranks) == (4, 3)
     _, lay = _run(GPU8, "rollout.ranks=2", "actor.parallel.ep=2")
     assert (lay.world_size, lay.rollout_ranks, lay.dp) == (6, 2, 3)
+    # streaming over 4 embedded replicas: they agree where each session is taken (mcore_rl/streaming.py)
+    _, lay = _run(GPU8, "rollout.engine=embedded", "rollout.tp=1", "rollout.streaming=true")
+    assert (lay.world_size, lay.rollout_ranks) == (4, 4)
     # colocated: every rank trains (and generates)
     _, lay = _run(GPU8, "rollout.placement=colocated", "rollout.ranks=null", "rollout.max_staleness=null")
     assert (lay.world_size, lay.rollout_ranks) == (8, 0)
@@ -50,8 +53,9 @@ def test_the_actor_layout_spans_the_world_less_the_rollout_ranks():
         (
             ("rollout.streaming=true",),
             8,
-            "rollout.streaming=true takes new weights between decode steps on one engine replica; rollout.ranks = 4 "
-            "make 2: set rollout.ranks=2 (or rollout.streaming=false)",
+            "rollout.streaming=true with rollout.engine=vllm takes new weights between decode steps on one engine "
+            "replica (several replicas agree on it with the embedded engine only); rollout.ranks = 4 make 2: set "
+            "rollout.ranks=2, rollout.engine=embedded or rollout.streaming=false",
         ),
         (
             ("rollout.streaming=true", "rollout.ranks=2", "algo.routing_replay=r3"),

@@ -88,14 +88,15 @@ def check_split(cfg: Config, world: int, dims: Any) -> tuple[Optional[RoleSplit]
             "actor.offload with rollout.placement=separate: the actor's ranks hold no engine, so there is nothing "
             "to offload for; set actor.offload=false"
         )
-    if r.streaming and split.rollout_ranks != engine_tp(r):
-        raise LayoutError(
-            f"rollout.streaming=true takes new weights between decode steps on one engine replica; rollout.ranks = "
-            f"{split.rollout_ranks} make {split.rollout_ranks // engine_tp(r)}: set rollout.ranks={engine_tp(r)} "
-            f"(or rollout.streaming=false)"
-        )
     if r.engine != "vllm":
-        return split, []
+        return split, []  # streaming: the embedded replicas agree where they take each session (streaming.Agreement)
+    if r.streaming and split.rollout_ranks != r.tp:
+        raise LayoutError(
+            f"rollout.streaming=true with rollout.engine=vllm takes new weights between decode steps on one engine "
+            f"replica (several replicas agree on it with the embedded engine only); rollout.ranks = "
+            f"{split.rollout_ranks} make {split.rollout_ranks // r.tp}: set rollout.ranks={r.tp}, "
+            f"rollout.engine=embedded or rollout.streaming=false"
+        )
     if r.streaming and cfg.algo.routing_replay == "r3":
         raise LayoutError(
             "rollout.streaming=true with rollout.engine=vllm and algo.routing_replay=r3: an interrupted vLLM request "
