@@ -26,6 +26,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -69,15 +70,35 @@ def _rollout_share(rows: list[dict], upto: int) -> float:
     return sum(r.get("time/rollout", 0.0) for r in used) / step if step else float("nan")
 
 
+def to_target(rows: list[dict], threshold: float, window: int) -> Optional[dict]:
+    """The first row whose `window`-step trailing mean of reward/mean reaches `threshold` (None: none does)."""
+    rewards = [r["reward/mean"] for r in rows]
+    for i in range(window - 1, len(rows)):
+        if sum(rewards[i - window + 1 : i + 1]) / window >= threshold:
+            return rows[i]
+    return None
+
+
 def run(name: str, preset: str, overrides: list[str], goal: Goal, tmp: Path) -> dict:
     run_dir = tmp / name
     before = os.getloadavg()[0]
     result = run_mcore(preset, overrides, run_dir, goal)
-    rows = _rows(run_dir)
+    rows = [r for r in _rows(run_dir) if r["step"] <= (result["step"] or 0)]
     result.update(name=name, tokens_per_s=_tokens_per_s(rows, result["step"] or 0), roles=_roles(rows, result["step"]))
+    target = to_target(rows, goal.threshold, goal.window)
+    # wall seconds from launch: the goal step's, less the time between the target's row and the goal's
+    result.update(
+        target_step=target["step"] if target else None,
+        target_wall_s=result["wall_s"] - (rows[-1]["time"] - target["time"]) if target else float("nan"),
+    )
     status = f"step {result['step']}" + ("" if result["reached"] else " (goal NOT reached)")
+    reached = (
+        f"target at step {result['target_step']}, {result['target_wall_s']:.1f} s"
+        if target
+        else f"target not reached in {len(rows)} steps"
+    )
     print(
-        f"{name:10s} {status}: {result['wall_s']:.1f} s, {result['tokens_per_s']:.0f} trained tokens/s"
+        f"{name:10s} {status}: {result['wall_s']:.1f} s, {result['tokens_per_s']:.0f} trained tokens/s; {reached}"
         + (f"; {result['roles']}" if name == "separate" else "")
         + (f"; rollout {_rollout_share(rows, result['step'] or 0):.0%} of the step" if name == "colocated" else "")
         + f" (load {before:.1f} -> {os.getloadavg()[0]:.1f})",
@@ -109,7 +130,7 @@ def main() -> None:
     separate = separate_overrides(nproc, args.rollout_ranks)
     common = [f"trainer.steps={args.steps or args.max_steps}", "trainer.val_every=0", "checkpoint.save_hf=false"]
     print(f"{args.preset}: to {goal.describe()}; {nproc} ranks, separate: {args.rollout_ranks} rollout", flush=True)
-    ratios_wall, ratios_tps = [], []
+    ratios_wall, ratios_tps, ratios_target, target_steps = [], [], [], []
     with tempfile.TemporaryDirectory(prefix="placement-speed-") as tmp:
         for rnd in range(args.rounds):
             for seed in args.seeds:
@@ -118,8 +139,15 @@ def main() -> None:
                 s = run("separate", args.preset, [*extra, *separate], goal, Path(tmp) / f"r{rnd}s{seed}")
                 ratios_wall.append(c["wall_s"] / s["wall_s"])
                 ratios_tps.append(s["tokens_per_s"] / c["tokens_per_s"])
+                target_steps.append(f"{c['target_step']} / {s['target_step']}")
+                if c["target_step"] and s["target_step"]:
+                    ratios_target.append(c["target_wall_s"] / s["target_wall_s"])
     print(f"colocated / separate wall time: {_spread(ratios_wall)}")
     print(f"separate / colocated tokens/s: {_spread(ratios_tps)}")
+    target = f"a {args.window}-step mean reward of {args.threshold}"
+    print(f"steps to {target}, colocated / separate: {', '.join(target_steps)}")
+    if ratios_target:
+        print(f"colocated / separate wall time to {target}: {_spread(ratios_target)}")
 
 
 if __name__ == "__main__":
