@@ -146,6 +146,28 @@ def test_check_every_preset_at_its_world_size(preset, tiny_arch_dir):
     assert split in proc.stdout, proc.stdout
 
 
+def test_long_answer_preset_plans_at_its_size_and_holds_its_tasks_lengths(tiny_arch_dir):
+    """configs/tiny/gspo_longanswer_cpu.yaml: `plan` at its 2 ranks, colocated and split 1 + 1 (as
+    benchmarks/placement_speed.py runs it); its lengths hold the Makefile's task: the longest prompt (32 digits
+    in the chat markup) within data.max_prompt_len, the longest answer (32 digits + <|im_end|>) within
+    rollout.max_new_tokens, one token more, so that the overlong penalty (buffer 1) hits no right answer."""
+    import yaml
+
+    from mcore_rl.models.tiny import build_tokenizer
+
+    preset = REPO / "configs/tiny/gspo_longanswer_cpu.yaml"
+    model = preset_model_config(preset, tiny_arch_dir)
+    for split in ([], ["rollout.placement=separate", "rollout.ranks=1", "actor.parallel.ep=1"]):
+        proc = cli("plan", preset, *split, "--model-config", model)
+        assert proc.returncode == 0 and "peak:" in proc.stdout, proc.stderr
+    cfg = yaml.safe_load(preset.read_text())
+    make = (REPO / "Makefile").read_text()
+    assert "make-task --kind reverse --length 32 --min-length 16 --out $(ARTIFACTS)/longanswer/task" in make
+    messages = [{"role": "user", "content": "7" * 32}]
+    prompt = build_tokenizer().apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    assert len(prompt) <= cfg["data"]["max_prompt_len"] and cfg["rollout"]["max_new_tokens"] == 32 + 1 + 1
+
+
 def test_dense_presets_rejected_where_their_layout_cannot_form():
     q8, q3 = REPO / "configs" / "qwen3_8b", REPO / "configs" / "qwen2_5_3b"
     msg = one_line_error(
