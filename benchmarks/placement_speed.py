@@ -10,11 +10,15 @@ run is printed): the preset as it is (colocated, its own layout), then `rollout.
 `--rollout-ranks` of its `trainer.nproc` ranks generating and the rest training (`actor.parallel.ep=1` when one actor
 rank is left). Each run stops at a `window`-step mean reward of `threshold` (or the end of step N with --steps).
 Printed per run: the step and wall seconds to the goal, trained tokens/s over the run (tokens trained / wall time
-after the first step), and for the separate run the per-role busy / waiting seconds summed from its metrics
-(time/actor_wait: the actor waiting for samples; time/rollout_generate and time/rollout_wait: the rollout ranks
-generating and waiting for the weights), and for the colocated run the share of its step spent in rollout
-(time/rollout over perf/step_seconds, steps 2 on). At the end: the median and spread (min - max) of separate /
-colocated wall time and tokens/s over the rounds.
+after the first step), the step and wall seconds (from launch) to the reward target - the first step whose
+`window`-step mean reward reaches `threshold`, found in the metrics also when the run goes on to step N - and
+for the separate run the per-role busy / waiting seconds summed from its metrics: the actor training
+(time/old_logprob + ref_logprob + update), syncing (time/sync, which holds its wait for the rollout ranks to finish
+a generation and take the weights) and waiting for samples (time/actor_wait); the rollout ranks generating
+(time/rollout_generate) and waiting for the weights (time/rollout_wait). For the colocated run: the share of its
+step spent in rollout (time/rollout over perf/step_seconds, steps 2 on). At the end: the median and spread
+(min - max) of separate / colocated wall time, tokens/s and wall time to the target over the rounds, and each
+round's steps to the target.
 """
 
 from __future__ import annotations
@@ -57,9 +61,10 @@ def _tokens_per_s(rows: list[dict], upto: int) -> float:
 def _roles(rows: list[dict], upto: int) -> str:
     used = [r for r in rows if r["step"] <= upto]
     total = lambda key: sum(r.get(key, 0.0) for r in used)
+    trains = total("time/old_logprob") + total("time/ref_logprob") + total("time/update")
     return (
-        f"actor waits {total('time/actor_wait'):.1f} s; rollout generates {total('time/rollout_generate'):.1f} s, "
-        f"waits {total('time/rollout_wait'):.1f} s"
+        f"actor trains {trains:.1f} s, syncs {total('time/sync'):.1f} s, waits {total('time/actor_wait'):.1f} s; "
+        f"rollout generates {total('time/rollout_generate'):.1f} s, waits {total('time/rollout_wait'):.1f} s"
     )
 
 
