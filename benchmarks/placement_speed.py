@@ -4,6 +4,7 @@ tokens/s, and what each role of the separate run spent waiting.
     python benchmarks/placement_speed.py [--preset configs/tiny/gspo_cpu.yaml] [--rounds 2] [--seeds 1]
                                          [--threshold 0.8] [--window 10] [--max-steps 300] [--steps N]
                                          [--rollout-ranks 1] [key=value ...]
+    python benchmarks/placement_speed.py --decode-scaling [--preset ...] [key=value ...]
 
 Per round and seed, back to back (so under the same machine load; the 1-minute load average before and after each
 run is printed): the preset as it is (colocated, its own layout), then `rollout.placement=separate` with
@@ -19,6 +20,10 @@ a generation and take the weights) and waiting for samples (time/actor_wait); th
 step spent in rollout (time/rollout over perf/step_seconds, steps 2 on). At the end: the median and spread
 (min - max) of separate / colocated wall time, tokens/s and wall time to the target over the rounds, and each
 round's steps to the target.
+
+--decode-scaling times only the embedded engine's generation (one process, one thread) of one colocated rank's
+share of a step's prompts against all of them, which one rollout rank generates in the 1 + 1 split: the ratio
+says how far decode is from overhead-bound (1x: twice the rows cost nothing more) or row-bound (2x).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -112,6 +118,38 @@ def run(name: str, preset: str, overrides: list[str], goal: Goal, tmp: Path) -> 
     return result
 
 
+def decode_scaling(preset: str, overrides: list[str], repeats: int = 3) -> None:
+    """One process, one thread: the embedded engine's generation of one colocated rank's share of the step's prompts
+    (prompts_per_step / nproc) against all of them (what one rollout rank generates in a 1 + 1 split), median of
+    `repeats` after a warm-up each, the preset's sampling (seeded)."""
+    import torch
+
+    from mcore_rl.config import load_config
+    from mcore_rl.data.dataset import load_prompt_dataset
+    from mcore_rl.rollout.base import SamplingParams
+    from mcore_rl.rollout.embedded import EmbeddedEngine
+
+    torch.set_num_threads(1)
+    cfg = load_config(str(REPO / preset), overrides)
+    engine = EmbeddedEngine(str(REPO / cfg.model.path), return_routed_experts=False)
+    data = load_prompt_dataset(REPO / cfg.data.train_path, engine.tokenizer, cfg.data.max_prompt_len)
+    r = cfg.rollout
+    params = SamplingParams(r.temperature, r.top_p, r.top_k, r.max_new_tokens, [engine.eos_token_id], seed=1)
+    share = cfg.data.prompts_per_step // cfg.trainer.nproc
+    seconds = {}
+    for prompts in (share, cfg.data.prompts_per_step):
+        batch = [data[i].prompt_ids for i in range(prompts)]
+        engine.generate(batch, r.n, params)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            engine.generate(batch, r.n, params)
+            times.append(time.perf_counter() - start)
+        seconds[prompts] = statistics.median(times)
+        print(f"decode {prompts * r.n} rows: {seconds[prompts]:.3f} s (load {os.getloadavg()[0]:.1f})", flush=True)
+    print(f"all rows / one rank's share: {seconds[cfg.data.prompts_per_step] / seconds[share]:.2f}x the seconds")
+
+
 def _spread(values: list[float]) -> str:
     return f"median {statistics.median(values):.2f}x, spread {min(values):.2f}x - {max(values):.2f}x"
 
@@ -126,8 +164,12 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=300)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--rollout-ranks", type=int, default=1)
+    parser.add_argument("--decode-scaling", action="store_true", help="time the embedded engine's decode only")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    if args.decode_scaling:
+        decode_scaling(args.preset, args.overrides)
+        return
     goal = Goal(args.threshold, args.window, args.steps)
     from mcore_rl.config import load_config
 
