@@ -70,7 +70,7 @@ def test_warm_start_on_longer_answers_records_the_lengths_it_trained_on(tmp_path
     metadata names them (a few steps here; the long-answer preset's full warm start: docs/placement.md)."""
     from mcore_rl.models.warm_start import WarmStartSpec, warm_start
 
-    spec = WarmStartSpec(max_steps=2, batch_size=4, eval_every=1, eval_prompts=4, target_low=2.0)
+    spec = WarmStartSpec(max_steps=2, batch_size=4, eval_every=2, eval_prompts=4, target_low=2.0)
     logged = []
     out = warm_start(tmp_path / "warm", "reverse", spec=spec, log=logged.append, length=20, min_length=18)
     meta = json.loads((out / "mcore_rl_tiny.json").read_text())["warm_start"]
