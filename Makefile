@@ -38,7 +38,7 @@ artifacts: $(foreach a,qwen3-moe qwen3 qwen2,$(ARTIFACTS)/tiny-$(a)/config.json)
 	$(ARTIFACTS)/reverse/tiny-qwen3-moe/config.json $(ARTIFACTS)/reverse/task/train.parquet
 
 # The long-answer preset (configs/tiny/gspo_longanswer_cpu.yaml, docs/placement.md): the reverse task at 16-32 digits
-# and the tiny Qwen3-MoE warm-started on it (~70 s of supervised steps, so not part of `artifacts`).
+# and the tiny Qwen3-MoE warm-started on it (70-90 s of supervised steps, so not part of `artifacts`).
 $(ARTIFACTS)/longanswer/tiny-qwen3-moe/config.json: | setup
 	$(BIN)/mcore-rl make-tiny --warm-start reverse --task-length 32 --task-min-length 16 \
 		--out $(ARTIFACTS)/longanswer/tiny-qwen3-moe --seed 0
