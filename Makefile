@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup artifacts demo test test-fast test-contract lint format setup-vllm test-vllm setup-vllm-prev test-vllm-prev setup-compat test-compat gpu-wheels gpu-install test-gpu rehearse-gpu setup-trl clean
+.PHONY: setup artifacts longanswer-artifacts demo test test-fast test-contract lint format setup-vllm test-vllm setup-vllm-prev test-vllm-prev setup-compat test-compat gpu-wheels gpu-install test-gpu rehearse-gpu setup-trl clean
 
 $(BIN)/mcore-rl: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,17 @@ $(ARTIFACTS)/reverse/task/train.parquet: | setup
 
 artifacts: $(foreach a,qwen3-moe qwen3 qwen2,$(ARTIFACTS)/tiny-$(a)/config.json) $(ARTIFACTS)/task/train.parquet \
 	$(ARTIFACTS)/reverse/tiny-qwen3-moe/config.json $(ARTIFACTS)/reverse/task/train.parquet
+
+# The long-answer preset (configs/tiny/gspo_longanswer_cpu.yaml, docs/placement.md): the reverse task at 16-32 digits
+# and the tiny Qwen3-MoE warm-started on it (70-90 s of supervised steps, so not part of `artifacts`).
+$(ARTIFACTS)/longanswer/tiny-qwen3-moe/config.json: | setup
+	$(BIN)/mcore-rl make-tiny --warm-start reverse --task-length 32 --task-min-length 16 \
+		--out $(ARTIFACTS)/longanswer/tiny-qwen3-moe --seed 0
+
+$(ARTIFACTS)/longanswer/task/train.parquet: | setup
+	$(BIN)/mcore-rl make-task --kind reverse --length 32 --min-length 16 --out $(ARTIFACTS)/longanswer/task
+
+longanswer-artifacts: $(ARTIFACTS)/longanswer/tiny-qwen3-moe/config.json $(ARTIFACTS)/longanswer/task/train.parquet
 
 # Quick start 1: set up, make the tiny model and task, train GSPO with 2 processes, plot.
 # Another preset: make demo PRESET=configs/tiny/sapo_cpu.yaml (dense models: sapo_dense_cpu.yaml, gspo_dense_cpu.yaml)

@@ -63,26 +63,54 @@ def _output_dir(out: str) -> None:
 def cmd_make_tiny(args) -> int:
     from mcore_rl.models.tiny import make_tiny_checkpoint
 
-    _output_dir(args.out)
     if args.warm_start:
-        from mcore_rl.models.warm_start import warm_start
+        from mcore_rl.models.warm_start import check_fits, warm_start
 
-        path = warm_start(args.out, args.warm_start, seed=args.seed, arch=args.arch, log=print)
+        task = _task_spec(args.warm_start, args.task_length, args.task_min_length, "--task-")
+        fits = check_fits(task)
+        if fits:
+            raise ConfigError(f"--task-length {task.length}: {fits}")
+        _output_dir(args.out)
+        path = warm_start(
+            args.out,
+            args.warm_start,
+            seed=args.seed,
+            arch=args.arch,
+            log=print,
+            length=task.length,
+            min_length=task.min_length,
+        )
         print(f"tiny {args.arch} checkpoint, warm-started on the {args.warm_start} task, written to {path}")
         return 0
+    if args.task_length is not None or args.task_min_length is not None:
+        raise ConfigError("--task-length / --task-min-length shape the warm start's task: add --warm-start reverse")
+    _output_dir(args.out)
     path = make_tiny_checkpoint(args.out, seed=args.seed, arch=args.arch)
     print(f"tiny {args.arch} checkpoint written to {path}")
     return 0
 
 
+def _task_spec(kind: str, length: Optional[int], min_length: Optional[int], flag: str):
+    """The task's TaskSpec from the command line's lengths, checked before anything is written."""
+    from mcore_rl.data.task import MULTI_TOKEN_KINDS, TaskSpec, default_length
+
+    if kind not in MULTI_TOKEN_KINDS and min_length is not None:
+        raise ConfigError(f"{flag}min-length applies to the reverse task only: add --kind reverse or drop it")
+    shortest = TaskSpec.min_length if min_length is None else min_length
+    try:
+        return TaskSpec(kind=kind, length=default_length(kind, length), min_length=shortest)
+    except ValueError as e:
+        raise ConfigError(f"{flag}length / {flag}min-length: {e}") from None
+
+
 def cmd_make_task(args) -> int:
-    from mcore_rl.data.task import TaskSpec, default_length, make_task_dataset
+    from mcore_rl.data.task import make_task_dataset
 
     for flag, value in (("--train-size", args.train_size), ("--val-size", args.val_size)):
         if value < 1:
             raise ConfigError(f"{flag} = {value} must be >= 1")
+    spec = _task_spec(args.kind, args.length, args.min_length, "--")
     _output_dir(args.out)
-    spec = TaskSpec(kind=args.kind, length=default_length(args.kind))
     train, val = make_task_dataset(
         args.out, train_size=args.train_size, val_size=args.val_size, seed=args.seed, spec=spec, fmt=args.format
     )
@@ -372,6 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="train it briefly (supervised) on this multi-token task kind until it answers in the format",
     )
+    p.add_argument("--task-length", type=int, default=None, help="the warm start's longest prompt (reverse: 12)")
+    p.add_argument("--task-min-length", type=int, default=None, help="the warm start's shortest prompt (reverse: 2)")
     p.set_defaults(func=cmd_make_tiny)
 
     p = sub.add_parser("make-task", help="write the embedded task's train/val prompt sets")
@@ -386,6 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=TASK_KINDS[0],
         help="majority (default, one-token) | reverse (multi-token)",
     )
+    p.add_argument("--length", type=int, default=None, help="symbols per prompt (reverse: the longest; 12, else 16)")
+    p.add_argument("--min-length", type=int, default=None, help="reverse: the shortest prompt (2)")
     p.set_defaults(func=cmd_make_task)
 
     for name, func, text in (

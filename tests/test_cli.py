@@ -86,6 +86,39 @@ def test_make_task(tmp_path):
     assert "prompt" in json.loads(train[0])
 
 
+def test_make_task_takes_the_reverse_tasks_lengths(tmp_path):
+    """`make-task --kind reverse --length 32 --min-length 16` (the long-answer preset's data): every prompt 16-32
+    digits, both ends drawn, every answer the prompt reversed (written out again here)."""
+    args = ("--kind", "reverse", "--length", 32, "--min-length", 16, "--train-size", 400, "--val-size", 4)
+    proc = cli("make-task", "--out", tmp_path, *args, "--format", "jsonl")
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    lengths = {len(r["prompt"][0]["content"]) for r in rows}
+    assert min(lengths) == 16 and max(lengths) == 32, sorted(lengths)
+    for r in rows:
+        digits = r["prompt"][0]["content"]
+        assert r["reward_model"]["ground_truth"] == "".join(digits[i] for i in range(len(digits) - 1, -1, -1))
+    task = json.loads((tmp_path / "task.json").read_text())["spec"]
+    assert (task["length"], task["min_length"]) == (32, 16)
+
+
+def test_task_lengths_refused_before_anything_is_written(tmp_path, capsys):
+    out = tmp_path / "out"
+    err = _main_error(capsys, "make-task", "--out", str(out), "--kind", "reverse", "--length", "8", "--min-length", "9")
+    assert err.startswith("mcore-rl: error: --length / --min-length: TaskSpec.min_length=9 must be in 1..length=8")
+    err = _main_error(capsys, "make-task", "--out", str(out), "--min-length", "4")
+    assert err == "mcore-rl: error: --min-length applies to the reverse task only: add --kind reverse or drop it"
+    err = _main_error(capsys, "make-tiny", "--out", str(out), "--task-length", "32")
+    assert "shape the warm start's task: add --warm-start reverse" in err
+    # 19 tokens of chat markup + 250 digits + 250 answer digits + <|im_end|> = 520 > the tiny model's 512 positions
+    err = _main_error(capsys, "make-tiny", "--out", str(out), "--warm-start", "reverse", "--task-length", "250")
+    assert err == (
+        "mcore-rl: error: --task-length 250: a prompt, answer and <|im_end|> of 520 tokens exceed the tiny model's "
+        "512 positions: 246 at most"
+    )
+    assert not out.exists()
+
+
 ALL_PRESETS = sorted((REPO / "configs").glob("*/*.yaml"))
 
 
@@ -111,6 +144,28 @@ def test_check_every_preset_at_its_world_size(preset, tiny_arch_dir):
     # the batch line names what a micro-batch is: a token budget when sequences are packed
     split = f"packed into micro-batches of <= {budget} tokens" if budget else "micro-batches of "
     assert split in proc.stdout, proc.stdout
+
+
+def test_long_answer_preset_plans_at_its_size_and_holds_its_tasks_lengths(tiny_arch_dir):
+    """configs/tiny/gspo_longanswer_cpu.yaml: `plan` at its 2 ranks, colocated and split 1 + 1 (as
+    benchmarks/placement_speed.py runs it); its lengths hold the Makefile's task: the longest prompt (32 digits
+    in the chat markup) within data.max_prompt_len, the longest answer (32 digits + <|im_end|>) within
+    rollout.max_new_tokens, one token more, so that the overlong penalty (buffer 1) hits no right answer."""
+    import yaml
+
+    from mcore_rl.models.tiny import build_tokenizer
+
+    preset = REPO / "configs/tiny/gspo_longanswer_cpu.yaml"
+    model = preset_model_config(preset, tiny_arch_dir)
+    for split in ([], ["rollout.placement=separate", "rollout.ranks=1", "actor.parallel.ep=1"]):
+        proc = cli("plan", preset, *split, "--model-config", model)
+        assert proc.returncode == 0 and "peak:" in proc.stdout, proc.stderr
+    cfg = yaml.safe_load(preset.read_text())
+    make = (REPO / "Makefile").read_text()
+    assert "make-task --kind reverse --length 32 --min-length 16 --out $(ARTIFACTS)/longanswer/task" in make
+    messages = [{"role": "user", "content": "7" * 32}]
+    prompt = build_tokenizer().apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    assert len(prompt) <= cfg["data"]["max_prompt_len"] and cfg["rollout"]["max_new_tokens"] == 32 + 1 + 1
 
 
 def test_dense_presets_rejected_where_their_layout_cannot_form():

@@ -63,3 +63,16 @@ def test_warm_start_loads_as_its_class_and_scores_in_the_stated_range(tmp_path):
     # the stated range (docs/multitoken-demo.md): sampled (T = 1) 0.15-0.5 on unseen prompts, in the format
     assert 0.15 <= mean_sampled <= 0.5, (mean_sampled, mean_greedy)
     assert mean_greedy > mean_sampled and ended / len(rows) >= 0.9, (mean_greedy, ended)
+
+
+def test_warm_start_on_longer_answers_records_the_lengths_it_trained_on(tmp_path):
+    """`--task-length` / `--task-min-length` reach the supervised rows and the evaluation: the checkpoint's
+    metadata names them (a few steps here; the long-answer preset's full warm start: docs/placement.md)."""
+    from mcore_rl.models.warm_start import WarmStartSpec, warm_start
+
+    spec = WarmStartSpec(max_steps=2, batch_size=4, eval_every=2, eval_prompts=4, target_low=2.0)
+    logged = []
+    out = warm_start(tmp_path / "warm", "reverse", spec=spec, log=logged.append, length=20, min_length=18)
+    meta = json.loads((out / "mcore_rl_tiny.json").read_text())["warm_start"]
+    assert (meta["task"]["length"], meta["task"]["min_length"], meta["steps"]) == (20, 18, 2)
+    assert logged[-1].startswith("warm start done after 2 steps")

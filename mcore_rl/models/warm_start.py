@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from mcore_rl.data.task import MULTI_TOKEN_KINDS, TaskSpec, default_length, make_rows
-from mcore_rl.models.tiny import make_tiny_checkpoint
+from mcore_rl.models.tiny import TinyModelShape, build_tokenizer, make_tiny_checkpoint
 from mcore_rl.rewards.task import score
 
 _TRAIN_SEED_OFFSET = 2_000_003  # the task's rows use seed and seed + 1_000_003
@@ -39,6 +39,17 @@ class WarmStartSpec:
     def __post_init__(self):
         if self.max_steps < 1 or self.batch_size < 1 or self.eval_every < 1 or self.eval_prompts < 1:
             raise ValueError(f"WarmStartSpec needs max_steps, batch_size, eval_every, eval_prompts >= 1: {self}")
+
+
+def check_fits(task: TaskSpec, positions: int = TinyModelShape.max_position_embeddings) -> Optional[str]:
+    """Why the longest prompt of `task`, its answer and <|im_end|> do not fit the tiny model's positions (None: they
+    fit). The tokenizer is character-level: each symbol one token."""
+    prompt = len(_chat_ids(build_tokenizer(), task.alphabet[0] * task.length))
+    needed = prompt + task.length + 1
+    if needed <= positions:
+        return None
+    longest = (positions - 1 - (prompt - task.length)) // 2
+    return f"a prompt, answer and <|im_end|> of {needed} tokens exceed the tiny model's {positions} positions: {longest} at most"
 
 
 def _chat_ids(tokenizer, content: str) -> list[int]:
@@ -103,14 +114,17 @@ def warm_start(
     arch: str = "qwen3-moe",
     spec: WarmStartSpec = WarmStartSpec(),
     log: Callable[[str], None] = lambda _: None,
+    length: Optional[int] = None,
+    min_length: int = TaskSpec.min_length,
 ) -> Path:
-    """Write the tiny `arch` checkpoint of `seed`, trained with supervised steps on `kind`, to out_dir."""
+    """Write the tiny `arch` checkpoint of `seed`, trained with supervised steps on `kind` (prompts of
+    `min_length`..`length` symbols, the task's default length when None), to out_dir."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if kind not in MULTI_TOKEN_KINDS:
         raise ValueError(f"--warm-start {kind!r}: choose one of {', '.join(MULTI_TOKEN_KINDS)}")
-    task = TaskSpec(kind=kind, length=default_length(kind))
+    task = TaskSpec(kind=kind, length=default_length(kind, length), min_length=min_length)
     out = make_tiny_checkpoint(out_dir, seed=seed, arch=arch)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(out)
