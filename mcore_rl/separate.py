@@ -216,10 +216,15 @@ class SeparatePlacement(Placement):
 
     @property
     def engine_label(self) -> str:
-        """The engine the verification scores: the first replica's, led by the first rollout rank (its global rank
-        is the actor ranks' count), as the launcher names ranks."""
-        leader = dist.get_world_size()
-        return f"the engine of rollout rank {leader} (the first rollout replica, which the verification scores)"
+        """The engines the verification checks, as the launcher names ranks: the first rollout rank's global rank is
+        the actor ranks' count (WORLD_SIZE: the job's, torchrun's and ray_launch's)."""
+        leader, world = dist.get_world_size(), int(os.environ.get("WORLD_SIZE", dist.get_world_size() + 1))
+        if world - leader == 1:
+            return f"the engine of rollout rank {leader}"
+        return (
+            f"the engines of rollout ranks {leader}-{world - 1} (the probe scored by rank {leader}'s; the weights "
+            f"compared on every replica, the rollout ranks' warnings above name the one that differs)"
+        )
 
     # the device: each role holds its own
     def ensure(self, phase: Phase) -> None:
@@ -484,7 +489,7 @@ class RolloutWorker:
             spmd = self.engine.capabilities.handles_data_parallel
             value = self.engine.score(*args) if self._leads or spmd else None
         elif kind == "fingerprints":
-            value = self.engine.weight_fingerprints(*args) if self._leads else None
+            value = self._fingerprints(*args)
         elif kind == "diffed":
             value = self.engine.weight_diffs(collecting) if self._leads else None
         elif kind == "validate":
@@ -494,6 +499,31 @@ class RolloutWorker:
         else:
             raise RuntimeError(f"unknown request {kind!r} from the actor on the bridge")
         self.bridge.object(value, from_actor=False)
+
+    def _fingerprints(self, names: list[str]) -> Optional[dict]:
+        """The leader's answer: every replica's fingerprints compared (the engines that have them hold one replica a
+        rank), and for each weight the first replica's that differs from the leader's, so a sync that one replica
+        alone did not apply fails the verification (and its rebuild reaches every replica) as the leader's would."""
+        mine = self.engine.weight_fingerprints(names)
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)  # the rollout ranks' own group
+        if not self._leads:
+            return None
+        answer, first = dict(mine), self.bridge.split.actor_ranks
+        for index, theirs in enumerate(every[1:], start=1):
+            differ = [name for name in names if not torch.equal(theirs[name], mine[name])]
+            if differ:
+                log.warning(
+                    "rollout rank %d: its engine differs from rollout rank %d's in %d of %d tensors after the sync "
+                    "(e.g. %s)",
+                    first + index,
+                    first,
+                    len(differ),
+                    len(names),
+                    differ[0],
+                )
+            answer.update({name: theirs[name] for name in differ if answer[name] is mine[name]})
+        return answer
 
     @property
     def _leads(self) -> bool:

@@ -214,14 +214,15 @@ def test_a_rollout_rank_killed_is_named_and_the_checkpoints_stay(tiny_model_dir,
 DROPPED = "model.layers.0.self_attn.q_proj.weight"
 
 
-def dropping_cmd(arrival: int, args: list[str]) -> list[str]:
-    """`mcore-rl train` (gspo_cpu.yaml) whose rollout rank (global rank 1) does not apply the `arrival`-th sync of
-    DROPPED: the fault is in the receiving engine's load, every other part of the run is real."""
+def dropping_cmd(arrival: int, args: list[str], rank: int = 1) -> list[str]:
+    """`mcore-rl train` (gspo_cpu.yaml) whose rollout rank `rank` (global; 1: the first rollout rank of 1 actor rank)
+    does not apply the `arrival`-th sync of DROPPED: the fault is in the receiving engine's load, every other part of
+    the run is real."""
     import sys
 
     from tests.test_trainer_e2e import REPO
 
-    drop = ["--rank", "1", "--tensor", DROPPED, "--arrival", str(arrival)]
+    drop = ["--rank", str(rank), "--tensor", DROPPED, "--arrival", str(arrival)]
     return [
         sys.executable,
         "-m",
@@ -296,7 +297,7 @@ def test_a_sync_the_rollout_rank_did_not_apply_ends_the_run_with_fallback_error(
     proc = _train(dropping_cmd(1, overrides(tiny_model_dir, task, run_dir, **SEPARATE, **extra)))
     out, line = proc.stdout, last_line(proc.stdout)
     assert proc.returncode == 1, out[-6000:]
-    assert line.startswith("mcore-rl: error: the engine of rollout rank 1 ") and ", at step 1: sync " in line, line
+    assert line.startswith("mcore-rl: error: the engine of rollout rank 1, at step 1: sync "), line
     assert f"tensors differ (e.g. {DROPPED})" in line and "use rollout.verify_fallback=rebuild to recover" in line
     assert_no_worker_traceback(out)
     assert not (run_dir / "checkpoints" / "step_00000001").exists()  # nothing trained past a failed sync is saved
@@ -470,7 +471,9 @@ def test_streaming_over_two_replicas_takes_each_session_together(tiny_model_dir,
     synchronous separate run's with the same 2 replicas (its streaming metrics aside; validation in the session after
     step 2). At 1, with 24-token responses and dynamic sampling's extra rounds, the run ends (no deadlock), every
     token's lag is within 1, and updates landed mid-generation on both replicas: some step had more samples
-    interrupted than one replica generates (8, and at K = 1 at most one update lands in a step's generation)."""
+    interrupted than one replica generates (8, and at K = 1 at most one update lands in a step's generation). In
+    that run the second replica alone (rollout rank 2) leaves a tensor of sync 2 unapplied: the verification compares
+    every replica's weights, names rank 2 and rebuilds every replica (the probe is scored by the first one's)."""
     replicas = {**SEPARATE, "trainer.nproc": 3, "rollout.ranks": 2, "checkpoint.save_every": 0}
     exact = {**replicas, "trainer.steps": 3, "rollout.max_new_tokens": 6, "rollout.max_staleness": 0}
     separate, streaming, ahead = tmp_path / "separate", tmp_path / "streaming", tmp_path / "ahead"
@@ -483,8 +486,15 @@ def test_streaming_over_two_replicas_takes_each_session_together(tiny_model_dir,
 
     extra = {"rollout.streaming": "true", "rollout.max_staleness": 1, "rollout.max_new_tokens": 24}
     extra.update({"algo.dynamic_sampling": "true", "reward.fn": "tests.dapo_reward:score"})
-    run_train("gspo_cpu.yaml", overrides(tiny_model_dir, task, ahead, **replicas, **extra))
+    proc = _train(dropping_cmd(2, overrides(tiny_model_dir, task, ahead, **replicas, **extra), rank=2))
+    out = proc.stdout
+    assert proc.returncode == 0, out[-6000:]
     rows = read_metrics(ahead)
+    verified = {r["step"]: r for r in rows if "sync/rebuilt" in r}
+    assert f"rank 2 left {DROPPED} (arrival 2) out" in out and sorted(verified) == [2, 4], out[-4000:]
+    assert "rollout rank 2: its engine differs from rollout rank 1's in 1 of 69 tensors" in out, out[-4000:]
+    assert verified[2]["sync/rebuilt"] == 1 and verified[2]["sync/verify_weights_differ"] == 1, verified[2]
+    assert verified[4]["sync/rebuilt"] == 0 and verified[4]["sync/verify_weights_differ"] == 0, verified[4]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and "val/reward_mean" in rows[1]
     hist = [[r[f"train/staleness_hist/{lag}"] for lag in range(2)] for r in rows]
     assert all(abs(sum(h) - 1) < 1e-9 for h in hist) and all(r["train/staleness_max"] <= 1 for r in rows), hist
