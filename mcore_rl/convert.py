@@ -178,8 +178,23 @@ def convert(args: argparse.Namespace) -> None:
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
         print(f"{args.direction}: wrote {args.out}", flush=True)
-    # a process leaving with a gloo group up can abort at exit ("terminate called without an active exception")
-    torch.distributed.destroy_process_group()
+    _leave()
+
+
+def _leave() -> None:
+    """End this rank now: every file is written and every rank passed the barrier. Python's multiprocessing
+    finalizers first: megatron-core's checkpoint writer forks a multiprocessing Manager (its results queue), a
+    child holding this rank's pipes and, forked after the process groups, their sockets. Then not through the
+    process groups' teardown: on megatron-core 0.12.1 / torch 2.7.1 a rank hung now and then in
+    destroy_process_group after the barrier (torchrun waited until the CI stage's 300 s timeout, "wrote" already
+    printed; py-spy: the main thread in destroy_process_group), and a process that leaves with a gloo group up can
+    abort in its C++ destructors ("terminate called without an active exception"); os._exit runs neither."""
+    import multiprocessing.util
+
+    multiprocessing.util._exit_function()  # what the interpreter's exit runs: the Manager shut down, children joined
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> int:
