@@ -63,6 +63,8 @@ ALLOWED = {
     ("weight_sync/verify.py", "shared_probe", "broadcast_object_list"): "object broadcast: rank 0's few rollout "
     "sequences, the probe every rank scores after the next sync",
     ("rollout/vllm_engine.py", "_gather", "all_gather_object"): "object gather: generations of the TP ranks",
+    ("separate.py", "_fingerprints", "all_gather_object"): "object gather: every rollout replica's weight "
+    "fingerprints (one small tensor per weight), compared on the rollout leader after a verified sync",
     ("megatron/logprobs.py", "_all_reduce", "all_reduce"): "vocabulary-parallel log-prob reductions "
     "(max / sums of [tokens] tensors in the compute dtype on the device)",
     ("megatron/actor.py", "_from_last_stage", "broadcast_object_list"): "pipeline broadcast of results",
