@@ -49,6 +49,7 @@ from typing import Any, Callable, Optional
 
 from mcore_rl.generation import StepGenerator
 from mcore_rl.platform import collectives
+from mcore_rl.run_dir.layout import write_atomic
 from mcore_rl.separate import RecordingRounds, RolloutWorker, StepSamples
 
 STATUS_FILE = "rollout_status.json"  # RUN_DIR/rollout_status.json: RolloutStatus, written by the rollout leader
@@ -76,9 +77,8 @@ class RolloutStatus:
         if self.path is None:
             return
         fields = {k: v for k, v in asdict(self).items() if k != "path"}
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(json.dumps({**fields, "pid": os.getpid(), "time": time.time()}) + "\n")
-        os.replace(tmp, self.path)  # a reader sees the old state or the new one, never half of one
+        text = json.dumps({**fields, "pid": os.getpid(), "time": time.time()}) + "\n"
+        write_atomic(self.path, text, durable=False)
 
 
 class Agreement:

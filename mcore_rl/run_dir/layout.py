@@ -59,14 +59,18 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str, durable: bool = True) -> None:
+    """`path` replaced whole: a reader sees the old text or the new one, never half of one. `durable`: on disk
+    before it returns (fsync), not only in place (a status rewritten a few times a step)."""
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     with open(tmp, "w") as f:
         f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
 def free_bytes(path: Path) -> Optional[int]:
