@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup artifacts longanswer-artifacts demo test test-fast test-contract lint format setup-vllm test-vllm setup-vllm-prev test-vllm-prev setup-compat test-compat gpu-wheels gpu-install test-gpu rehearse-gpu setup-trl clean
+.PHONY: setup artifacts longanswer-artifacts longtail-artifacts demo test test-fast test-contract lint format setup-vllm test-vllm setup-vllm-prev test-vllm-prev setup-compat test-compat gpu-wheels gpu-install test-gpu rehearse-gpu setup-trl clean
 
 $(BIN)/mcore-rl: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -47,6 +47,17 @@ $(ARTIFACTS)/longanswer/task/train.parquet: | setup
 	$(BIN)/mcore-rl make-task --kind reverse --length 32 --min-length 16 --out $(ARTIFACTS)/longanswer/task
 
 longanswer-artifacts: $(ARTIFACTS)/longanswer/tiny-qwen3-moe/config.json $(ARTIFACTS)/longanswer/task/train.parquet
+
+# The long-tail preset (configs/tiny/gspo_longtail_cpu.yaml, docs/async.md): the reverse task, 92% of prompts of 2-4
+# digits and 8% of 20-28, and the tiny Qwen3-MoE warm-started on every length 2-28 (~30 s).
+$(ARTIFACTS)/longtail/tiny-qwen3-moe/config.json: | setup
+	$(BIN)/mcore-rl make-tiny --warm-start reverse --task-length 28 --task-min-length 2 \
+		--out $(ARTIFACTS)/longtail/tiny-qwen3-moe --seed 0
+
+$(ARTIFACTS)/longtail/task/train.parquet: | setup
+	$(BIN)/python benchmarks/async_speed.py --make-task $(ARTIFACTS)/longtail/task
+
+longtail-artifacts: $(ARTIFACTS)/longtail/tiny-qwen3-moe/config.json $(ARTIFACTS)/longtail/task/train.parquet
 
 # Quick start 1: set up, make the tiny model and task, train GSPO with 2 processes, plot.
 # Another preset: make demo PRESET=configs/tiny/sapo_cpu.yaml (dense models: sapo_dense_cpu.yaml, gspo_dense_cpu.yaml)

@@ -4,7 +4,7 @@ steps to a reward target, and how much of its time the rollout role spent idle.
     python benchmarks/async_speed.py [--preset configs/tiny/gspo_multitoken_cpu.yaml] [--rounds 2]
                                      [--staleness 1 [2 ...]] [--threshold 0.8] [--window 10] [--max-steps 300]
                                      [--steps N] [--seeds S1 S2 ...] [key=value ...]
-    python benchmarks/async_speed.py --make-task [DIR]   # the long-tail preset's data (configs/tiny/gspo_longtail_cpu.yaml)
+    python benchmarks/async_speed.py --make-task [DIR]   # the long-tail preset's data (`make longtail-artifacts`)
 
 Per round (one per --seeds value, its trainer.seed and data.seed; else --rounds with the preset's seeds), back to
 back (so under the same machine load; the 1-minute load average before and after each run is printed): the preset
@@ -12,7 +12,7 @@ as it is (colocated, its own layout), then 1 actor rank + 1 rollout rank
 (`rollout.placement=separate rollout.ranks=1 actor.parallel.ep=1`) one step off (`rollout.max_staleness=1`), then
 the same split streaming (`rollout.streaming=true rollout.max_staleness=K`, once per K of --staleness). Each run stops
 at a `window`-step mean reward of `threshold` (or the end of step N with --steps). Printed per run: the step and wall
-seconds to the goal, the response lengths of rank 0's sample log (median, p90, max), and for the separate runs the
+seconds to the goal, the response lengths of rank 0's sample log (median, p75, p90, p99, max, mean), and for the separate runs the
 median over steps 2.. of `perf/rollout_idle_fraction` (the rollout rank's waiting over its waiting plus generating),
 the interrupted samples and each role's seconds summed over the steps (actor waiting for samples; rollout
 generating / waiting). At the end, per mode, the median and spread of wall time and steps against colocated over
@@ -36,10 +36,12 @@ from benchmarks.demo_speed import Goal, run_mcore  # noqa: E402
 from benchmarks.placement_speed import _rows, _spread, separate_overrides  # noqa: E402
 from mcore_rl.data.task import TaskSpec, make_example, write_rows  # noqa: E402
 
-# The long tail: most prompts 2-4 digits, a few 9-12 (answers 3-5 and 10-13 tokens with <|im_end|>)
-SHORT, LONG = TaskSpec(kind="reverse", length=4, min_length=2), TaskSpec(kind="reverse", length=12, min_length=9)
-LONG_SHARE = 0.15
-LONGTAIL_DIR = "artifacts/reverse-longtail/task"
+# The long tail: most prompts 2-4 digits, a few 20-28 (answers 3-5 and 21-29 tokens with <|im_end|>). A step's
+# rollout then takes several times longer with a long prompt in it than without, and the actor's step lies between
+# the two: the roles swing past each other step by step (docs/async.md).
+SHORT, LONG = TaskSpec(kind="reverse", length=4, min_length=2), TaskSpec(kind="reverse", length=28, min_length=20)
+LONG_SHARE = 0.08
+LONGTAIL_DIR = "artifacts/longtail/task"
 
 
 def longtail_rows(n: int, seed: int) -> list[dict]:
@@ -67,13 +69,16 @@ def modes(staleness: list[int]) -> dict[str, list[str]]:
 
 
 def _lengths(run_dir: Path) -> str:
-    """Response lengths in rank 0's sample log: median, p90, max."""
+    """Response lengths in rank 0's sample log: median, p75, p90, p99, max and mean."""
     path = run_dir / "samples.jsonl"
     lengths = sorted(json.loads(line)["length"] for line in path.read_text().splitlines()) if path.is_file() else []
     if not lengths:
         return ""
-    p90 = lengths[min(len(lengths) - 1, int(0.9 * len(lengths)))]
-    return f"; lengths median {statistics.median(lengths):g}, p90 {p90}, max {lengths[-1]} (n {len(lengths)})"
+    pct = {p: lengths[min(len(lengths) - 1, int(p / 100 * len(lengths)))] for p in (75, 90, 99)}
+    return (
+        f"; lengths median {statistics.median(lengths):g}, p75 {pct[75]}, p90 {pct[90]}, p99 {pct[99]}, "
+        f"max {lengths[-1]}, mean {statistics.mean(lengths):.1f} (n {len(lengths)})"
+    )
 
 
 def _roles(rows: list[dict]) -> str:

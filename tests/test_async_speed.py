@@ -15,10 +15,10 @@ def test_longtail_task_is_mostly_short_with_a_long_tail(tmp_path):
     train = pq.read_table(tmp_path / "train.parquet").to_pylist()
     val = pq.read_table(tmp_path / "val.parquet").to_pylist()
     lengths = [len(r["extra_info"]["symbols"]) for r in train]
-    assert set(lengths) <= set(range(2, 5)) | set(range(9, 13))
-    assert set(lengths) >= {2, 3, 4, 9, 12}
-    long = sum(n >= 9 for n in lengths) / len(lengths)
-    assert abs(long - LONG_SHARE) < 0.03  # 4 standard deviations of the share of 2,000 draws
+    assert set(lengths) <= set(range(2, 5)) | set(range(20, 29))
+    assert set(lengths) >= {2, 3, 4, 20, 28}
+    long = sum(n >= 20 for n in lengths) / len(lengths)
+    assert abs(long - LONG_SHARE) < 0.025  # 4 standard deviations of the share of 2,000 draws
     for r in train[:50]:  # the reverse task's rows: answer reversed, scored by the reverse scorer
         assert r["reward_model"]["ground_truth"] == r["extra_info"]["symbols"][::-1]
         assert score(r["reward_model"]["ground_truth"], r["reward_model"]["ground_truth"], r["data_source"]) == 1.0
@@ -31,6 +31,7 @@ def test_longtail_task_is_mostly_short_with_a_long_tail(tmp_path):
 def test_lengths_summary_from_the_sample_log(tmp_path):
     lengths = [3] * 50 + [4] * 30 + [5] * 10 + [12] * 9 + [14]
     (tmp_path / "samples.jsonl").write_text("".join(json.dumps({"length": n}) + "\n" for n in lengths))
-    # 100 samples: median between the 50th and 51st (3 and 4), p90 the 91st smallest (12), max 14
-    assert _lengths(tmp_path) == "; lengths median 3.5, p90 12, max 14 (n 100)"
+    # 100 samples: median between the 50th and 51st (3 and 4), p75 the 76th smallest (4), p90 the 91st (12), p99 the
+    # 100th (14), mean (150 + 120 + 50 + 108 + 14) / 100
+    assert _lengths(tmp_path) == "; lengths median 3.5, p75 4, p90 12, p99 14, max 14, mean 4.4 (n 100)"
     assert _lengths(tmp_path / "missing") == ""
