@@ -303,16 +303,18 @@ def test_a_sync_the_rollout_rank_did_not_apply_ends_the_run_with_fallback_error(
     assert not (run_dir / "checkpoints" / "step_00000001").exists()  # nothing trained past a failed sync is saved
 
 
-def _start(args: list[str]):
-    from tests.test_trainer_e2e import REPO, train_cmd
+def _start(args: list[str], preset: str = "gspo_cpu.yaml"):
+    """`mcore-rl train` started in the background as run_train runs it (without launcher variables, one thread)."""
+    from tests.test_trainer_e2e import LAUNCHER_VARS, REPO, train_cmd
 
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     return subprocess.Popen(
-        train_cmd("gspo_cpu.yaml", args),
+        train_cmd(preset, args),
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        env=dict(env, OMP_NUM_THREADS="1"),
     )
 
 
