@@ -303,15 +303,16 @@ def test_a_sync_the_rollout_rank_did_not_apply_ends_the_run_with_fallback_error(
     assert not (run_dir / "checkpoints" / "step_00000001").exists()  # nothing trained past a failed sync is saved
 
 
-def _start(args: list[str], preset: str = "gspo_cpu.yaml"):
-    """`mcore-rl train` started in the background as run_train runs it (without launcher variables, one thread)."""
+def _start(args: list[str], preset: str = "gspo_cpu.yaml", stdout=subprocess.PIPE):
+    """`mcore-rl train` started in the background as run_train runs it (without launcher variables, one thread).
+    A job that logs more than a pipe holds (vLLM) blocks on a PIPE nobody reads: pass an open file as `stdout`."""
     from tests.test_trainer_e2e import LAUNCHER_VARS, REPO, train_cmd
 
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     return subprocess.Popen(
         train_cmd(preset, args),
         cwd=REPO,
-        stdout=subprocess.PIPE,
+        stdout=stdout,
         stderr=subprocess.STDOUT,
         text=True,
         env=dict(env, OMP_NUM_THREADS="1"),

@@ -509,14 +509,18 @@ def test_separate_placement_with_vllm_verifies_every_sync_and_trains(tiny_model_
     from tests.test_trainer_e2e import kill_job, read_metrics, run_train
 
     args, run_dir = separate_vllm_args(tiny_model_dir, tmp_path, rollout_ranks=1, streaming=True)
+    log = tmp_path / "killed.log"  # vLLM's log fills a pipe (64 KiB) long before the end: the job would block on it
     began = time.time()
-    proc = _start(args, PRESET)
-    try:
-        frozen = _kill_during_interruption(proc, run_dir / STATUS_FILE, sessions=range(4, 5), timeout=500)
-    finally:
-        if proc.poll() is None:
-            kill_job(proc)
-        proc.stdout.close()
+    with log.open("w") as out:
+        proc = _start(args, PRESET, stdout=out)
+        try:
+            frozen = _kill_during_interruption(proc, run_dir / STATUS_FILE, sessions=range(4, 5), timeout=500)
+        except AssertionError:
+            print(log.read_text()[-6000:])
+            raise
+        finally:
+            if proc.poll() is None:
+                kill_job(proc)
     killed_at = time.time()
     print(f"killed after {killed_at - began:.1f} s: {frozen}")
     after = json.loads((run_dir / STATUS_FILE).read_text())
