@@ -150,29 +150,42 @@ def test_streaming_bounds_the_lag_of_every_trained_token(tiny_model_dir, task, t
 
 def _kill_during_interruption(proc, status_file: Path, sessions: range, timeout: float) -> dict:
     """SIGKILL the whole job while the rollout rank has samples paused mid-generation for a session in `sessions`
-    (the weight version it brings; RUN_DIR/rollout_status.json says "interrupted"); return that status. The rank is
-    frozen while the file is read again; a session that ended in between lets it go on (SIGCONT) to the next."""
+    (the weight version it brings; RUN_DIR/rollout_status.json says "interrupted") and the actor is still inside that
+    session (its step's metrics row not written); return that status. The rank's file says "interrupted" until the
+    paused samples continue, a little after the actor has left the session and may have written the row: so the job
+    is frozen (SIGSTOP, every process under the launcher) while the file and the rows are read again, and when
+    either moved on it goes on (SIGCONT) to the next."""
     import time
 
     import psutil
 
     from tests.test_trainer_e2e import kill_job
 
+    rows = status_file.parent / "metrics.jsonl"
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"training exited ({proc.returncode}) before an interruption in sessions {sessions}")
         status = _status(status_file)
         if status.get("state") == "interrupted" and status["session"] in sessions:
-            rank = psutil.Process(status["pid"])  # the rollout rank that wrote it, one of the job's processes
-            assert rank in psutil.Process(proc.pid).children(recursive=True), status
-            rank.suspend()
-            if _status(status_file) == status:
+            job = psutil.Process(proc.pid).children(recursive=True)
+            assert psutil.Process(status["pid"]) in job, status  # the rollout rank that wrote it, one of the job's
+            _signal_all(job, "suspend")
+            written = len(rows.read_text().splitlines()) if rows.exists() else 0
+            if _status(status_file) == status and written < status["session"]:
                 kill_job(proc)
                 return status
-            rank.resume()
+            _signal_all(job, "resume")
         time.sleep(0.005)
     raise AssertionError(f"no interruption in sessions {sessions} within {timeout} s: {_status(status_file)}")
+
+
+def _signal_all(processes: list, action: str) -> None:
+    import psutil
+
+    for p in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            getattr(p, action)()
 
 
 def _status(path: Path) -> dict:
