@@ -94,11 +94,11 @@ def test_streaming_bounds_the_lag_of_every_trained_token(tiny_model_dir, task, t
     job - launcher, torchrun, the actor rank inside that session and the rollout rank - is killed at once: a lost
     node, the OOM killer or a scheduler does that, and it is the kill that leaves no process to save or clean up
     anything (the in-flight and queued samples and the open session go with the processes; a rollout rank killed
-    alone is `test_a_rollout_rank_killed_is_named_and_the_checkpoints_stay`). The rollout rank is frozen (SIGSTOP)
-    while the file is read again, so the state read is the one the kill hits. Then every published checkpoint
-    verifies, nothing half-written is left, the lock is free, and the resume from the step-4 checkpoint trains its
-    samples (step 5) exactly as the killed run did; the steps after are generated again from the checkpoint's
-    weights within the same bound."""
+    alone is `test_a_rollout_rank_killed_is_named_and_the_checkpoints_stay`). The job is frozen (SIGSTOP) while
+    the file and the metrics rows are read again, so the state read is the one the kill hits. Then every published
+    checkpoint verifies, nothing half-written is left, the lock is free, and the resume from the step-4 checkpoint
+    trains its samples (step 5) exactly as the killed run did; the steps after are generated again from the
+    checkpoint's weights within the same bound."""
     from mcore_rl.run_dir import CheckpointManager, RunLock, verify_checkpoint
     from mcore_rl.streaming import STATUS_FILE
     from tests.test_trainer_e2e import kill_job
