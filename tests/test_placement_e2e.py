@@ -94,11 +94,11 @@ def test_streaming_bounds_the_lag_of_every_trained_token(tiny_model_dir, task, t
     job - launcher, torchrun, the actor rank inside that session and the rollout rank - is killed at once: a lost
     node, the OOM killer or a scheduler does that, and it is the kill that leaves no process to save or clean up
     anything (the in-flight and queued samples and the open session go with the processes; a rollout rank killed
-    alone is `test_a_rollout_rank_killed_is_named_and_the_checkpoints_stay`). The rollout rank is frozen (SIGSTOP)
-    while the file is read again, so the state read is the one the kill hits. Then every published checkpoint
-    verifies, nothing half-written is left, the lock is free, and the resume from the step-4 checkpoint trains its
-    samples (step 5) exactly as the killed run did; the steps after are generated again from the checkpoint's
-    weights within the same bound."""
+    alone is `test_a_rollout_rank_killed_is_named_and_the_checkpoints_stay`). The job is frozen (SIGSTOP) while
+    the file and the metrics rows are read again, so the state read is the one the kill hits. Then every published
+    checkpoint verifies, nothing half-written is left, the lock is free, and the resume from the step-4 checkpoint
+    trains its samples (step 5) exactly as the killed run did; the steps after are generated again from the
+    checkpoint's weights within the same bound."""
     from mcore_rl.run_dir import CheckpointManager, RunLock, verify_checkpoint
     from mcore_rl.streaming import STATUS_FILE
     from tests.test_trainer_e2e import kill_job
@@ -150,29 +150,42 @@ def test_streaming_bounds_the_lag_of_every_trained_token(tiny_model_dir, task, t
 
 def _kill_during_interruption(proc, status_file: Path, sessions: range, timeout: float) -> dict:
     """SIGKILL the whole job while the rollout rank has samples paused mid-generation for a session in `sessions`
-    (the weight version it brings; RUN_DIR/rollout_status.json says "interrupted"); return that status. The rank is
-    frozen while the file is read again; a session that ended in between lets it go on (SIGCONT) to the next."""
+    (the weight version it brings; RUN_DIR/rollout_status.json says "interrupted") and the actor is still inside that
+    session (its step's metrics row not written); return that status. The rank's file says "interrupted" until the
+    paused samples continue, a little after the actor has left the session and may have written the row: so the job
+    is frozen (SIGSTOP, every process under the launcher) while the file and the rows are read again, and when
+    either moved on it goes on (SIGCONT) to the next."""
     import time
 
     import psutil
 
     from tests.test_trainer_e2e import kill_job
 
+    rows = status_file.parent / "metrics.jsonl"
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"training exited ({proc.returncode}) before an interruption in sessions {sessions}")
         status = _status(status_file)
         if status.get("state") == "interrupted" and status["session"] in sessions:
-            rank = psutil.Process(status["pid"])  # the rollout rank that wrote it, one of the job's processes
-            assert rank in psutil.Process(proc.pid).children(recursive=True), status
-            rank.suspend()
-            if _status(status_file) == status:
+            job = psutil.Process(proc.pid).children(recursive=True)
+            assert psutil.Process(status["pid"]) in job, status  # the rollout rank that wrote it, one of the job's
+            _signal_all(job, "suspend")
+            written = len(rows.read_text().splitlines()) if rows.exists() else 0
+            if _status(status_file) == status and written < status["session"]:
                 kill_job(proc)
                 return status
-            rank.resume()
+            _signal_all(job, "resume")
         time.sleep(0.005)
     raise AssertionError(f"no interruption in sessions {sessions} within {timeout} s: {_status(status_file)}")
+
+
+def _signal_all(processes: list, action: str) -> None:
+    import psutil
+
+    for p in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            getattr(p, action)()
 
 
 def _status(path: Path) -> dict:
@@ -303,16 +316,19 @@ def test_a_sync_the_rollout_rank_did_not_apply_ends_the_run_with_fallback_error(
     assert not (run_dir / "checkpoints" / "step_00000001").exists()  # nothing trained past a failed sync is saved
 
 
-def _start(args: list[str]):
-    from tests.test_trainer_e2e import REPO, train_cmd
+def _start(args: list[str], preset: str = "gspo_cpu.yaml", stdout=subprocess.PIPE):
+    """`mcore-rl train` started in the background as run_train runs it (without launcher variables, one thread).
+    A job that logs more than a pipe holds (vLLM) blocks on a PIPE nobody reads: pass an open file as `stdout`."""
+    from tests.test_trainer_e2e import LAUNCHER_VARS, REPO, train_cmd
 
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     return subprocess.Popen(
-        train_cmd("gspo_cpu.yaml", args),
+        train_cmd(preset, args),
         cwd=REPO,
-        stdout=subprocess.PIPE,
+        stdout=stdout,
         stderr=subprocess.STDOUT,
         text=True,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        env=dict(env, OMP_NUM_THREADS="1"),
     )
 
 
