@@ -101,7 +101,6 @@ def test_streaming_bounds_the_lag_of_every_trained_token(tiny_model_dir, task, t
     checkpoint's weights within the same bound."""
     from mcore_rl.run_dir import CheckpointManager, RunLock, verify_checkpoint
     from mcore_rl.streaming import STATUS_FILE
-    from tests.test_trainer_e2e import kill_job
 
     run_dir = tmp_path / "run"
     extra = {
@@ -113,13 +112,7 @@ def test_streaming_bounds_the_lag_of_every_trained_token(tiny_model_dir, task, t
         "checkpoint.save_every": 4,
     }
     args = overrides(tiny_model_dir, task, run_dir, **SEPARATE, **extra)
-    proc = _start(args)
-    try:
-        frozen = _kill_during_interruption(proc, run_dir / STATUS_FILE, sessions=range(6, 9), timeout=400)
-    finally:
-        if proc.poll() is None:
-            kill_job(proc)
-        proc.stdout.close()
+    frozen = killed_during_interruption(args, run_dir, sessions=range(6, 9), timeout=400)
     after = json.loads((run_dir / STATUS_FILE).read_text())
     assert after == frozen and after["state"] == "interrupted" and after["in_flight"] > 0, after
     killed = read_metrics(run_dir)  # the steps before the session: 1 .. 5 at least
@@ -146,6 +139,26 @@ def test_streaming_bounds_the_lag_of_every_trained_token(tiny_model_dir, task, t
     assert not list((run_dir / "checkpoints").glob("*.tmp"))
     done = json.loads((run_dir / STATUS_FILE).read_text())
     assert done["state"] == "done" and done["version"] == 10 and done["pid"] != frozen["pid"], done
+
+
+def killed_during_interruption(args: list[str], run_dir: Path, sessions: range, timeout: float, preset="gspo_cpu.yaml"):
+    """`mcore-rl train` started with `args` and killed as `_kill_during_interruption` says; the status it was killed
+    in. The job's output goes to a file beside the run directory (a pipe nobody reads would block a job that logs
+    more than it holds, as vLLM does) and is printed when no interruption came."""
+    from mcore_rl.streaming import STATUS_FILE
+    from tests.test_trainer_e2e import kill_job
+
+    log = run_dir.parent / "killed.log"
+    with log.open("w") as out:
+        proc = _start(args, preset, stdout=out)
+        try:
+            return _kill_during_interruption(proc, run_dir / STATUS_FILE, sessions, timeout)
+        except AssertionError:
+            print(log.read_text()[-6000:])
+            raise
+        finally:
+            if proc.poll() is None:
+                kill_job(proc)
 
 
 def _kill_during_interruption(proc, status_file: Path, sessions: range, timeout: float) -> dict:
